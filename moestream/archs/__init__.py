@@ -1,0 +1,42 @@
+"""Arch registry: one small module per family; detection from config.json's model_type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moestream.archs import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moestream.archs.config import model_config_from_hf
+from moestream.archs.spec import ArchSpec, ModelConfig, RopeConfig
+from moestream.errors import UnsupportedArchError
+
+ARCHS: dict[str, ArchSpec] = {m.SPEC.name: m.SPEC for m in (qwen3_moe, qwen2_moe, mixtral, olmoe)}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for spec in ARCHS.values() for t in spec.model_types)
+
+
+def detect_arch(raw_config: dict[str, Any]) -> ArchSpec:
+    model_type = raw_config.get("model_type")
+    for spec in ARCHS.values():
+        if model_type in spec.model_types:
+            return spec
+    raise UnsupportedArchError(
+        f"model_type {model_type!r} is not supported; supported model types: {', '.join(supported_model_types())}."
+    )
+
+
+def describe_archs() -> list[dict[str, str]]:
+    """One row per family for `moestream archs`."""
+    rows = []
+    for spec in ARCHS.values():
+        attention = "GQA" + {"none": "", "per_head": " + per-head q/k norm", "full": " + full q/k norm"}[spec.qk_norm]
+        router = {"softmax_topk": "softmax → top-k (renorm per config)", "topk_softmax": "top-k → softmax"}[spec.router]
+        shared = "yes, sigmoid-gated" if spec.shared_expert_gate else ("yes" if spec.shared_expert else "no")
+        rows.append({"arch": spec.name, "model types": ", ".join(spec.model_types), "router": router,
+                     "attention": attention, "shared experts": shared})
+    return rows
+
+
+__all__ = ["ARCHS", "ArchSpec", "ModelConfig", "RopeConfig", "describe_archs", "detect_arch",
+           "model_config_from_hf", "supported_model_types"]

@@ -1,0 +1,185 @@
+"""Know every tensor of a checkpoint by (file, byte range, dtype, shape) without reading its data.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header, then raw bytes.
+Parsing only the header lets the expert store read one expert alone by byte range, and lets us
+detect truncated files before any weight is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moestream.errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes live: absolute offset into `path`, so a single pread fetches it."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one file's header and check every byte range lies inside the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path} is too short to be a safetensors file; re-download or re-convert it.")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(f"{path} has a corrupt or truncated safetensors header; re-download or re-convert it.")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); re-download or re-convert it.") from None
+    data_start = 8 + header_len
+    infos: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+            begin, end = meta["data_offsets"]
+            shape = tuple(int(d) for d in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path} has a malformed header entry for {name!r}; re-download or re-convert it.") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * torch.empty((), dtype=dtype).element_size()
+        if end - begin != expected or data_start + end > size:
+            raise CheckpointError(
+                f"{path} is truncated or corrupt (tensor {name!r} lies outside the file or has the wrong size); "
+                "re-download or re-convert it."
+            )
+        infos[name] = TensorInfo(name, path, data_start + begin, end - begin, dtype, shape)
+    return infos
+
+
+class TensorIndex:
+    """All tensors of a checkpoint folder, from one or many shards, with or without an index file.
+
+    Reads go through `os.pread` on a cached file descriptor: thread-safe, no seek state, and the
+    destination can be any writable CPU tensor (pinned staging buffers included).
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        files = self._shard_files(folder)
+        self.tensors: dict[str, TensorInfo] = {}
+        for path in files:
+            self.tensors.update(read_safetensors_header(path))
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _shard_files(folder: Path) -> list[Path]:
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({exc}); re-download it.") from None
+            files = sorted({folder / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise CheckpointError(f"shard {missing[0]} listed in {index.name} is missing from {folder}; re-download the checkpoint.")
+            return files
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no .safetensors files in {folder}; point at a Hugging Face checkpoint folder with safetensors weights.")
+        return files
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.folder}; the download is incomplete or the checkpoint is not of this architecture.") from None
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    self._fds[path] = fd
+        return fd
+
+    def read_into(self, info: TensorInfo, out: torch.Tensor) -> torch.Tensor:
+        """Read the raw bytes of `info` into the CPU tensor `out` (same dtype and numel)."""
+        view = out.view(-1).view(torch.uint8)
+        if view.numel() != info.nbytes:
+            raise ValueError(f"destination holds {view.numel()} bytes, {info.name} needs {info.nbytes}")
+        mv = memoryview(view.numpy())
+        done = 0
+        try:
+            fd = self._fd(info.path)
+            while done < info.nbytes:
+                n = os.preadv(fd, [mv[done:]], info.offset + done)
+                if n <= 0:
+                    break
+                done += n
+        except OSError as exc:
+            raise CheckpointError(f"reading {info.name!r} from {info.path} failed ({exc}); check the disk and the file.") from None
+        if done != info.nbytes:
+            raise CheckpointError(f"{info.path} ended early while reading {info.name!r}; the file was truncated, re-download it.")
+        return out
+
+    def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor into fresh CPU memory, checking its shape against the config when given."""
+        info = self.info(name)
+        if expected_shape is not None and tuple(expected_shape) != info.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(expected_shape)}; "
+                "the config does not match the weights."
+            )
+        out = torch.empty(info.shape, dtype=info.dtype)
+        return self.read_into(info, out)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:  # best effort; fds are also closed at exit
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,54 @@
+"""GQA attention with optional q/k RMSNorm (per head or over the full projection) on torch SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.archs.spec import ArchSpec, ModelConfig
+from moestream.model.context import ForwardContext
+from moestream.model.norms import RMSNorm
+from moestream.model.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        H, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(H, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, H, bias=config.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm == "per_head":
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_dim, config.rms_norm_eps)
+        self.clip_qkv = config.clip_qkv
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(B, L, self.heads, self.head_dim)
+        k = k.view(B, L, self.kv_heads, self.head_dim)
+        v = v.view(B, L, self.kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
+        k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
+        if ctx.cache is not None:
+            ctx.cache.write(self.layer, ctx.write_rows, ctx.positions, k.transpose(1, 2), v)
+            k, v = ctx.cache.read(self.layer, ctx.cache_rows, ctx.kv_len)
+        else:
+            v = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))

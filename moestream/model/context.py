@@ -1,0 +1,68 @@
+"""Everything one forward pass shares across layers: positions, rotary cos/sin, cache addressing, mask.
+
+Built once per step by the runtime, from device tensors and host-known sizes, so that no layer
+needs to look at a tensor's value on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.runtime.kv_cache import KVCache
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor                 # (B, L) absolute positions
+    cos: torch.Tensor                       # (B, 1, L, D) in compute dtype
+    sin: torch.Tensor
+    mask: torch.Tensor | None               # (B, 1, L, S) bool, True = attend
+    cache: KVCache | None = None
+    cache_rows: slice | None = None         # rows of the cache this batch uses
+    write_rows: torch.Tensor | None = None  # (B, L) cache row of every token
+    kv_len: int = 0                         # cache positions attended to (host-known)
+
+
+def _rotary(table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, dtype: torch.dtype):
+    cos, sin = table
+    return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+
+def no_cache_context(table, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, dtype: torch.dtype) -> ForwardContext:
+    """A whole batch at once, no cache: causal attention that ignores padded keys."""
+    B, L = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones(B, L, dtype=torch.long, device=device)
+    valid = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    idx = torch.arange(L, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    mask = causal[None] & valid[:, None, :]
+    mask = mask | torch.eye(L, dtype=torch.bool, device=device)[None]  # padded queries attend to themselves: no NaN
+    cos, sin = _rotary(table, positions, dtype)
+    return ForwardContext(positions, cos, sin, mask.unsqueeze(1))
+
+
+def prefill_context(table, cache: KVCache, row: int, start: int, length: int, dtype: torch.dtype) -> ForwardContext:
+    """One chunk of one sequence's prompt, at cache positions start..start+length-1 of `row`."""
+    device = cache.data.device
+    positions = torch.arange(start, start + length, device=device)[None]
+    kv_len = start + length
+    mask = torch.arange(kv_len, device=device)[None, :] <= positions[0][:, None]
+    cos, sin = _rotary(table, positions, dtype)
+    rows = torch.full_like(positions, row)
+    return ForwardContext(positions, cos, sin, mask[None, None], cache, slice(row, row + 1), rows, kv_len)
+
+
+def decode_context(table, cache: KVCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> ForwardContext:
+    """One new token for each of the first B rows; positions (B,) live on the device."""
+    B = positions.shape[0]
+    device = positions.device
+    pos = positions[:, None]
+    mask = torch.arange(kv_len, device=device)[None, :] <= pos
+    cos, sin = _rotary(table, pos, dtype)
+    rows = torch.arange(B, device=device)[:, None]
+    return ForwardContext(pos, cos, sin, mask[:, None, None, :], cache, slice(0, B), rows, kv_len)

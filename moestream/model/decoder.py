@@ -1,0 +1,64 @@
+"""The decoder stack shared by every family; parameter names match the checkpoint's names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestream.archs.spec import ArchSpec, ModelConfig
+from moestream.model.attention import Attention
+from moestream.model.context import ForwardContext
+from moestream.model.mlp import SwiGLU
+from moestream.model.moe import MoEBlock
+from moestream.model.norms import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
+        super().__init__()
+        self.self_attn = Attention(config, spec, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.moe_layers[layer]:
+            self._ffn_name = spec.moe_prefix
+            self.add_module(spec.moe_prefix, MoEBlock(config, spec, layer))
+        else:
+            self._ffn_name = "mlp"
+            self.add_module("mlp", SwiGLU(config.hidden_size, config.dense_intermediate))
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self._ffn_name)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.ffn(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoECausalLM(nn.Module):
+    """Embeddings → decoder layers → norm → LM head. `forward` returns logits for the positions asked."""
+
+    def __init__(self, config: ModelConfig, spec: ArchSpec):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, spec)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))

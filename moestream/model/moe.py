@@ -1,0 +1,60 @@
+"""The MoE block: router on the device, routed experts through the bank, optional shared expert.
+
+The block owns only the always-resident tensors (router, shared expert); routed expert weights
+live in the ExpertBank, which maps expert ids to slots and runs one fused dispatch per layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.archs.spec import ArchSpec, ModelConfig
+from moestream.model.mlp import SwiGLU
+
+if TYPE_CHECKING:
+    from moestream.experts.bank import ExpertBank
+
+
+def route(logits: torch.Tensor, top_k: int, kind: str, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights (T, k) in fp32 and expert ids (T, k) from router logits (T, E)."""
+    if kind == "topk_softmax":
+        values, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return values.softmax(dim=-1), ids
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.top_k, self.router_kind, self.renormalise = config.top_k, spec.router, config.norm_topk_prob
+        # Named as on disk, so the loader maps parameter names to checkpoint names one to one.
+        self._router_name = spec.router_name
+        self.add_module(spec.router_name, nn.Linear(config.hidden_size, config.num_experts, bias=False))
+        self.shared_expert = SwiGLU(config.hidden_size, config.shared_intermediate) if spec.shared_expert else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if spec.shared_expert_gate else None
+        self.bank: ExpertBank | None = None  # attached by the loader; not a submodule (it is not a parameter set)
+
+    @property
+    def router(self) -> nn.Linear:
+        return getattr(self, self._router_name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, ids = route(self.router(h), self.top_k, self.router_kind, self.renormalise)
+        out = self.bank.forward(self.layer, h, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(h)
+            if self.shared_expert_gate is not None:
+                shared = F.sigmoid(self.shared_expert_gate(h)) * shared
+            out = out + shared
+        return out.view(shape)

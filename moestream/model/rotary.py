@@ -1,0 +1,73 @@
+"""Rotary position embeddings: a cos/sin table computed once, indexed by absolute position.
+
+The table is built exactly as transformers builds its per-call cos/sin (fp32 outer product of
+positions and inverse frequencies, times the attention scaling), so lookups match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moestream.archs.spec import ModelConfig, RopeConfig
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _yarn(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (used by Qwen3 for long context): blend interpolated and extrapolated frequencies."""
+    factor = rope.factor
+    original = rope.original_max_position or max_position
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+def inv_freq_and_scaling(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    rope, dim = config.rope, config.head_dim
+    if rope.kind == "yarn":
+        return _yarn(rope, dim, config.max_position)
+    inv_freq = _default_inv_freq(rope.theta, dim)
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    return inv_freq, 1.0
+
+
+def rotary_table(config: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (length, head_dim) in fp32, for positions 0..length-1."""
+    inv_freq, scaling = inv_freq_and_scaling(config)
+    positions = torch.arange(length, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, L, D); cos/sin (B, 1, L, D) already in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

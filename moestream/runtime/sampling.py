@@ -1,0 +1,76 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, seeded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.errors import InputError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0        # 0 → greedy
+    top_k: int = 0                  # 0 → off
+    top_p: float = 1.0              # 1 → off
+    min_p: float = 0.0              # 0 → off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InputError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}.")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0 <= self.min_p < 1:
+            raise InputError(f"min_p must be in [0, 1), got {self.min_p}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled fp32 logits with everything outside top-k / top-p / min-p set to -inf."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * params.min_p
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the top one always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V), without leaving the device."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits, params).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
