@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from moestream.errors import InputError
-from moestream.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from moestream.loader import BankOptions, LoadedModel, load_model, resolve_device, resolve_dtype
 from moestream.model.context import no_cache_context
 from moestream.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
 from moestream.runtime.generate import GenerationRun, Generator, RunMetrics
@@ -41,6 +41,20 @@ class Engine:
         self.eos_ids = set(self.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
+
+    # ---- bank statistics ----------------------------------------------------------------
+    @property
+    def bank(self):
+        return self.loaded.bank
+
+    def stats(self) -> dict:
+        """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total."""
+        self.bank.sync_stats()
+        return self.bank.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self.bank.sync_stats()
+        self.bank.stats.reset()
 
     # ---- inputs -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -158,12 +172,25 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto", max_context: int | None = None) -> Engine:
-    """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one."""
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    loaded = load_model(model, dev, dt)
-    context = min(max_context or loaded.config.max_position, loaded.config.max_position)
+def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto", max_context: int | None = None,
+         gpu_memory: int | str | None = None, memory: int | str | None = None, capacity: int | None = None,
+         host_memory: int | str | None = None, host_tier: str = "auto", miss_policy: str = "fetch",
+         residency: str = "lcp", pinned: dict[int, list[int]] | None = None) -> Engine:
+    """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
+
+    `gpu_memory` (alias `memory`, which names no device) bounds everything the engine takes on
+    the device; `capacity` fixes the bank slots per layer instead. Experts beyond the bank stay
+    in pinned host RAM (`host_memory` bounds it) or on disk.
+    """
     if max_context is not None and max_context < 2:
         raise InputError(f"max_context must be at least 2, got {max_context}.")
+    if gpu_memory is not None and memory is not None:
+        raise InputError("give either gpu_memory or memory (they are the same budget), not both.")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    options = BankOptions(gpu_memory=gpu_memory if gpu_memory is not None else memory, capacity=capacity,
+                          host_memory=host_memory, host_tier=host_tier, miss_policy=miss_policy,
+                          residency=residency, pinned=pinned)
+    loaded = load_model(model, dev, dt, options, max_context)
+    context = min(max_context or loaded.config.max_position, loaded.config.max_position)
     return Engine(loaded, _load_tokenizer(loaded.folder), dev, dt, context)

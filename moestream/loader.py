@@ -11,6 +11,7 @@ from moestream.archs import ArchSpec, ModelConfig, detect_arch, model_config_fro
 from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
 from moestream.errors import CheckpointError, DeviceError, InputError
 from moestream.experts.bank import ExpertBank
+from moestream.experts.budget import MemoryPlan, parse_bytes, plan_memory
 from moestream.experts.store import ExpertStore
 from moestream.model.decoder import MoECausalLM
 
@@ -44,6 +45,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclass
+class BankOptions:
+    """How the routed experts are kept: a budget or a capacity, and the policies for misses."""
+
+    gpu_memory: int | str | None = None   # everything the engine may take on the device (RAM on CPU)
+    capacity: int | None = None           # slots per layer; overrides the budget's choice
+    host_memory: int | str | None = None  # pinned host RAM for the expert store; beyond it, read from disk
+    host_tier: str = "auto"               # auto | pinned | disk
+    miss_policy: str = "fetch"            # fetch (exact) | skip
+    residency: str = "lcp"                # lcp | lru
+    pinned: dict[int, list[int]] | None = None
+
+
+@dataclass
 class LoadedModel:
     folder: Path
     spec: ArchSpec
@@ -51,6 +65,7 @@ class LoadedModel:
     model: MoECausalLM
     bank: ExpertBank
     index: TensorIndex
+    plan: MemoryPlan
 
 
 def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelConfig, device: torch.device,
@@ -68,18 +83,36 @@ def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelCon
         modules[owner]._parameters[attr] = torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
 
 
-def load_model(model: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def default_device_budget(device: torch.device) -> int | None:
+    """With no budget given on CUDA: free device memory less a 1 GiB headroom for the CUDA context and allocator."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free - 2**30)
+
+
+def load_model(model: str | Path, device: torch.device, dtype: torch.dtype, options: BankOptions | None = None,
+               max_context: int | None = None) -> LoadedModel:
+    options = options or BankOptions()
     folder = resolve_checkpoint(model)
     raw = read_config(folder)
     spec = detect_arch(raw)
     config = model_config_from_hf(raw, spec)
+    context = min(max_context or config.max_position, config.max_position)
+    budget = options.gpu_memory if options.gpu_memory is not None else (
+        None if options.capacity is not None else default_device_budget(device))
+    plan = plan_memory(config, dtype, budget, options.capacity, max_context=context)
+    host_memory = parse_bytes(options.host_memory) if options.host_memory is not None else None
     index = TensorIndex(folder)
     store = ExpertStore(index, config, spec)   # checks every expert tensor's shape before any load
     with torch.device("meta"):
         net = MoECausalLM(config, spec)
     _load_dense_weights(net, index, config, device, dtype)
     net.eval()
-    bank = ExpertBank(store, device, dtype)
+    bank = ExpertBank(store, device, dtype, capacity=plan.capacity, miss_policy=options.miss_policy,
+                      residency=options.residency, host_tier=options.host_tier, host_memory=host_memory,
+                      staging_slots=plan.staging_slots, pinned=options.pinned)
+    net.bank = bank
     for block in net.moe_blocks():
         block.bank = bank
-    return LoadedModel(folder, spec, config, net, bank, index)
+    return LoadedModel(folder, spec, config, net, bank, index, plan)

@@ -64,6 +64,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{path} could not be read as safetensors ({exc}); re-download or re-convert it.") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object); re-download or re-convert it.")
     data_start = 8 + header_len
     infos: dict[str, TensorInfo] = {}
     for name, meta in header.items():
@@ -72,6 +74,8 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         try:
             dtype = SAFETENSORS_DTYPES[meta["dtype"]]
             begin, end = meta["data_offsets"]
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                raise ValueError("bad data_offsets")
             shape = tuple(int(d) for d in meta["shape"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path} has a malformed header entry for {name!r}; re-download or re-convert it.") from None
@@ -110,9 +114,9 @@ class TensorIndex:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
+                files = sorted({folder / f for f in weight_map.values()})
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({exc}); re-download it.") from None
-            files = sorted({folder / f for f in weight_map.values()})
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"shard {missing[0]} listed in {index.name} is missing from {folder}; re-download the checkpoint.")

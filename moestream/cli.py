@@ -1,0 +1,157 @@
+"""`moestream run | perplexity | archs`: the command line. Errors print one line and exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from moestream.errors import InputError, MoestreamError
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+
+def _model_arg(value: str | None) -> str:
+    if value:
+        return value
+    if not (DEMO_MODEL / "config.json").is_file():
+        raise InputError("no MODEL was given and the bundled demo model is missing; pass a checkpoint folder or hub id.")
+    return str(DEMO_MODEL)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: the model's maximum)")
+
+
+def _load(args):
+    import moestream
+
+    t0 = time.perf_counter()
+    engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context)
+    return engine, time.perf_counter() - t0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise InputError("no prompt: pass -p TEXT or pipe the prompt on stdin.")
+    text = sys.stdin.read()
+    if not text:
+        raise InputError("the prompt on stdin is empty; pass -p TEXT or pipe a prompt.")
+    return text
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def cmd_run(args) -> int:
+    prompt = _read_prompt(args)
+    engine, load_s = _load(args)
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, seed=args.seed, stop=args.stop, chat=args.chat)
+    out = sys.stdout
+    if engine.tokenizer is None:
+        ids = [int(t) for t in prompt.split()] if all(t.isdigit() for t in prompt.split()) else None
+        if ids is None:
+            raise InputError("this checkpoint has no tokenizer files; pass the prompt as space-separated token ids.")
+        for token in engine.stream_tokens(ids, **{k: v for k, v in kw.items() if k != "chat"}):
+            out.write(f"{token} ")
+            out.flush()
+    else:
+        for piece in engine.stream(prompt, **kw):
+            out.write(piece)
+            out.flush()
+    out.write("\n")
+    m = engine.last_metrics
+    print(f"[moestream] load {load_s:.2f} s | prompt {m.prompt_tokens} tokens | TTFT {m.ttft_s * 1000:.0f} ms | "
+          f"generated {m.generated_tokens} tokens at {m.decode_tok_s:.1f} tok/s | peak memory {_gib(m.peak_memory_bytes)} "
+          f"({engine.device.type})", file=sys.stderr)
+    return 0
+
+
+def cmd_archs(args) -> int:
+    from moestream.archs import describe_archs
+
+    rows = describe_archs()
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    print("  ".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print("  ".join(r[c].ljust(widths[c]) for c in cols))
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from moestream.runtime.perplexity import sliding_window_perplexity
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise InputError(f"--file {path} does not exist; give a text or code file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"--file {path} is not UTF-8 text; give a text or code file.") from None
+    engine, _ = _load(args)
+    if engine.tokenizer is None:
+        raise InputError("this checkpoint has no tokenizer files, so a text file cannot be scored.")
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) < 2:
+        raise InputError(f"--file {path} holds fewer than two tokens; give a longer file.")
+    window = min(args.window or engine.max_context, engine.max_context)
+    t0 = time.perf_counter()
+    ppl, n = sliding_window_perplexity(engine.logits, ids, window, engine.device)
+    result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0}
+    print(json.dumps(result) if args.json else f"perplexity {ppl:.4f} over {n} tokens (window {window})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description="Run Mixture-of-Experts models larger than the accelerator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
+    _add_load_args(run)
+    run.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    run.set_defaults(func=cmd_run)
+
+    ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    _add_load_args(ppl)
+    ppl.add_argument("--file", required=True, help="text or code file to score")
+    ppl.add_argument("--window", type=int, default=None, help="window length (default: the context)")
+    ppl.add_argument("--json", action="store_true")
+    ppl.set_defaults(func=cmd_perplexity)
+
+    archs = sub.add_parser("archs", help="list supported model families")
+    archs.set_defaults(func=cmd_archs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MoestreamError as exc:
+        print(f"moestream: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

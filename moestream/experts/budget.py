@@ -1,0 +1,164 @@
+"""One function decides how many bank slots fit a memory budget; `check` and the loader share it.
+
+Everything the engine takes on the device counts: the always-resident weights, the KV cache for
+the context, the activation workspace of a prefill chunk, the bank, its slot maps and the
+transient staging area that long prompts stream missing experts through.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moestream.archs.spec import ModelConfig
+from moestream.errors import BudgetError, InputError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+SLACK_BYTES = 64 * 2**20  # allocator rounding and small tensors (slot maps, routing, sampling)
+
+
+def parse_bytes(text: str | int) -> int:
+    """'16GiB', '16GB', '16G', '512MiB', '1.5gib' or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise InputError(f"memory size {text!r} does not parse; write it like 16GiB, 12000MB or 8G.")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _elt(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Every always-resident tensor: embeddings, LM head, attention, norms, routers, shared and dense MLPs."""
+    H, V = config.hidden_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = H * q + 2 * H * kv + q * H + 2 * H
+    per_layer += (q + 2 * kv) * config.qkv_bias + H * config.o_bias
+    per_layer += q + kv  # q/k norms: exact for full-width norms, an upper bound for per-head ones
+    params = per_layer * config.num_layers + V * H * (1 if config.tie_embeddings else 2) + H
+    for is_moe in config.moe_layers:
+        if is_moe:
+            params += config.num_experts * H + 3 * H * config.shared_intermediate + (H if config.shared_intermediate else 0)
+        else:
+            params += 3 * H * config.dense_intermediate
+    return params * _elt(dtype)
+
+
+def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int) -> int:
+    """Peak activations: a prefill chunk through one layer (the largest live set) plus the logits."""
+    e = _elt(dtype)
+    T = max(prefill_chunk, batch)
+    H, I, k = config.hidden_size, config.moe_intermediate, config.top_k
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden = 6 * T * H * e + T * (q + 2 * kv) * e * 2
+    moe = T * k * (2 * I * 4 + I * e + H * 4) + T * k * 16   # gate_up fp32, activation, fp32 partials, indices
+    attention = T * config.num_heads * min(max_context, T + 1) * 4 if T > 1 else 0
+    logits = batch * config.vocab_size * 4 * 3
+    return hidden + max(moe, attention) + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int | None
+    dense_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    slot_bytes: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    capacity: int
+    staging_slots: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        slot_maps = self.moe_layers * self.num_experts * 4
+        return self.dense_bytes + self.kv_bytes + self.workspace_bytes + slot_maps + SLACK_BYTES
+
+    @property
+    def bank_bytes(self) -> int:
+        return self.capacity * self.moe_layers * self.slot_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fixed_bytes + self.bank_bytes + self.staging_bytes
+
+    @property
+    def minimum_bytes(self) -> int:
+        staging = staging_slots_for(self.top_k, self.num_experts, self.top_k)
+        return self.fixed_bytes + self.top_k * self.moe_layers * self.slot_bytes + staging * self.slot_bytes
+
+    @property
+    def expert_fraction(self) -> float:
+        return self.capacity / self.num_experts if self.num_experts else 1.0
+
+    def explain(self) -> str:
+        lines = [f"budget            {format_bytes(self.budget) if self.budget else 'unbounded'}",
+                 f"dense weights     {format_bytes(self.dense_bytes)}",
+                 f"KV cache          {format_bytes(self.kv_bytes)}",
+                 f"workspace         {format_bytes(self.workspace_bytes + SLACK_BYTES)}",
+                 f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}",
+                 f"staging           {format_bytes(self.staging_bytes)} ({self.staging_slots} slots)",
+                 f"total             {format_bytes(self.total_bytes)}",
+                 f"capacity          {self.capacity}/{self.num_experts} experts per layer ({self.expert_fraction:.0%})",
+                 f"minimum budget    {format_bytes(self.minimum_bytes)} (top-{self.top_k} slots per layer)"]
+        return "\n".join(lines)
+
+
+def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
+    """Two buffers of max(top_k, 8) slots stream missing experts of long prompts; none when all fit."""
+    if capacity >= num_experts:
+        return 0
+    return 2 * min(num_experts, max(top_k, 8))
+
+
+def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
+                max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512) -> MemoryPlan:
+    """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum."""
+    E, k, L = config.num_experts, config.top_k, config.num_moe_layers
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    if capacity is not None and not k <= capacity <= E:
+        raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
+                          f"and has only {E}; pick a capacity in that range.")
+    slot = config.expert_numel() * _elt(dtype)
+    base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype),
+                kv_bytes=config.num_layers * 2 * batch * max_context * config.num_kv_heads * config.head_dim * _elt(dtype),
+                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
+                slot_bytes=slot, moe_layers=L, num_experts=E, top_k=k)
+    if capacity is None and budget_bytes is None:
+        capacity = E
+    if capacity is None:
+        capacity = E
+        for cap in range(E, k - 1, -1):
+            plan = MemoryPlan(**base, capacity=cap, staging_slots=staging_slots_for(cap, E, k))
+            if plan.total_bytes <= budget_bytes:
+                capacity = cap
+                break
+        else:
+            capacity = k
+    plan = MemoryPlan(**base, capacity=capacity, staging_slots=staging_slots_for(capacity, E, k))
+    if budget_bytes is not None and plan.total_bytes > budget_bytes:
+        if plan.minimum_bytes > budget_bytes:
+            raise BudgetError(f"a budget of {format_bytes(budget_bytes)} is below the minimum of "
+                              f"{format_bytes(plan.minimum_bytes)} this model needs (top-{k} slots per layer plus "
+                              f"{format_bytes(plan.fixed_bytes)} of weights, KV cache and workspace); raise the budget "
+                              "or lower --max-context.")
+        raise BudgetError(f"capacity {capacity} needs {format_bytes(plan.total_bytes)}, more than the budget of "
+                          f"{format_bytes(budget_bytes)}; lower --capacity or raise the budget.")
+    return plan

@@ -1,0 +1,82 @@
+"""Which experts stay in the bank: LCP (frequency decayed by age) or LRU; pinned experts never leave.
+
+The policy keeps host-side statistics per layer and expert; it is consulted only on a miss,
+after the layer has already read its routing back, so it never adds a sync of its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ResidencyPolicy:
+    """Base: per (layer, expert) use counts and last-use clock, plus pinned sets."""
+
+    name = "base"
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.freq: dict[int, np.ndarray] = {}
+        self.last_use: dict[int, np.ndarray] = {}
+        self.pinned: dict[int, set[int]] = {}
+        self.clock = 0  # tokens seen so far
+
+    def _arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        if layer not in self.freq:
+            self.freq[layer] = np.zeros(self.num_experts, dtype=np.float64)
+            self.last_use[layer] = np.full(self.num_experts, -1e9)
+        return self.freq[layer], self.last_use[layer]
+
+    def record(self, layer: int, experts: np.ndarray, counts: np.ndarray) -> None:
+        """Experts used by this layer call, with how many tokens routed to each."""
+        freq, last = self._arrays(layer)
+        freq[experts] += counts
+        last[experts] = self.clock
+
+    def seed(self, layer: int, frequencies: np.ndarray) -> None:
+        """Start statistics from a profile or discovery pass (item of the warm-start work)."""
+        freq, last = self._arrays(layer)
+        freq[:] = frequencies
+        last[:] = self.clock
+
+    def advance(self, tokens: int) -> None:
+        self.clock += tokens
+
+    def priority(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def victims(self, layer: int, resident: list[int], n: int, protect: set[int]) -> list[int]:
+        """The n resident experts to evict, never pinned or protected ones, lowest priority first."""
+        pinned = self.pinned.get(layer, set())
+        candidates = np.array([e for e in resident if e not in protect and e not in pinned], dtype=np.int64)
+        if len(candidates) < n:
+            raise RuntimeError("not enough evictable slots")  # guarded by the bank's capacity checks
+        order = np.argsort(self.priority(layer, candidates), kind="stable")
+        return candidates[order[:n]].tolist()
+
+    def ranking(self, layer: int) -> list[int]:
+        """All experts, most valuable first (used to fill or refresh the bank)."""
+        experts = np.arange(self.num_experts)
+        return experts[np.argsort(-self.priority(layer, experts), kind="stable")].tolist()
+
+
+class LCPPolicy(ResidencyPolicy):
+    """Least critical priority: frequency × 0.25^(age / 128), age in tokens since last use."""
+
+    name = "lcp"
+    decay, half_life = 0.25, 128.0
+
+    def priority(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        freq, last = self._arrays(layer)
+        age = np.maximum(self.clock - last[experts], 0)
+        return freq[experts] * self.decay ** np.minimum(age / self.half_life, 1e4)
+
+
+class LRUPolicy(ResidencyPolicy):
+    name = "lru"
+
+    def priority(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        return self._arrays(layer)[1][experts]
+
+
+POLICIES = {"lcp": LCPPolicy, "lru": LRUPolicy}

@@ -1,0 +1,61 @@
+"""Counters of the bank: per layer and in total, readable as a dict, a table or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LayerStats:
+    hits: int = 0            # routed (token, expert) pairs whose expert was in the bank
+    misses: int = 0          # pairs whose expert was not
+    evictions: int = 0       # experts dropped from the bank to make room
+    bytes_copied: int = 0    # expert bytes copied into the bank or the staging area
+    copy_wait_s: float = 0.0  # host time spent waiting for those copies
+
+    def add(self, other: "LayerStats") -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+
+@dataclass
+class BankStats:
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    tokens: int = 0          # tokens that went through the model (prefill and decode)
+
+    def layer(self, i: int) -> LayerStats:
+        s = self.layers.get(i)
+        if s is None:
+            s = self.layers[i] = LayerStats()
+        return s
+
+    def total(self) -> LayerStats:
+        t = LayerStats()
+        for s in self.layers.values():
+            t.add(s)
+        return t
+
+    def reset(self) -> None:
+        self.layers.clear()
+        self.tokens = 0
+
+    def as_dict(self) -> dict:
+        total = self.total()
+        per_layer = {str(i): {**asdict(s), "hit_rate": s.hit_rate} for i, s in sorted(self.layers.items())}
+        return {"tokens": self.tokens, **asdict(total), "hit_rate": total.hit_rate,
+                "bytes_copied_per_token": total.bytes_copied / self.tokens if self.tokens else 0.0,
+                "layers": per_layer}
+
+    def table(self) -> str:
+        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s")]
+        items = sorted(self.layers.items()) + [("all", self.total())]
+        for i, s in items:
+            rows.append((str(i), str(s.hits), str(s.misses), f"{s.hit_rate:.1%}", str(s.evictions),
+                         f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
