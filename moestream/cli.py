@@ -1,4 +1,4 @@
-"""`moestream run | perplexity | archs`: the command line. Errors print one line and exit 1."""
+"""`moestream run | bench | check | perplexity | archs`: the command line. Errors print one line and exit 1."""
 
 from __future__ import annotations
 
@@ -26,13 +26,27 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: the model's maximum)")
+    _add_budget_args(p)
+    p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
+    p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
+    p.add_argument("--miss-policy", default="fetch", choices=["fetch", "skip"], help="fetch = exact (default); skip = drop non-resident experts and renormalise (approximate)")
+    p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
+
+
+def _add_budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-memory", default=None, help="everything the engine may take on the device, e.g. 16GiB (default: free memory less headroom)")
+    p.add_argument("--memory", default=None, help="alias of --gpu-memory that names no device (the RAM bank on CPU)")
+    p.add_argument("--capacity", type=int, default=None, help="bank slots per layer (overrides the budget's choice)")
 
 
 def _load(args):
     import moestream
 
     t0 = time.perf_counter()
-    engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context)
+    engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context,
+                            gpu_memory=args.gpu_memory, memory=args.memory, capacity=args.capacity,
+                            host_memory=args.host_memory, host_tier=args.host_tier, miss_policy=args.miss_policy,
+                            residency=args.residency)
     return engine, time.perf_counter() - t0
 
 
@@ -73,6 +87,64 @@ def cmd_run(args) -> int:
     print(f"[moestream] load {load_s:.2f} s | prompt {m.prompt_tokens} tokens | TTFT {m.ttft_s * 1000:.0f} ms | "
           f"generated {m.generated_tokens} tokens at {m.decode_tok_s:.1f} tok/s | peak memory {_gib(m.peak_memory_bytes)} "
           f"({engine.device.type})", file=sys.stderr)
+    _report_stats(engine, args)
+    return 0
+
+
+def _report_stats(engine, args) -> None:
+    if getattr(args, "stats", False):
+        engine.bank.sync_stats()
+        print(engine.bank.stats.table(), file=sys.stderr)
+    if getattr(args, "stats_json", None):
+        _write_json(Path(args.stats_json), engine.stats())
+
+
+def _write_json(path: Path, data) -> None:
+    """Write via a temporary file and rename, so a crash never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+    except OSError as exc:
+        raise InputError(f"cannot write {path} ({exc.strerror}); check the path.") from None
+
+
+def cmd_bench(args) -> int:
+    from moestream.bench import run_bench
+
+    if args.prompt_tokens < 1 or args.gen_tokens < 1:
+        raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
+    engine, load_s = _load(args)
+    result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed)
+    print(result.table())
+    if args.stats:
+        print(engine.bank.stats.table())
+    if args.json:
+        _write_json(Path(args.json), {**result.as_dict(), "stats": engine.stats()})
+    return 0
+
+
+def cmd_check(args) -> int:
+    """The memory plan for a checkpoint and budget, from config.json alone (no weights read)."""
+    from moestream.archs import detect_arch, model_config_from_hf
+    from moestream.checkpoint import read_config, resolve_checkpoint
+    from moestream.experts.budget import plan_memory
+    from moestream.loader import default_device_budget, resolve_device, resolve_dtype
+
+    folder = resolve_checkpoint(_model_arg(args.model))
+    raw = read_config(folder)
+    spec = detect_arch(raw)
+    config = model_config_from_hf(raw, spec)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    context = min(args.max_context or config.max_position, config.max_position)
+    budget = args.gpu_memory if args.gpu_memory is not None else args.memory
+    if budget is None and args.capacity is None:
+        budget = default_device_budget(device)
+    plan = plan_memory(config, dtype, budget, args.capacity, max_context=context)
+    print(f"model             {folder} ({spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
+    print(f"device            {device} ({str(dtype).replace('torch.', '')}), context {context}")
+    print(plan.explain())
     return 0
 
 
@@ -128,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    run.add_argument("--stats", action="store_true", help="print the bank's hit/miss table to stderr")
+    run.add_argument("--stats-json", default=None, help="write the bank's statistics as JSON to this file")
     run.set_defaults(func=cmd_run)
 
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
@@ -136,6 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--window", type=int, default=None, help="window length (default: the context)")
     ppl.add_argument("--json", action="store_true")
     ppl.set_defaults(func=cmd_perplexity)
+
+    bench = sub.add_parser("bench", help="measure TTFT, prefill and decode speed, hit rate and bytes moved")
+    _add_load_args(bench)
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--gen-tokens", type=int, default=128)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
+    bench.add_argument("--json", default=None, help="write the results as JSON to this file")
+    bench.set_defaults(func=cmd_bench)
+
+    check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
+    check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
+    check.add_argument("--device", default="auto")
+    check.add_argument("--dtype", default="auto")
+    check.add_argument("--max-context", type=int, default=None)
+    _add_budget_args(check)
+    check.set_defaults(func=cmd_check)
 
     archs = sub.add_parser("archs", help="list supported model families")
     archs.set_defaults(func=cmd_archs)

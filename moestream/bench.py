@@ -1,0 +1,89 @@
+"""`moestream bench`: time to first token, prefill and decode speed, hit rate and bytes moved per token.
+
+Prompts are seeded random token ids (so any checkpoint works, tokenizer or not); the bank's
+counters are split at the first token, so decode figures exclude the prompt's streaming.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moestream.engine import Engine
+from moestream.experts.budget import format_bytes
+
+
+@dataclass
+class BenchResult:
+    device: str
+    dtype: str
+    capacity: int
+    num_experts: int
+    miss_policy: str
+    host_tier: str
+    prompt_tokens: int
+    gen_tokens: int
+    load_s: float
+    ttft_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    decode_hit_rate: float
+    decode_bytes_per_token: float
+    prefill_bytes: float
+    peak_device_bytes: int
+    budget_bytes: int | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        rows = [("capacity", f"{self.capacity}/{self.num_experts} ({self.miss_policy}, host tier {self.host_tier})"),
+                ("load", f"{self.load_s:.2f} s"),
+                ("time to first token", f"{self.ttft_s * 1000:.1f} ms ({self.prompt_tokens} prompt tokens)"),
+                ("prefill", f"{self.prefill_tok_s:.1f} tok/s"),
+                ("decode", f"{self.decode_tok_s:.2f} tok/s ({self.gen_tokens} tokens)"),
+                ("decode hit rate", f"{self.decode_hit_rate:.1%}"),
+                ("moved per token", f"{self.decode_bytes_per_token / 1e9:.3f} GB"),
+                ("peak device memory", format_bytes(self.peak_device_bytes)
+                 + (f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""))]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+
+def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float = 0.0, seed: int = 0,
+              warmup_tokens: int = 4) -> BenchResult:
+    vocab = engine.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+    warm = torch.randint(0, vocab, (min(16, prompt_tokens),), generator=gen).tolist()
+    engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)   # compile kernels, warm copies
+    engine.reset_stats()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    first_stats = None
+    t0 = time.perf_counter()
+    for i, _ in enumerate(engine.stream_tokens(prompt, max_tokens=gen_tokens, ignore_eos=True)):
+        if i == 0:
+            engine.bank.sync_stats()
+            first_stats = copy.deepcopy(engine.bank.stats)
+    m = engine.last_metrics
+    engine.bank.sync_stats()
+    total = engine.bank.stats.total()
+    at_first = first_stats.total()
+    decode_pairs = (total.hits - at_first.hits) + (total.misses - at_first.misses)
+    decode_steps = max(1, m.generated_tokens - 1)
+    peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else m.peak_memory_bytes
+    plan = engine.loaded.plan
+    return BenchResult(
+        device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""), capacity=engine.bank.capacity,
+        num_experts=engine.config.num_experts, miss_policy=engine.bank.miss_policy,
+        host_tier=engine.bank.tier.name if engine.bank.tier is not None else "none",
+        prompt_tokens=prompt_tokens, gen_tokens=m.generated_tokens, load_s=load_s, ttft_s=m.ttft_s,
+        prefill_tok_s=prompt_tokens / m.ttft_s if m.ttft_s else 0.0, decode_tok_s=m.decode_tok_s,
+        decode_hit_rate=(total.hits - at_first.hits) / decode_pairs if decode_pairs else 1.0,
+        decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,
+        prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget)
