@@ -62,8 +62,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)   # compile kernels, warm copies
     engine.reset_stats()
     if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-        torch.cuda.reset_peak_memory_stats(engine.device)
+        torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too
     first_stats = None
     t0 = time.perf_counter()
     for i, _ in enumerate(engine.stream_tokens(prompt, max_tokens=gen_tokens, ignore_eos=True)):

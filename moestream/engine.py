@@ -89,7 +89,7 @@ class Engine:
         if input_ids.shape[1] > self.max_context:
             raise InputError(f"the input has {input_ids.shape[1]} tokens but the context holds {self.max_context}; shorten it or raise max_context.")
         ctx = no_cache_context(self.generator.rotary_table(), input_ids, attention_mask, self.dtype)
-        return self.model(input_ids, ctx)
+        return self.generator.forward(input_ids, ctx)
 
     # ---- generation ---------------------------------------------------------------------
     def _params(self, **kw) -> SamplingParams:

@@ -91,7 +91,9 @@ class ExpertBank:
         self.decoding = False  # set by the model per step: skip applies to decode steps only
 
     # ---- construction -------------------------------------------------------------------
-    def _make_tier(self, kind: str, host_memory: int | None):
+    def _make_tier(self, kind, host_memory: int | None):
+        if not isinstance(kind, str):   # an existing tier, shared between banks of one store
+            return kind
         if self.device.type == "cpu":
             return DiskHostTier(self.store, self.device)
         total = self.slot_bytes * self.num_experts * len(self.store.moe_layers)
@@ -160,8 +162,7 @@ class ExpertBank:
     # ---- the hot path -------------------------------------------------------------------
     def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         bank = self.layers[layer]
-        if self.fully_resident:
-            self.stats.layer(layer).hits += expert_ids.numel()
+        if self.fully_resident:   # hits are counted in after_step: this path may run as a CUDA graph replay
             return self._dispatch(hidden, bank.gate_up, bank.down, bank.slot_map[expert_ids], weights)
         if self.miss_policy == "skip" and self.decoding:
             return self._forward_skip(layer, bank, hidden, expert_ids, weights)
@@ -272,11 +273,24 @@ class ExpertBank:
         return result
 
     # ---- between steps ------------------------------------------------------------------
+    @property
+    def graph_safe(self) -> bool:
+        """A decode step reads nothing back: it can be captured and replayed as a CUDA graph."""
+        return self.fully_resident or self.miss_policy == "skip"
+
+    def begin_step(self, decoding: bool) -> None:
+        """Called before each forward: one token per sequence lets the skip policy apply (prompts stay exact)."""
+        self.decoding = decoding
+
     def after_step(self, tokens: int) -> None:
         """Advance the residency clock; in skip mode, refresh the bank from miss counters now and then."""
         self.stats.tokens += tokens
         self.policy.advance(tokens)
-        if self.miss_policy != "skip" or self.fully_resident:
+        if self.fully_resident:
+            for layer in self.layers:
+                self.stats.layer(layer).hits += tokens * self.top_k
+            return
+        if self.miss_policy != "skip":
             return
         self._since_refresh += tokens
         if self._since_refresh >= self.refresh_every:

@@ -57,14 +57,9 @@ class MoECausalLM(nn.Module):
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
-        if self.bank is not None:
-            # one new token per sequence: the approximate skip policy may apply (prompts stay exact)
-            self.bank.decoding = ctx.cache is not None and input_ids.shape[1] == 1
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
-        if self.bank is not None:
-            self.bank.after_step(input_ids.numel())
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, prompt_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
-        self.ids: list[int] = []
+        # The prompt's last tokens are decoded as context, never emitted: SentencePiece-style
+        # (Metaspace) tokenizers drop a word's leading space at the start of a decode, so without
+        # them the first generated word would lose its space.
+        self.ids: list[int] = [int(t) for t in (prompt_ids or [])[-6:]]
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):   # prompt ends inside a character
+            self.ids = []
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)

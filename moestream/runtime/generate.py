@@ -7,6 +7,7 @@ and to stop); nothing inside a layer waits on the host.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import torch
 
 from moestream.model.context import decode_context, prefill_context
 from moestream.model.decoder import MoECausalLM
+from moestream.runtime.cuda_graphs import DecodeGraphs
 from moestream.runtime.kv_cache import KVCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample
 
@@ -58,12 +60,38 @@ class Generator:
     """Owns the rotary table and a reusable KV cache for a model on one device."""
 
     def __init__(self, model: MoECausalLM, device: torch.device, dtype: torch.dtype, max_context: int,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, cuda_graphs: bool = True):
         self.model, self.device, self.dtype = model, device, dtype
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.rotary = None
         self._cache: KVCache | None = None
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
+        self._graphs: dict[int, DecodeGraphs] = {}
+
+    def forward(self, input_ids: torch.Tensor, ctx, last_only: bool = False, decoding: bool = False) -> torch.Tensor:
+        """One model call, with the bank told what kind of step it is and how many tokens went through."""
+        bank = self.model.bank
+        if bank is not None:
+            bank.begin_step(decoding)
+        logits = self.model(input_ids, ctx, last_only=last_only)
+        if bank is not None:
+            bank.after_step(input_ids.numel())
+        return logits
+
+    def _decode_logits(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        bank = self.model.bank
+        B = tokens.shape[0]
+        if self.cuda_graphs and bank is not None and bank.graph_safe:
+            graphs = self._graphs.get(B)
+            if graphs is None or graphs.cache is not cache:
+                graphs = self._graphs[B] = DecodeGraphs(self.model, self.rotary_table(), cache, B, self.dtype)
+            bank.begin_step(True)
+            logits = graphs(tokens, positions, kv_len)
+            bank.after_step(B)
+            return logits
+        ctx = decode_context(self.rotary_table(), cache, positions, kv_len, self.dtype)
+        return self.forward(tokens[:, None], ctx, decoding=True)[:, -1]
 
     def rotary_table(self):
         if self.rotary is None:
@@ -78,6 +106,7 @@ class Generator:
         if c is None or c.batch < batch or c.max_len < length:
             cfg = self.model.config
             self._cache = None
+            self._graphs.clear()
             c = KVCache(cfg.num_layers, batch, self.max_context, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
             self._cache = c
         return c
@@ -91,7 +120,7 @@ class Generator:
         for start in range(0, len(prompt), self.prefill_chunk):
             chunk = ids[start:start + self.prefill_chunk][None]
             ctx = prefill_context(table, cache, row, start, chunk.shape[1], self.dtype)
-            logits = self.model(chunk, ctx, last_only=True)
+            logits = self.forward(chunk, ctx, last_only=True)
         return logits[:, -1]
 
     @torch.inference_mode()
@@ -103,8 +132,6 @@ class Generator:
         budget = min(params.max_tokens, self.max_context - longest)
         cache = self.cache_for(B, longest + budget)
         gen = make_generator(params, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         m = run.metrics
         m.prompt_tokens = sum(len(p) for p in prompts)
         t0 = time.perf_counter()
@@ -115,13 +142,11 @@ class Generator:
         m.generated_tokens = 1
         yield host
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.long).to(self.device)
-        table = self.rotary_table()
         t1 = time.perf_counter()
         for step in range(1, budget):
             if len(run.finished) >= B:
                 break
-            ctx = decode_context(table, cache, positions, longest + step, self.dtype)
-            logits = self.model(tokens[:, None], ctx)[:, -1]
+            logits = self._decode_logits(cache, tokens, positions, longest + step)
             tokens = sample(logits, params, gen)
             positions = positions + 1
             host = tokens.tolist()

@@ -23,7 +23,7 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.temperature < 0:
+        if not self.temperature >= 0:   # also rejects nan
             raise InputError(f"temperature must be >= 0, got {self.temperature}.")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")

@@ -1,0 +1,740 @@
+#!/usr/bin/env python3
+"""Write a random-weight Hugging Face checkpoint with the exact layout of a real MoE model.
+
+Why: the engine is benchmarked and tested on models larger than the GPU, but this
+workplace cannot download real weights.  Speed and memory behaviour depend only on
+shapes, dtypes and file layout, so we write checkpoints whose ``config.json``,
+tensor names, shapes and sharding match the published Hub checkpoints, filled with
+seeded random values (normal(0, 0.02) like HF init, ones for norms, zeros for biases).
+
+Usage::
+
+    python scripts/make_random_checkpoint.py --shape qwen3-30b-a3b --layers 24 \
+        --dtype bf16 --out /data/qwen3-24l [--seed 0] [--device cpu|cuda] [--shard-size 4GB]
+
+Design notes:
+
+* The whole tensor list is planned from the config before anything is generated,
+  so every shard's safetensors header is known up front.  Each shard is then
+  streamed: header first, then each tensor's bytes as soon as they are generated.
+  Nothing larger than one chunk of one tensor per worker is ever held in memory.
+* Random values are drawn per chunk (at most ``CHUNK_ELEMS`` elements of a tensor)
+  from a generator seeded by (seed, tensor name, chunk index).  The output is
+  therefore independent of the number of worker threads, of ``--shard-size`` and
+  of ``--layers`` (layer 0 is identical in a 2-layer and a 48-layer checkpoint),
+  but CPU and CUDA draws differ.
+* Shards are written under a ``.tmp`` name and renamed when complete; the index
+  (``model.safetensors.index.json``) is written last, so its presence marks a
+  complete checkpoint.
+* No tokenizer is written: the checkpoints are driven with token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------------------
+# Published configs (config.json and generation_config.json as on the Hub).
+# num_hidden_layers is overridden by --layers; everything else is kept verbatim so
+# that loaders read the same fields they would read for the real model.
+# --------------------------------------------------------------------------------------
+
+PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-30B-A3B
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    # allenai/OLMoE-1B-7B-0924
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "clip_qkv": None,
+        "eos_token_id": 50279,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 4096,
+        "model_type": "olmoe",
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 16,
+        "output_router_logits": False,
+        "pad_token_id": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "router_aux_loss_coef": 0.01,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 50304,
+    },
+    # Qwen/Qwen1.5-MoE-A2.7B
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 8192,
+        "max_window_layers": 21,
+        "model_type": "qwen2_moe",
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 5632,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": {
+        "bos_token_id": 151643,
+        "do_sample": True,
+        "eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    },
+    "mixtral-8x7b": {"bos_token_id": 1, "eos_token_id": 2},
+    "olmoe-1b-7b": {"eos_token_id": 50279, "pad_token_id": 1},
+    "qwen1.5-moe-a2.7b": {
+        "bos_token_id": 151643,
+        "do_sample": False,
+        "eos_token_id": 151643,
+        "max_new_tokens": 2048,
+    },
+}
+
+SHAPES: tuple[str, ...] = tuple(PUBLISHED_CONFIGS)
+
+# Sizes used by --tiny: small enough for a CPU forward pass in a unit test, while
+# keeping every structural feature (GQA ratio, q/k norms, shared expert, top-k).
+TINY_HIDDEN = 64
+TINY_HEAD_DIM = 16
+TINY_HEADS = 4
+TINY_INTERMEDIATE = 96
+TINY_MOE_INTERMEDIATE = 32
+TINY_SHARED_INTERMEDIATE = 48
+TINY_VOCAB = 256
+TINY_DEFAULT_LAYERS = 2
+
+DTYPES: dict[str, tuple[torch.dtype, str, str]] = {
+    # flag: (torch dtype, safetensors dtype tag, config.json torch_dtype)
+    "bf16": (torch.bfloat16, "BF16", "bfloat16"),
+    "fp16": (torch.float16, "F16", "float16"),
+    "fp32": (torch.float32, "F32", "float32"),
+}
+
+INIT_STD = 0.02
+# Work unit for the generator threads: big tensors (embeddings, lm_head, dense
+# matrices) are split into row blocks of at most this many elements so they are
+# generated in parallel and never need more than one block in flight per worker.
+CHUNK_ELEMS = 16 * 1024 * 1024
+
+INDEX_NAME = "model.safetensors.index.json"
+_OUR_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?$|^model\.safetensors\.index\.json$")
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+
+
+def build_config(shape: str, layers: int | None = None, dtype: str = "bf16", tiny: bool = False) -> dict[str, Any]:
+    """Return the config.json dict for ``shape``; why separate: tests check it without writing weights."""
+    if shape not in PUBLISHED_CONFIGS:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    cfg = copy.deepcopy(PUBLISHED_CONFIGS[shape])
+    if tiny:
+        cfg = _remap_special_ids(_shrink(cfg), _tiny_special_id_map(shape))
+    if layers is not None:
+        if layers < 1:
+            raise ValueError("--layers must be >= 1")
+        cfg["num_hidden_layers"] = layers
+    elif tiny:
+        cfg["num_hidden_layers"] = TINY_DEFAULT_LAYERS
+    cfg["torch_dtype"] = DTYPES[dtype][2]
+    return cfg
+
+
+def build_generation_config(shape: str, tiny: bool = False) -> dict[str, Any]:
+    """Return generation_config.json for ``shape`` (special ids remapped into the tiny vocab if ``tiny``)."""
+    gen = copy.deepcopy(PUBLISHED_GENERATION_CONFIGS[shape])
+    if tiny:
+        gen = _remap_special_ids(gen, _tiny_special_id_map(shape))
+    return gen
+
+
+def _shrink(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Shrink widths, expert count and vocab, keeping the model's structure (GQA ratio, top-k, shared expert)."""
+    heads = cfg["num_attention_heads"]
+    kv_ratio = heads // cfg["num_key_value_heads"]
+    cfg["num_attention_heads"] = TINY_HEADS
+    cfg["num_key_value_heads"] = max(1, TINY_HEADS // kv_ratio)
+    cfg["hidden_size"] = TINY_HIDDEN
+    if "head_dim" in cfg:
+        cfg["head_dim"] = TINY_HEAD_DIM  # Qwen3: head_dim is explicit and != hidden / heads
+    cfg["intermediate_size"] = TINY_INTERMEDIATE
+    if "moe_intermediate_size" in cfg:
+        cfg["moe_intermediate_size"] = TINY_MOE_INTERMEDIATE
+    else:
+        cfg["intermediate_size"] = TINY_MOE_INTERMEDIATE  # Mixtral/OLMoE: intermediate_size is the expert width
+    if "shared_expert_intermediate_size" in cfg:
+        cfg["shared_expert_intermediate_size"] = TINY_SHARED_INTERMEDIATE
+    top_k = cfg["num_experts_per_tok"]
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    cfg[key] = min(cfg[key], max(8, 2 * top_k))
+    cfg["vocab_size"] = TINY_VOCAB
+    cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], 512)
+    return cfg
+
+
+def _tiny_special_id_map(shape: str) -> dict[int, int]:
+    """Map special token ids outside the tiny vocab to its top ids (transformers warns otherwise).
+
+    Built from both published files so config.json and generation_config.json agree.
+    """
+    ids: set[int] = set()
+    for d in (PUBLISHED_CONFIGS[shape], PUBLISHED_GENERATION_CONFIGS[shape]):
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = d.get(k)
+            ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    big = sorted(i for i in ids if i >= TINY_VOCAB)
+    return {i: TINY_VOCAB - 1 - n for n, i in enumerate(big)}
+
+
+def _remap_special_ids(d: dict[str, Any], remap: dict[int, int]) -> dict[str, Any]:
+    """Apply ``remap`` to bos/eos/pad ids in ``d`` (lists kept as lists)."""
+    out = dict(d)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = out.get(k)
+        if isinstance(v, list):
+            out[k] = [remap.get(i, i) for i in v]
+        elif v is not None:
+            out[k] = remap.get(v, v)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Tensor plan: names and shapes exactly as the Hub checkpoints store them
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to write: its checkpoint name, shape and how to fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str  # "normal" | "ones" | "zeros"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
+    """List every tensor of the checkpoint in file order (embeddings, layers 0..N-1, final norm, lm_head)."""
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "normal")]
+    for layer in range(cfg["num_hidden_layers"]):
+        specs += _layer_specs(cfg, layer)
+    specs.append(TensorSpec("model.norm.weight", (hidden,), "ones"))
+    if not cfg.get("tie_word_embeddings", False):
+        specs.append(TensorSpec("lm_head.weight", (vocab, hidden), "normal"))
+    return specs
+
+
+def _layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
+    """Tensors of one decoder layer: norms, attention, then the (sparse or dense) MLP."""
+    p = f"model.layers.{layer}."
+    hidden = cfg["hidden_size"]
+    specs = [
+        TensorSpec(p + "input_layernorm.weight", (hidden,), "ones"),
+        *_attention_specs(cfg, p + "self_attn."),
+        TensorSpec(p + "post_attention_layernorm.weight", (hidden,), "ones"),
+    ]
+    return specs + (
+        _moe_specs(cfg, p) if _is_sparse_layer(cfg, layer) else _mlp_specs(p + "mlp.", hidden, cfg["intermediate_size"])
+    )
+
+
+def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
+    """q/k/v/o projections plus the per-model extras (Qwen2 biases, Qwen3 per-head norms, OLMoE full-width norms)."""
+    mt, hidden = cfg["model_type"], cfg["hidden_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    specs = [
+        TensorSpec(p + "q_proj.weight", (q_out, hidden), "normal"),
+        TensorSpec(p + "k_proj.weight", (kv_out, hidden), "normal"),
+        TensorSpec(p + "v_proj.weight", (kv_out, hidden), "normal"),
+        TensorSpec(p + "o_proj.weight", (hidden, q_out), "normal"),
+    ]
+    if mt == "qwen2_moe" or cfg.get("attention_bias", False):
+        specs += [
+            TensorSpec(p + "q_proj.bias", (q_out,), "zeros"),
+            TensorSpec(p + "k_proj.bias", (kv_out,), "zeros"),
+            TensorSpec(p + "v_proj.bias", (kv_out,), "zeros"),
+        ]
+    if mt == "qwen3_moe":  # RMSNorm over each head
+        specs += [
+            TensorSpec(p + "q_norm.weight", (head_dim,), "ones"),
+            TensorSpec(p + "k_norm.weight", (head_dim,), "ones"),
+        ]
+    elif mt == "olmoe":  # RMSNorm over the whole projection
+        specs += [TensorSpec(p + "q_norm.weight", (q_out,), "ones"), TensorSpec(p + "k_norm.weight", (kv_out,), "ones")]
+    return specs
+
+
+def _is_sparse_layer(cfg: dict[str, Any], layer: int) -> bool:
+    """Mirror transformers' rule for Qwen MoE configs (mlp_only_layers / decoder_sparse_step); others are all sparse."""
+    if layer in cfg.get("mlp_only_layers", []):
+        return False
+    step = cfg.get("decoder_sparse_step", 1)
+    return step > 0 and (layer + 1) % step == 0
+
+
+def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
+    """Router + per-expert matrices (+ Qwen2-MoE shared expert and its sigmoid gate)."""
+    mt, hidden = cfg["model_type"], cfg["hidden_size"]
+    if mt == "mixtral":
+        n_exp, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+        specs = [TensorSpec(p + "block_sparse_moe.gate.weight", (n_exp, hidden), "normal")]
+        for e in range(n_exp):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            specs += [
+                TensorSpec(q + "w1.weight", (inter, hidden), "normal"),  # gate
+                TensorSpec(q + "w2.weight", (hidden, inter), "normal"),  # down
+                TensorSpec(q + "w3.weight", (inter, hidden), "normal"),  # up
+            ]
+        return specs
+    n_exp = cfg["num_experts"]
+    inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    specs = [TensorSpec(p + "mlp.gate.weight", (n_exp, hidden), "normal")]
+    for e in range(n_exp):
+        specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, inter)
+    if mt == "qwen2_moe":
+        specs += _mlp_specs(p + "mlp.shared_expert.", hidden, cfg["shared_expert_intermediate_size"])
+        specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, hidden), "normal"))
+    return specs
+
+
+def _mlp_specs(p: str, hidden: int, inter: int) -> list[TensorSpec]:
+    """A SwiGLU MLP in the gate_proj/up_proj/down_proj naming."""
+    return [
+        TensorSpec(p + "gate_proj.weight", (inter, hidden), "normal"),
+        TensorSpec(p + "up_proj.weight", (inter, hidden), "normal"),
+        TensorSpec(p + "down_proj.weight", (hidden, inter), "normal"),
+    ]
+
+
+# --------------------------------------------------------------------------------------
+# Sharding and the safetensors format
+# --------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Parse '4GB' (10^9) / '4GiB' (2^30) / '500MB' / plain bytes, the way HF's max_shard_size does."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(I?B?)\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}")
+    num, unit, suffix = float(m.group(1)), m.group(2), m.group(3)
+    base = 1024 if suffix.startswith("I") else 1000
+    return int(num * base ** "_KMGT".index(unit or "_"))
+
+
+def split_shards(specs: Sequence[TensorSpec], itemsize: int, shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy in-order split: a tensor starts a new shard if it would overflow the current one."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for s in specs:
+        nbytes = s.numel * itemsize
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(s)
+        used += nbytes
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    """HF shard file name (1-based)."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def safetensors_header(specs: Sequence[TensorSpec], st_dtype: str, itemsize: int) -> bytes:
+    """Length-prefixed safetensors header for tensors stored back to back in ``specs`` order.
+
+    The JSON is space-padded so the data section starts 8-byte aligned, as the
+    reference writer does (lets readers mmap tensors with aligned pointers).
+    """
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for s in specs:
+        end = off + s.numel * itemsize
+        meta[s.name] = {"dtype": st_dtype, "shape": list(s.shape), "data_offsets": [off, end]}
+        off = end
+    js = json.dumps(meta, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    return len(js).to_bytes(8, "little") + js
+
+
+# --------------------------------------------------------------------------------------
+# Random generation
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A block of rows of one tensor: the unit of work for generator threads."""
+
+    spec: TensorSpec
+    index: int
+    rows: int  # rows along dim 0 (1 for 1-D tensors treated as a single row)
+
+
+def chunks_of(spec: TensorSpec) -> Iterator[Chunk]:
+    """Split ``spec`` along dim 0 into blocks of at most CHUNK_ELEMS elements (at least one row)."""
+    if len(spec.shape) < 2:
+        yield Chunk(spec, 0, 1)
+        return
+    row = spec.numel // spec.shape[0]
+    per = max(1, CHUNK_ELEMS // row)
+    for i, start in enumerate(range(0, spec.shape[0], per)):
+        yield Chunk(spec, i, min(per, spec.shape[0] - start))
+
+
+def chunk_seed(seed: int, name: str, index: int) -> int:
+    """Stable 63-bit seed per (seed, tensor, chunk): output independent of threads, sharding and layer count."""
+    h = hashlib.blake2b(f"{seed}:{name}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class ChunkGenerator:
+    """Fills chunks on CPU or CUDA; one torch.Generator per thread, re-seeded per chunk."""
+
+    def __init__(self, dtype: torch.dtype, device: str, seed: int) -> None:
+        self.dtype, self.device, self.seed = dtype, torch.device(device), seed
+        self._local = threading.local()
+
+    def _gen(self) -> torch.Generator:
+        g = getattr(self._local, "gen", None)
+        if g is None:
+            g = self._local.gen = torch.Generator(device=self.device)
+        return g
+
+    def __call__(self, c: Chunk) -> torch.Tensor:
+        """Return the chunk as a contiguous CPU tensor."""
+        shape = (c.rows, *c.spec.shape[1:]) if len(c.spec.shape) >= 2 else c.spec.shape
+        if c.spec.init == "ones":
+            return torch.ones(shape, dtype=self.dtype)
+        if c.spec.init == "zeros":
+            return torch.zeros(shape, dtype=self.dtype)
+        g = self._gen()
+        g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
+        t = torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
+        return t.cpu() if t.device.type != "cpu" else t
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Prints throughput about every ``interval`` seconds, and a summary per shard."""
+
+    def __init__(self, total_bytes: int, interval: float = 5.0) -> None:
+        self.total, self.done, self.interval = total_bytes, 0, interval
+        self.t0 = self._last = time.perf_counter()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if now - self._last >= self.interval:
+            self._last = now
+            print(f"  {self.done / 1e9:7.2f} / {self.total / 1e9:.2f} GB  {self.rate():.2f} GB/s", flush=True)
+
+    def rate(self) -> float:
+        return self.done / 1e9 / max(time.perf_counter() - self.t0, 1e-9)
+
+
+def write_shards(
+    shards: Sequence[Sequence[TensorSpec]],
+    out: Path,
+    gen: ChunkGenerator,
+    st_dtype: str,
+    itemsize: int,
+    workers: int,
+    progress: Progress,
+) -> dict[str, str]:
+    """Stream every shard to disk; chunks are generated by a thread pool and written strictly in order.
+
+    At most ``2 * workers`` chunks are in flight, bounding memory to roughly
+    ``2 * workers * CHUNK_ELEMS * itemsize`` (~1 GiB with 16 workers and bf16).
+    Returns the index's weight_map.
+    """
+    weight_map: dict[str, str] = {}
+    n = len(shards)
+    jobs = ((si, c) for si, specs in enumerate(shards) for s in specs for c in chunks_of(s))
+    pending: deque[tuple[int, Future[torch.Tensor]]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="randgen") as pool:
+
+        def refill() -> None:
+            for si, c in jobs:
+                pending.append((si, pool.submit(gen, c)))
+                if len(pending) >= 2 * workers:
+                    return
+
+        refill()
+        for si, specs in enumerate(shards):
+            name = shard_name(si, n)
+            tmp = out / (name + ".tmp")
+            t0 = time.perf_counter()
+            shard_bytes = sum(s.numel for s in specs) * itemsize
+            with open(tmp, "wb") as f:
+                f.write(safetensors_header(specs, st_dtype, itemsize))
+                for _ in range(sum(1 for s in specs for _ in chunks_of(s))):
+                    if not pending:
+                        refill()
+                    sj, fut = pending.popleft()
+                    assert sj == si, "chunk order mismatch"
+                    t = fut.result()
+                    f.write(_as_bytes(t))
+                    progress.add(t.numel() * itemsize)
+                    refill()
+            os.replace(tmp, out / name)
+            weight_map.update({s.name: name for s in specs})
+            dt = time.perf_counter() - t0
+            print(
+                f"wrote {name}: {shard_bytes / 1e9:.2f} GB in {dt:.1f} s ({shard_bytes / 1e9 / dt:.2f} GB/s)",
+                flush=True,
+            )
+    return weight_map
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a contiguous CPU tensor, without a copy (numpy lacks bf16, so view as uint8)."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp name + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+    """Create ``out``; refuse to mix with an existing checkpoint unless --overwrite (then delete only our files)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ours = [p for p in out.iterdir() if _OUR_FILES.match(p.name)]
+    if ours and not overwrite:
+        raise SystemExit(f"{out} already holds a checkpoint ({ours[0].name}, ...); pass --overwrite to replace it")
+    for p in ours:
+        p.unlink()
+
+
+def write_checkpoint(
+    shape: str,
+    out: Path,
+    layers: int | None = None,
+    dtype: str = "bf16",
+    seed: int = 0,
+    device: str = "cpu",
+    shard_size: int = 4 * 10**9,
+    tiny: bool = False,
+    workers: int | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write config.json, generation_config.json, the shards and the index; return a summary dict."""
+    torch_dtype, st_dtype, _ = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    cfg = build_config(shape, layers, dtype, tiny)
+    specs = plan_tensors(cfg)
+    total = sum(s.numel for s in specs) * itemsize
+    shards = split_shards(specs, itemsize, shard_size)
+    out = Path(out)
+    _prepare_out_dir(out, overwrite)
+    free = shutil.disk_usage(out).free
+    if free < total + (64 << 20):
+        raise SystemExit(f"not enough disk: need {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free in {out}")
+    if workers is None:
+        workers = 4 if device.startswith("cuda") else max(1, os.cpu_count() or 1)
+    print(
+        f"{shape}{' (tiny)' if tiny else ''}: {cfg['num_hidden_layers']} layers, {len(specs)} tensors, "
+        f"{sum(s.numel for s in specs) / 1e9:.3f} B params, {total / 1e9:.2f} GB {dtype} in {len(shards)} shard(s) "
+        f"-> {out} (device={device}, workers={workers})",
+        flush=True,
+    )
+    _write_json(out / "config.json", cfg)
+    _write_json(out / "generation_config.json", build_generation_config(shape, tiny))
+
+    t0 = time.perf_counter()
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # parallelism comes from the worker threads; avoid oversubscription
+    try:
+        progress = Progress(total)
+        gen = ChunkGenerator(torch_dtype, device, seed)
+        weight_map = write_shards(shards, out, gen, st_dtype, itemsize, workers, progress)
+    finally:
+        torch.set_num_threads(prev_threads)
+    index = {
+        "metadata": {"total_size": total, "random_init": f"normal(0,{INIT_STD}) seed={seed} device={device}"},
+        "weight_map": weight_map,
+    }
+    _write_json(out / INDEX_NAME, index)
+    dt = time.perf_counter() - t0
+    print(
+        f"done: {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {dt:.1f} s = {total / 1e9 / dt:.2f} GB/s", flush=True
+    )
+    return {"out": str(out), "total_size": total, "num_shards": len(shards), "num_tensors": len(specs), "seconds": dt}
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", required=True, choices=SHAPES)
+    ap.add_argument("--layers", type=int, default=None, help="num_hidden_layers (default: the real model's)")
+    ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where to draw random numbers: cpu or cuda[:N]")
+    ap.add_argument("--shard-size", type=parse_size, default=parse_size("4GB"), help="e.g. 4GB (10^9) or 4GiB")
+    ap.add_argument("--tiny", action="store_true", help="shrink widths/experts/vocab (tests; default 2 layers)")
+    ap.add_argument("--workers", type=int, default=None, help="generator threads (default: all cores; 4 on cuda)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and size, write nothing")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; importable so tests run it in-process."""
+    a = parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but CUDA is not available")
+    if a.dry_run:
+        cfg = build_config(a.shape, a.layers, a.dtype, a.tiny)
+        specs = plan_tensors(cfg)
+        itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
+        total = sum(s.numel for s in specs) * itemsize
+        n = len(split_shards(specs, itemsize, a.shard_size))
+        print(json.dumps(cfg, indent=2))
+        print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
+        return 0
+    write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""GPU checks (skipped without CUDA): bf16 reference agreement, exact fetch, budgets honoured."""
+
+import pytest
+import torch
+
+import moestream
+from moestream.experts.budget import plan_memory
+from tiny_models import ARCHS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_logits_close_to_fp32_reference(arch, tiny_checkpoints):
+    folder, ref_model = tiny_checkpoints[arch]
+    engine = moestream.load(folder, device="cuda", dtype="bfloat16")
+    ids = torch.randint(2, 160, (2, 33), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    out = engine.logits(ids).float().cpu()
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 3e-2, f"{arch}: relative error {rel:.3e}"
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree > 0.9
+
+
+def test_fetch_is_exact_at_every_capacity_on_gpu(tiny_qwen3):
+    full = moestream.load(tiny_qwen3, device="cuda", dtype="float32")
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 6)]
+    expected = full.generate(prompts, max_tokens=24, ignore_eos=True)
+    for cap in range(2, 9):
+        engine = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=cap)
+        assert engine.generate(prompts, max_tokens=24, ignore_eos=True) == expected, f"capacity {cap}"
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+def test_peak_device_memory_stays_within_budget(fraction, tiny_qwen3):
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16")
+    cap = max(engine.config.top_k, int(engine.config.num_experts * fraction))
+    budget = plan_memory(engine.config, torch.bfloat16, capacity=cap, max_context=256).total_bytes
+    del engine
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", gpu_memory=budget)
+    assert engine.bank.capacity == cap
+    engine.generate(list(range(2, 120)), max_tokens=16, ignore_eos=True)
+    assert torch.cuda.max_memory_allocated() - base <= budget

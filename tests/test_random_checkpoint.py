@@ -1,0 +1,268 @@
+"""Tests for scripts/make_random_checkpoint.py.
+
+Why: every benchmark and engine test runs on these synthetic checkpoints, so their
+layout must be exactly what transformers (and the real Hub checkpoints) use.  We
+check that against transformers itself: a tiny model built from the same config
+and saved with ``save_pretrained`` must have the same tensor names and shapes, and
+``from_pretrained`` must load ours with nothing missing or unexpected.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b")
+
+
+def _load_script() -> ModuleType:
+    """Import the script by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "make_random_checkpoint", ROOT / "scripts" / "make_random_checkpoint.py"
+    )
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+mrc = _load_script()
+transformers = pytest.importorskip("transformers")
+
+
+def _read_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) over every .safetensors file in ``ckpt``."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Write every shape with --tiny once; a small shard size forces several shards."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for shape in SHAPES:
+        out[shape] = root / shape
+        assert (
+            mrc.main(
+                [
+                    "--shape",
+                    shape,
+                    "--tiny",
+                    "--layers",
+                    "2",
+                    "--out",
+                    str(out[shape]),
+                    "--shard-size",
+                    "150KB",
+                    "--workers",
+                    "2",
+                ]
+            )
+            == 0
+        )
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiny_loads_and_runs_with_transformers(tiny_ckpts: dict[str, Path], shape: str) -> None:
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_ckpts[shape], dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"], info["missing_keys"]
+    assert not info["unexpected_keys"], info["unexpected_keys"]
+    assert not info.get("mismatched_keys"), info.get("mismatched_keys")
+    assert type(model).__name__ == mrc.PUBLISHED_CONFIGS[shape]["architectures"][0]
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 5, model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+    # A layer's q_proj must be the random values we wrote, not a fresh init.
+    name = "model.layers.0.self_attn.q_proj.weight"
+    index = json.loads((tiny_ckpts[shape] / mrc.INDEX_NAME).read_text())
+    with safe_open(str(tiny_ckpts[shape] / index["weight_map"][name]), "pt") as h:
+        assert torch.equal(model.get_parameter(name), h.get_tensor(name).float())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiny_layout_matches_transformers_save_pretrained(
+    tiny_ckpts: dict[str, Path], shape: str, tmp_path: Path
+) -> None:
+    cfg = transformers.AutoConfig.from_pretrained(tiny_ckpts[shape])
+    ref = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    ref.save_pretrained(tmp_path)
+    theirs, ours = _read_tensors(tmp_path), _read_tensors(tiny_ckpts[shape])
+    assert sorted(ours) == sorted(theirs)
+    assert ours == theirs  # shapes and dtypes
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_index_matches_shards(tiny_ckpts: dict[str, Path], shape: str) -> None:
+    d = tiny_ckpts[shape]
+    index = json.loads((d / mrc.INDEX_NAME).read_text())
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    assert len(shards) > 1 and not list(d.glob("*.tmp"))
+    assert sorted(set(index["weight_map"].values())) == shards
+    total = 0
+    for shard in shards:
+        with safe_open(str(d / shard), "pt") as h:
+            assert h.metadata() == {"format": "pt"}
+            keys = set(h.keys())
+            total += sum(h.get_tensor(k).nbytes for k in keys)
+        assert keys == {k for k, v in index["weight_map"].items() if v == shard}
+    assert index["metadata"]["total_size"] == total
+
+
+def test_values_follow_hf_init(tiny_ckpts: dict[str, Path]) -> None:
+    d = tiny_ckpts["qwen1.5-moe-a2.7b"]
+    index = json.loads((d / mrc.INDEX_NAME).read_text())
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(d / index["weight_map"][name]), "pt") as h:
+            return h.get_tensor(name)
+
+    assert get("model.norm.weight").eq(1).all()
+    assert get("model.layers.1.self_attn.k_proj.bias").eq(0).all()
+    emb = get("model.embed_tokens.weight").float()
+    assert emb.dtype == torch.float32 and abs(emb.std().item() - 0.02) < 0.002 and abs(emb.mean().item()) < 0.002
+
+
+def test_output_is_deterministic_and_independent_of_sharding(tmp_path: Path) -> None:
+    args = ["--shape", "olmoe-1b-7b", "--tiny", "--layers", "1"]
+    mrc.main(args + ["--out", str(tmp_path / "a"), "--workers", "1"])
+    mrc.main(args + ["--out", str(tmp_path / "b"), "--workers", "2", "--shard-size", "50KB"])
+    mrc.main(args + ["--out", str(tmp_path / "c"), "--seed", "1"])
+    a, b, c = ({k: v for f in (tmp_path / x).glob("*.safetensors") for k, v in _load(f).items()} for x in "abc")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    with pytest.raises(SystemExit):  # refuses to overwrite without --overwrite
+        mrc.main(args + ["--out", str(tmp_path / "a")])
+    mrc.main(args + ["--out", str(tmp_path / "a"), "--overwrite", "--shard-size", "50KB"])
+    assert len(json.loads((tmp_path / "a" / mrc.INDEX_NAME).read_text())["weight_map"]) == len(a)
+
+
+def _load(f: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(f), "pt") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}
+
+
+EXPECTED_FULL = {
+    # shape: (hidden, experts key, experts, top-k, expert width, layers, heads, kv heads, vocab)
+    "qwen3-30b-a3b": (2048, "num_experts", 128, 8, 768, 48, 32, 4, 151936),
+    "mixtral-8x7b": (4096, "num_local_experts", 8, 2, 14336, 32, 32, 8, 32000),
+    "olmoe-1b-7b": (2048, "num_experts", 64, 8, 1024, 16, 16, 16, 50304),
+    "qwen1.5-moe-a2.7b": (2048, "num_experts", 60, 4, 1408, 24, 16, 16, 151936),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_full_size_config_numbers(shape: str) -> None:
+    hidden, ekey, experts, top_k, width, layers, heads, kv, vocab = EXPECTED_FULL[shape]
+    cfg = mrc.build_config(shape)
+    assert (cfg["hidden_size"], cfg[ekey], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == (
+        hidden,
+        experts,
+        top_k,
+        layers,
+    )
+    assert cfg.get("moe_intermediate_size", cfg["intermediate_size"]) == width
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (heads, kv, vocab)
+    assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "bfloat16"
+    assert mrc.build_config(shape, layers=3)["num_hidden_layers"] == 3
+
+
+def test_full_size_specifics() -> None:
+    q3 = mrc.build_config("qwen3-30b-a3b")
+    assert (q3["head_dim"], q3["norm_topk_prob"], q3["rope_theta"], q3["max_position_embeddings"]) == (
+        128,
+        True,
+        1e6,
+        40960,
+    )
+    q2 = mrc.build_config("qwen1.5-moe-a2.7b")
+    assert (q2["shared_expert_intermediate_size"], q2["norm_topk_prob"]) == (5632, False)
+    assert mrc.build_generation_config("qwen3-30b-a3b")["eos_token_id"] == [151645, 151643]
+    specs = {s.name: s.shape for s in mrc.plan_tensors(mrc.build_config("qwen3-30b-a3b", layers=1))}
+    assert specs["model.layers.0.self_attn.q_proj.weight"] == (4096, 2048)
+    assert specs["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert specs["model.layers.0.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    olmoe = {s.name: s.shape for s in mrc.plan_tensors(mrc.build_config("olmoe-1b-7b", layers=1))}
+    assert olmoe["model.layers.0.self_attn.k_norm.weight"] == (2048,)
+    mix = {s.name: s.shape for s in mrc.plan_tensors(mrc.build_config("mixtral-8x7b", layers=1))}
+    assert mix["model.layers.0.block_sparse_moe.experts.7.w2.weight"] == (4096, 14336)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_full_size_param_count_matches_transformers(shape: str, tmp_path: Path) -> None:
+    """Build the real-size model (2 layers) on the meta device: no memory, exact parameter count."""
+    cfg = mrc.build_config(shape, layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert hf_cfg.hidden_size == cfg["hidden_size"] and hf_cfg.num_hidden_layers == 2
+    rope = getattr(hf_cfg, "rope_parameters", None) or {"rope_theta": getattr(hf_cfg, "rope_theta", None)}
+    assert rope["rope_theta"] == cfg["rope_theta"]  # legacy top-level rope_theta is understood
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    ours = sum(s.numel for s in mrc.plan_tensors(cfg))
+    assert sum(p.numel() for p in model.parameters()) == ours
+
+
+def test_parse_size() -> None:
+    assert mrc.parse_size("4GB") == 4 * 10**9
+    assert mrc.parse_size("4GiB") == 4 * 2**30
+    assert mrc.parse_size("150KB") == 150_000
+    assert mrc.parse_size("123") == 123
+
+
+def test_hf_baseline_greedy_loop_matches_generate_on_cpu(tiny_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """The peer benchmark's timed manual loop must produce exactly what model.generate produces."""
+    spec = importlib.util.spec_from_file_location("hf_baseline", ROOT / "benchmarks" / "hf_baseline.py")
+    assert spec and spec.loader
+    hfb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hfb)
+    common = [
+        str(tiny_ckpts["mixtral-8x7b"]),
+        "--mode",
+        "resident",
+        "--device",
+        "cpu",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+    ]
+    runs = {}
+    for method in ("loop", "generate"):
+        assert hfb.main(common + ["--method", method, "--json", str(tmp_path / f"{method}.json")]) == 0
+        runs[method] = json.loads((tmp_path / f"{method}.json").read_text())
+    assert runs["loop"]["generated_token_ids"] == runs["generate"]["generated_token_ids"]
+    assert len(runs["loop"]["generated_token_ids"]) == 4
+    assert runs["loop"]["experts_impl_effective"] == "grouped_mm" and runs["loop"]["decode_tok_s"] > 0
+
+
+def test_dense_mlp_layers_follow_mlp_only_layers(tmp_path: Path) -> None:
+    """Qwen MoE configs may make some layers dense; the planner must mirror transformers there too."""
+    cfg = mrc.build_config("qwen3-30b-a3b", layers=2, tiny=True)
+    cfg["mlp_only_layers"] = [0]
+    names = {s.name: s.shape for s in mrc.plan_tensors(cfg)}
+    assert names["model.layers.0.mlp.gate_proj.weight"] == (cfg["intermediate_size"], cfg["hidden_size"])
+    assert "model.layers.0.mlp.gate.weight" not in names and "model.layers.1.mlp.gate.weight" in names
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    model.save_pretrained(tmp_path / "ref")
+    assert {k: v[0] for k, v in _read_tensors(tmp_path / "ref").items()} == names
