@@ -1,0 +1,348 @@
+"""Fused MoE dispatch over bank slots in Triton: the CUDA hot path of `moe_reference`.
+
+The shape is vLLM's fused_moe (written afresh here for a bank of slots):
+
+1. **Align** (torch ops on the device, no host sync): the T*k (token, position) pairs are
+   sorted by slot and each slot's group is padded to a multiple of BLOCK_M, so every M-block
+   of the grouped GEMM belongs to exactly one slot. Pairs whose slot is -1 (not resident) go
+   to a trailing "unrouted" group whose blocks are tagged slot -1. The padded length has a
+   host-side upper bound, T*k + min(S+1, T*k) * (BLOCK_M-1), so the grid size is known
+   without reading anything back from the device.
+2. **gate_up GEMM + activation**, one launch: each program loads the gate tile and the matching
+   up tile of its slot, keeps two fp32 accumulators and writes `silu(gate) * up` (T*k, I) in
+   the hidden dtype. Fusing the activation halves the intermediate traffic and saves a launch.
+3. **down GEMM**, one launch, routing weight multiplied in the epilogue, written in fp32 to a
+   (T*k, H) buffer; unrouted pairs get zeros there, so nothing needs a memset.
+4. **Sum over k** with torch on a (T, k, H) view, in fp32, and one cast to the hidden dtype.
+
+Decode (T = 1..8) is a memory-bound GEMV over the used experts. With BLOCK_M = 16 every used
+slot has one M-block, so each used expert's weights are read exactly once, split over the
+N-tiles of the grid; the weight tiles are contiguous along K (the innermost dimension of the
+bank), which Triton turns into 16-byte vector loads.
+
+Block sizes come from a small table keyed by the expected rows per used slot (`select_config`).
+It was chosen from first principles and vLLM-style H100 settings, not measured here;
+`benchmarks/bench_fused_moe.py --tune` searches around it on the GPU.
+
+This module imports Triton at the top; the package `moestream.kernels` loads it lazily.
+It also runs under `TRITON_INTERPRET=1` on CPU tensors (that is how CI checks the kernel logic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .moe_reference import check_moe_inputs, get_activation
+
+__all__ = [
+    "fused_moe",
+    "fused_moe_with_config",
+    "moe_align_block_size",
+    "select_config",
+    "GemmConfig",
+    "MoeConfig",
+]
+
+# Activation name -> constexpr code understood by `_activate`. Add new names to
+# moe_reference.ACTIVATIONS first (the spec), then here and in `_activate`.
+_ACTIVATION_CODES: dict[str, int] = {"swiglu": 0}
+
+# Shared memory we let one program's pipeline use (H100 allows 227 KiB per block).
+_SMEM_BUDGET_BYTES = 192 * 1024
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of one grouped GEMM launch."""
+
+    block_n: int      # output columns per program (for gate_up: activated columns, 2x weight rows)
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 1  # M-blocks that walk the N-tiles together, for L2 reuse of weight tiles
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """BLOCK_M (shared by the alignment and both GEMMs) and the per-GEMM tiles."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+# (max expected rows per used slot, config). Rows per used slot r = T*k / min(S, T*k): 1 for
+# decode, ~T/16 for Qwen3-30B-A3B prefill. While r is small the GEMM is memory-bound on the
+# expert weights, so BLOCK_M is chosen to cover a slot's rows in one block (weights read once)
+# and BLOCK_N small enough to give every SM work; at large r it becomes a compute tile.
+_CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = (
+    (4, MoeConfig(16, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 4))),
+    (12, MoeConfig(16, GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 4, 3))),
+    (24, MoeConfig(32, GemmConfig(64, 128, 4, 3), GemmConfig(128, 64, 4, 4, group_m=8))),
+    (48, MoeConfig(64, GemmConfig(64, 64, 4, 4, group_m=8), GemmConfig(128, 64, 4, 4, group_m=8))),
+    (float("inf"), MoeConfig(128, GemmConfig(128, 64, 8, 4, group_m=8),
+                             GemmConfig(256, 64, 8, 4, group_m=8))),
+)
+
+
+def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
+    """Pick block sizes from host-side shapes only (no sync): see `_CONFIG_TABLE`."""
+    pairs = max(num_tokens * top_k, 1)
+    rows_per_slot = pairs / max(min(num_slots, pairs), 1)
+    for limit, config in _CONFIG_TABLE:
+        if rows_per_slot <= limit:
+            return config
+    return _CONFIG_TABLE[-1][1]
+
+
+def _fit_gemm(cfg: GemmConfig, block_m: int, n: int, k: int, elt_bytes: int,
+              gated: bool) -> GemmConfig:
+    """Shrink a tile to the problem and to shared memory.
+
+    tl.dot needs every tile dimension >= 16; small or odd shapes get the smallest power of two
+    that covers them. fp32 inputs double the pipeline's shared memory, so stages (then BLOCK_K)
+    are reduced until it fits.
+    """
+    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    stages = cfg.num_stages
+    b_tiles = 2 if gated else 1
+
+    def smem(st: int, bk: int) -> int:
+        return st * (block_m + b_tiles * block_n) * bk * elt_bytes
+
+    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and stages > 2:
+        stages -= 1
+    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and block_k > 32:
+        block_k //= 2
+    return replace(cfg, block_n=block_n, block_k=block_k, num_stages=stages)
+
+
+def moe_align_block_size(slot_ids: Tensor, num_slots: int, block_m: int) -> tuple[Tensor, Tensor]:
+    """Group the (token, position) pairs by slot, each group padded to a multiple of block_m.
+
+    Runs as torch ops on slot_ids' device with no host sync: every size is derived from
+    host-known shapes. torch.bincount is avoided on purpose (on CUDA it reads the maximum back
+    to size its output); the group sizes come from searchsorted on the sorted slots instead.
+
+    Args:
+        slot_ids: (T, k) int slot per pair; -1 or any value outside [0, num_slots) = unrouted.
+        num_slots: S, the bank's slot count.
+        block_m: rows per M-block of the grouped GEMM.
+
+    Returns:
+        pair_ids: (num_blocks * block_m,) int32 flat pair index (t*k + j) per padded row;
+            padding rows hold T*k (out of range: the kernels mask them).
+        block_slot: (num_blocks,) int32 slot of each M-block; -1 for the unrouted group and for
+            the unused tail blocks of the upper bound.
+    """
+    device = slot_ids.device
+    num_pairs = slot_ids.numel()
+    num_groups = num_slots + 1                      # group num_slots collects unrouted pairs
+    max_rows = num_pairs + min(num_groups, num_pairs) * (block_m - 1)
+    num_blocks = triton.cdiv(max_rows, block_m)
+
+    key = slot_ids.reshape(-1).to(torch.int64)
+    key = key.masked_fill((key < 0) | (key >= num_slots), num_slots)
+    sorted_key, order = torch.sort(key, stable=True)
+
+    # bounds[g] = first sorted position of group g; bounds[num_groups] = num_pairs.
+    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=device))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+
+    # Sorted position p of group g goes to padded row padded_start[g] + (p - bounds[g]).
+    shift = padded_start - bounds[:-1]
+    dest = shift[sorted_key] + torch.arange(num_pairs, device=device)
+    pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids.scatter_(0, dest, order.to(torch.int32))
+
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_slot = torch.searchsorted(padded_end, block_start, right=True)
+    block_slot = torch.where(block_slot < num_slots, block_slot, -1).to(torch.int32)
+    return pair_ids, block_slot
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr):
+    """Epilogue activation on fp32 accumulators; codes match _ACTIVATION_CODES."""
+    tl.static_assert(ACTIVATION == 0, "unknown activation code")
+    # Hook: a clamped SwiGLU (GPT-OSS) becomes `elif ACTIVATION == 1:` with alpha/limit args.
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _moe_grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr,
+    N, K, num_pairs, num_m_blocks,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr,      # A row of a pair = pair // A_ROW_DIV (top_k for hidden, 1 after)
+    GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
+    ACTIVATION: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight w[pair]
+    ZERO_UNROUTED: tl.constexpr,  # write zeros for rows of slot -1 (else leave them untouched)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """C[pair, :] = epilogue(A[pair // A_ROW_DIV, :] @ B[slot]^T) for one (M-block, N-tile).
+
+    Every M-block belongs to one slot (see moe_align_block_size); B is a (S, N or 2N, K) bank
+    tensor with K contiguous, read as [BLOCK_K, BLOCK_N] tiles of that slot.
+    """
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M consecutive M-blocks (usually the same slot) sweep the N-tiles
+    # together, so a weight tile fetched for one is found in L2 by the others.
+    pids_per_group = GROUP_M * num_n_tiles
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_size = min(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_size
+    pid_n = (pid % pids_per_group) // group_size
+
+    slot = tl.load(block_slot_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ids_ptr + offs_m)
+    row_mask = pair < num_pairs
+    pair = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_mask[:, None] & (offs_n[None, :] < N)
+
+    if slot < 0:
+        if ZERO_UNROUTED:
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+            tl.store(c_ptrs, zeros, mask=c_mask)
+        return
+
+    offs_k = tl.arange(0, BLOCK_K)
+    # Columns past N wrap around instead of being masked: loads stay unmasked along N (the
+    # store is masked), which keeps the weight loads wide.
+    offs_bn = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_be
+              + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        up_ptrs = b_ptrs + N * stride_bn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k < K - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            if EVEN_K:
+                b_up = tl.load(up_ptrs)
+            else:
+                b_up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            up_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if GATED:
+        acc = _activate(acc, acc_up, ACTIVATION)
+    if MUL_WEIGHT:
+        w = tl.load(w_ptr + pair, mask=row_mask, other=0.0)
+        acc = acc * w[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: Tensor,
+                         block_slot: Tensor, n: int, k: int, num_pairs: int, a_row_div: int,
+                         gated: bool, activation_code: int, mul_weight: bool,
+                         zero_unrouted: bool, block_m: int, cfg: GemmConfig) -> None:
+    """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles."""
+    num_m_blocks = block_slot.numel()
+    grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    _moe_grouped_gemm_kernel[grid](
+        a, b, c, w, pair_ids, block_slot,
+        n, k, num_pairs, num_m_blocks,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
+        ZERO_UNROUTED=zero_unrouted,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=(k % cfg.block_k == 0),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
+                          weights: Tensor, activation: str = "swiglu",
+                          config: MoeConfig | None = None) -> Tensor:
+    """`fused_moe` with explicit block sizes (None = `select_config`); for tuning and tests."""
+    T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
+    get_activation(activation)                   # same errors as the reference
+    if activation not in _ACTIVATION_CODES:
+        raise NotImplementedError(f"fused_moe has no Triton epilogue for activation {activation!r}")
+    if not hidden.is_cuda and not _interpreting():
+        raise ValueError(
+            "fused_moe needs CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging); "
+            "use moe_reference on the CPU"
+        )
+    for name, t in (("gate_up", gate_up), ("down", down), ("slot_ids", slot_ids),
+                    ("weights", weights)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+    num_pairs = T * k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    cfg = config if config is not None else select_config(T, k, S)
+    elt = hidden.element_size()
+    gate_up_cfg = _fit_gemm(cfg.gate_up, cfg.block_m, I, H, elt, gated=True)
+    down_cfg = _fit_gemm(cfg.down, cfg.block_m, H, I, elt, gated=False)
+
+    pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    activated = torch.empty((num_pairs, I), dtype=hidden.dtype, device=hidden.device)
+    per_pair = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
+
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
+                             n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
+                             activation_code=_ACTIVATION_CODES[activation], mul_weight=False,
+                             zero_unrouted=False, block_m=cfg.block_m, cfg=gate_up_cfg)
+        _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
+                             n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
+                             activation_code=0, mul_weight=True, zero_unrouted=True,
+                             block_m=cfg.block_m, cfg=down_cfg)
+    return per_pair.view(T, k, H).sum(dim=1).to(hidden.dtype)
+
+
+def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
+              activation: str = "swiglu") -> Tensor:
+    """Routed-expert FFN over bank slots in two Triton launches; contract of `moe_reference`.
+
+    Args:
+        hidden: (T, H) bf16/fp16/fp32 CUDA tensor.
+        gate_up: (S, 2*I, H) bank slots, gate rows first then up rows, same dtype.
+        down: (S, H, I) bank slots.
+        slot_ids: (T, k) int32/int64; -1 (or any slot outside [0, S)) contributes nothing.
+        weights: (T, k) routing weights, fp32 or hidden dtype.
+        activation: "swiglu".
+
+    Returns:
+        (T, H) in hidden's dtype, accumulated in fp32. No host sync; safe to capture in a
+        CUDA graph (all shapes depend only on T, k, S, H, I).
+    """
+    return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation)

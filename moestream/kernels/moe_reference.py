@@ -1,0 +1,145 @@
+"""Plain-torch MoE dispatch over bank slots: the spec of `fused_moe`, and the engine's CPU path.
+
+What it computes, for every token t and routed position j (slot s = slot_ids[t, j]):
+
+    out[t] = sum_j  weights[t, j] * down[s] @ act(gate_up[s] @ hidden[t])     (s >= 0 only)
+
+where `gate_up[s]` holds the gate rows first and the up rows second, and the activation
+`swiglu` is `silu(gate) * up`. A slot of -1 (expert not resident) contributes nothing.
+
+Why this shape of code: the reference is also what the engine runs on the CPU, so it must be
+fast there, not just obviously right. It groups the (token, position) pairs by slot with one
+stable sort and then loops over the slots that are actually used (at most min(T*k, S) of them),
+running two dense GEMMs per used slot on the gathered rows. The alternative, gathering each
+pair's expert weights and running one batched `bmm`, copies `T*k` whole experts per call
+(75 MB per token for Qwen3-30B-A3B) and is several times slower on a CPU. The loop reads
+`.tolist()` once to learn the group sizes; that host sync is free on the CPU and acceptable for
+a reference on CUDA, which is why the CUDA hot path uses the Triton kernel instead.
+
+Precision: GEMMs run in the bank's dtype (torch's bf16/fp16 GEMMs accumulate in fp32 on both
+CPU and CUDA, and a native bf16 GEMM is ~3-4x faster on a CPU than upcasting the expert to
+fp32), the activation is computed in fp32, and the sum over the k routed experts accumulates
+in fp32 before one cast to the hidden dtype at the end. For fp32 inputs everything is fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["moe_reference", "ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
+           "get_activation"]
+
+
+def _swiglu(gate_up_out: Tensor) -> Tensor:
+    """SwiGLU on a (n, 2I) gate_up product: `silu(gate) * up`, gate = first I columns."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# Activation name -> function on the (n, 2I) fp32 gate_up product, returning (n, I).
+# The Triton kernel has a matching integer code per name (see fused_moe._ACTIVATION_CODES);
+# a new activation is added in both places, reference first.
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"swiglu": _swiglu}
+
+# Names an ArchSpec may already ask for but whose kernels are not written yet. GPT-OSS's
+# clamped SwiGLU goes here: clamp(gate, max=limit), clamp(up, -limit, limit),
+# (up + 1) * gate * sigmoid(alpha * gate); it needs `alpha` and `limit` parameters, so it
+# will arrive with an extra keyword argument rather than a bare name.
+PLANNED_ACTIVATIONS: frozenset[str] = frozenset({"swiglu_clamped"})
+
+
+def get_activation(name: str) -> Callable[[Tensor], Tensor]:
+    """Look up an activation by name; say clearly when it is planned but not implemented."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        if name in PLANNED_ACTIVATIONS:
+            raise NotImplementedError(
+                f"MoE activation {name!r} is not implemented yet; the implemented ones are "
+                f"{sorted(ACTIVATIONS)}"
+            ) from None
+        raise ValueError(
+            f"unknown MoE activation {name!r}; use one of {sorted(ACTIVATIONS)}"
+        ) from None
+
+
+def check_moe_inputs(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
+                     weights: Tensor) -> tuple[int, int, int, int, int]:
+    """Validate shapes and dtypes shared by both implementations; return (T, H, S, I, k).
+
+    Only metadata is read here (no values), so the check costs no device sync.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (T, H), got shape {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be (S, 2*I, H={H}), got shape {tuple(gate_up.shape)}")
+    S, two_i, _ = gate_up.shape
+    I = two_i // 2
+    if tuple(down.shape) != (S, H, I):
+        raise ValueError(f"down must be (S={S}, H={H}, I={I}), got shape {tuple(down.shape)}")
+    if slot_ids.dim() != 2 or slot_ids.shape[0] != T:
+        raise ValueError(f"slot_ids must be (T={T}, k), got shape {tuple(slot_ids.shape)}")
+    k = slot_ids.shape[1]
+    if tuple(weights.shape) != (T, k):
+        raise ValueError(f"weights must be (T={T}, k={k}), got shape {tuple(weights.shape)}")
+    if slot_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_ids must be int32 or int64, got {slot_ids.dtype}")
+    if gate_up.dtype != hidden.dtype or down.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden, gate_up and down must share one dtype, got "
+            f"{hidden.dtype}, {gate_up.dtype}, {down.dtype}"
+        )
+    return T, H, S, I, k
+
+
+def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
+                  weights: Tensor, activation: str = "swiglu") -> Tensor:
+    """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
+
+    Args:
+        hidden: (T, H) token activations, bf16/fp16/fp32.
+        gate_up: (S, 2*I, H) bank slots, gate rows first then up rows, same dtype as hidden.
+        down: (S, H, I) bank slots.
+        slot_ids: (T, k) int32/int64 slot per routed expert; -1 = not resident, contributes 0.
+        weights: (T, k) routing weights (fp32 or hidden dtype).
+        activation: "swiglu" (silu(gate) * up).
+
+    Returns:
+        (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
+    """
+    T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
+    act = get_activation(activation)
+    if T == 0 or k == 0:
+        return torch.zeros_like(hidden)
+
+    flat_slots = slot_ids.reshape(-1).to(torch.int64)
+    # Out-of-range slots are treated like -1 (not resident): the fused kernel cannot raise on
+    # the device without a sync, so both implementations agree on "ignore" instead.
+    valid = (flat_slots >= 0) & (flat_slots < S)
+    pairs = valid.nonzero().squeeze(1)                      # flat (t*k + j) indices
+    if pairs.numel() == 0:
+        return torch.zeros_like(hidden)
+    pair_slots = flat_slots[pairs]
+    order = torch.argsort(pair_slots, stable=True)
+    pairs, pair_slots = pairs[order], pair_slots[order]
+    used_slots, counts = torch.unique_consecutive(pair_slots, return_counts=True)
+    flat_weights = weights.reshape(-1).to(torch.float32)
+    # One fp32 row per (token, position), summed over k at the end: the same order of
+    # summation as the kernel, and plain row writes (pairs are unique). Scattering into (T, H)
+    # with index_add_ instead was measured at tens of ms per call on a CPU, even for one row.
+    per_pair = torch.zeros(T * k, H, dtype=torch.float32, device=hidden.device)
+
+    start = 0
+    for slot, n in zip(used_slots.tolist(), counts.tolist()):   # the one host sync
+        group = pairs[start:start + n]
+        start += n
+        tokens = group // k
+        x = hidden.index_select(0, tokens)                  # (n, H)
+        h = act(torch.nn.functional.linear(x, gate_up[slot]).float())   # (n, I) fp32
+        y = torch.nn.functional.linear(h.to(hidden.dtype), down[slot]).float()  # (n, H)
+        per_pair[group] = y * flat_weights[group, None]
+    return per_pair.view(T, k, H).sum(dim=1).to(hidden.dtype)

@@ -1,0 +1,137 @@
+"""moe_reference against the definition, evaluated naively in float64 (CPU, runs in CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.kernels import moe_reference
+
+
+def naive_moe(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              slot_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The definition, one token and one routed expert at a time, in float64."""
+    T, H = hidden.shape
+    I = down.shape[2]
+    S = gate_up.shape[0]
+    out = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        x = hidden[t].double()
+        for j in range(slot_ids.shape[1]):
+            s = int(slot_ids[t, j])
+            if s < 0 or s >= S:
+                continue
+            h = gate_up[s].double() @ x
+            gate, up = h[:I], h[I:]
+            act = torch.nn.functional.silu(gate) * up
+            out[t] += float(weights[t, j]) * (down[s].double() @ act)
+    return out
+
+
+def make_inputs(T: int, H: int, I: int, S: int, k: int, dtype: torch.dtype, seed: int,
+                unrouted: float = 0.2, slot_dtype: torch.dtype = torch.int64):
+    """Fresh random inputs; scaled so every stage stays O(1). About `unrouted` of slots are -1."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(S, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    down = (torch.randn(S, H, I, generator=g) / I ** 0.5).to(dtype)
+    slot_ids = torch.randint(0, S, (T, k), generator=g)
+    slot_ids[torch.rand(T, k, generator=g) < unrouted] = -1
+    weights = torch.rand(T, k, generator=g)
+    return hidden, gate_up, down, slot_ids.to(slot_dtype), weights
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("T", [1, 2, 37])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_fp32_matches_naive(T: int, slot_dtype: torch.dtype) -> None:
+    # S=5 with k=4 forces duplicate slots across tokens (and often within a token).
+    inputs = make_inputs(T, H=48, I=20, S=5, k=4, dtype=torch.float32, seed=T,
+                         slot_dtype=slot_dtype)
+    out = moe_reference(*inputs)
+    assert out.dtype == torch.float32 and out.shape == (T, 48)
+    assert rel_err(out, naive_moe(*inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_half_precision_matches_naive(dtype: torch.dtype, tol: float) -> None:
+    inputs = make_inputs(37, H=64, I=32, S=7, k=3, dtype=dtype, seed=11)
+    out = moe_reference(*inputs)
+    assert out.dtype == dtype
+    assert rel_err(out, naive_moe(*inputs)) < tol
+
+
+def test_weights_in_hidden_dtype() -> None:
+    hidden, gate_up, down, slot_ids, weights = make_inputs(9, 32, 16, 4, 2, torch.bfloat16, 3)
+    weights = weights.to(torch.bfloat16)
+    out = moe_reference(hidden, gate_up, down, slot_ids, weights)
+    assert rel_err(out, naive_moe(hidden, gate_up, down, slot_ids, weights)) < 2e-2
+
+
+def test_unrouted_slots_contribute_nothing() -> None:
+    hidden, gate_up, down, slot_ids, weights = make_inputs(6, 32, 16, 4, 3, torch.float32, 5,
+                                                           unrouted=0.0)
+    base = moe_reference(hidden, gate_up, down, slot_ids, weights)
+    # Add a -1 position and an out-of-range slot whose weights are NaN: nothing changes
+    # (they are skipped, not multiplied by zero).
+    extra = torch.tensor([[-1, 99]] * 6)
+    out = moe_reference(hidden, gate_up, down, torch.cat([slot_ids, extra], 1),
+                        torch.cat([weights, torch.full((6, 2), float("nan"))], 1))
+    torch.testing.assert_close(out, base)
+    all_missing = torch.full_like(slot_ids, -1)
+    assert torch.equal(moe_reference(hidden, gate_up, down, all_missing, weights),
+                       torch.zeros(6, 32))
+
+
+def test_duplicate_slot_within_token_counts_twice() -> None:
+    hidden, gate_up, down, _, _ = make_inputs(3, 32, 16, 4, 1, torch.float32, 7)
+    once = moe_reference(hidden, gate_up, down, torch.tensor([[2], [0], [3]]), torch.ones(3, 1))
+    twice = moe_reference(hidden, gate_up, down, torch.tensor([[2, 2], [0, 0], [3, 3]]),
+                          torch.ones(3, 2))
+    torch.testing.assert_close(twice, 2 * once)
+
+
+def test_empty_batch() -> None:
+    hidden, gate_up, down, slot_ids, weights = make_inputs(0, 32, 16, 4, 2, torch.float32, 1)
+    assert moe_reference(hidden, gate_up, down, slot_ids, weights).shape == (0, 32)
+
+
+def test_activation_names() -> None:
+    inputs = make_inputs(2, 32, 16, 4, 2, torch.float32, 2)
+    with pytest.raises(NotImplementedError, match="swiglu_clamped"):
+        moe_reference(*inputs, activation="swiglu_clamped")
+    with pytest.raises(ValueError, match="unknown MoE activation"):
+        moe_reference(*inputs, activation="gelu_tanh_typo")
+
+
+def test_shape_errors_name_the_tensor() -> None:
+    hidden, gate_up, down, slot_ids, weights = make_inputs(2, 32, 16, 4, 2, torch.float32, 2)
+    with pytest.raises(ValueError, match="down"):
+        moe_reference(hidden, gate_up, down[:, :, :8], slot_ids, weights)
+    with pytest.raises(ValueError, match="weights"):
+        moe_reference(hidden, gate_up, down, slot_ids, weights[:, :1])
+    with pytest.raises(ValueError, match="slot_ids"):
+        moe_reference(hidden, gate_up, down, slot_ids.float(), weights)
+
+
+def test_package_import_does_not_import_triton() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, moestream.kernels as k; "
+            "assert 'triton' not in sys.modules, 'importing moestream.kernels imported triton'; "
+            "assert callable(k.fused_moe) and callable(k.fused_moe_available)")
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env_with_repo_on_path())
+
+
+def _env_with_repo_on_path() -> dict[str, str]:
+    import os
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    return env
