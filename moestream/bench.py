@@ -58,8 +58,10 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
-    warm = torch.randint(0, vocab, (min(16, prompt_tokens),), generator=gen).tolist()
-    engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)   # compile kernels, warm copies
+    warm = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+    # same prompt length: prefill kernels compile outside the timing; decode graphs captured ahead
+    engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)
+    engine.generator.prepare(1, prompt_tokens + gen_tokens)
     engine.reset_stats()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too

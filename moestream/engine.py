@@ -103,7 +103,8 @@ class Engine:
     def _stream_rows(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[tuple[int, int | None, str]]:
         """Yield (row, token, text delta) as tokens arrive; token None marks a row's final flush."""
         run = GenerationRun(prompts, params)
-        detoks = [IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None for _ in prompts]
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids=p) if self.tokenizer is not None else None
+                  for p in prompts]
         stops = [StopStringFilter(params.stop) for _ in prompts]
         counts = [0] * len(prompts)
         for step in self.generator.run(run):

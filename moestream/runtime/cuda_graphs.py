@@ -49,6 +49,16 @@ class DecodeGraphs:
             out = self._step(kv_len)
         return graph, out
 
+    def capture_upto(self, kv_len: int) -> None:
+        """Capture every bucket up to the one holding kv_len (benchmarks keep capture out of timings)."""
+        bucket = length_bucket(1, self.cache.max_len)
+        while True:
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
+            if bucket >= length_bucket(kv_len, self.cache.max_len):
+                break
+            bucket = length_bucket(bucket + 1, self.cache.max_len)
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Logits (B, V) for one decode step; `tokens` and `positions` (B,) stay on the device."""
         self.tokens.copy_(tokens.view(-1, 1))

@@ -112,6 +112,21 @@ class Generator:
         return c
 
     @torch.inference_mode()
+    def prepare(self, batch: int, length: int) -> None:
+        """Allocate the cache and capture the decode graphs a run of this size will need, ahead of time.
+
+        Call between runs only: capturing writes the cache at the static buffers' positions.
+        """
+        cache = self.cache_for(batch, length)
+        bank = self.model.bank
+        if not (self.cuda_graphs and bank is not None and bank.graph_safe):
+            return
+        graphs = self._graphs.get(batch)
+        if graphs is None or graphs.cache is not cache:
+            graphs = self._graphs[batch] = DecodeGraphs(self.model, self.rotary_table(), cache, batch, self.dtype)
+        graphs.capture_upto(min(length, self.max_context))
+
+    @torch.inference_mode()
     def prefill(self, cache: KVCache, row: int, prompt: list[int]) -> torch.Tensor:
         """Run one prompt through the model chunk by chunk; return the last position's logits (1, V)."""
         table = self.rotary_table()
