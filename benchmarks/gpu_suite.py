@@ -83,7 +83,7 @@ def foundation(args) -> dict:
     t0 = time.perf_counter()
     engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=None, max_context=4096)
     load_s = time.perf_counter() - t0
-    res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s)
+    res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature)
     log(res.table())
     ours = res.as_dict()
     del engine
@@ -117,7 +117,7 @@ def budgets(args) -> dict:
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency)
         load_s = time.perf_counter() - t0
-        res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s).as_dict()
+        res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
         res["expert_fraction"] = frac
         res["within_budget"] = res["peak_device_bytes"] <= budget
         missed = res["decode_bytes_per_token"]
@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--hf-offload", action="store_true")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log(torch.cuda.get_device_name(), torch.__version__)

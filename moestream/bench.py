@@ -26,6 +26,7 @@ class BenchResult:
     host_tier: str
     prompt_tokens: int
     gen_tokens: int
+    temperature: float
     load_s: float
     ttft_s: float
     prefill_tok_s: float
@@ -54,7 +55,10 @@ class BenchResult:
 
 
 def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float = 0.0, seed: int = 0,
-              warmup_tokens: int = 4) -> BenchResult:
+              warmup_tokens: int = 4, temperature: float = 0.0) -> BenchResult:
+    """temperature > 0 samples (seeded): random-weight models then decode diverse tokens instead of
+    repeating one, so their routing stays near-uniform (greedy decoding of random weights tends to
+    settle on one token and route it to the same experts every step, a best case for the bank)."""
     vocab = engine.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
@@ -67,7 +71,8 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too
     first_stats = None
     t0 = time.perf_counter()
-    for i, _ in enumerate(engine.stream_tokens(prompt, max_tokens=gen_tokens, ignore_eos=True)):
+    for i, _ in enumerate(engine.stream_tokens(prompt, max_tokens=gen_tokens, ignore_eos=True,
+                                               temperature=temperature, seed=seed)):
         if i == 0:
             engine.bank.sync_stats()
             first_stats = copy.deepcopy(engine.bank.stats)
@@ -83,7 +88,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""), capacity=engine.bank.capacity,
         num_experts=engine.config.num_experts, miss_policy=engine.bank.miss_policy,
         host_tier=engine.bank.tier.name if engine.bank.tier is not None else "none",
-        prompt_tokens=prompt_tokens, gen_tokens=m.generated_tokens, load_s=load_s, ttft_s=m.ttft_s,
+        prompt_tokens=prompt_tokens, gen_tokens=m.generated_tokens, temperature=temperature, load_s=load_s, ttft_s=m.ttft_s,
         prefill_tok_s=prompt_tokens / m.ttft_s if m.ttft_s else 0.0, decode_tok_s=m.decode_tok_s,
         decode_hit_rate=(total.hits - at_first.hits) / decode_pairs if decode_pairs else 1.0,
         decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,

@@ -115,7 +115,7 @@ def cmd_bench(args) -> int:
     if args.prompt_tokens < 1 or args.gen_tokens < 1:
         raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
     engine, load_s = _load(args)
-    result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed)
+    result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed, temperature=args.temperature)
     print(result.table())
     if args.stats:
         print(engine.bank.stats.table())
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--gen-tokens", type=int, default=128)
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="sample the decoded tokens (seeded); use 1.0 on random-weight checkpoints for near-uniform routing")
     bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
     bench.add_argument("--json", default=None, help="write the results as JSON to this file")
     bench.set_defaults(func=cmd_bench)

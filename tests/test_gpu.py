@@ -43,6 +43,6 @@ def test_peak_device_memory_stays_within_budget(fraction, tiny_qwen3):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", gpu_memory=budget)
-    assert engine.bank.capacity == cap
+    assert engine.bank.capacity >= cap   # the largest capacity that fits (staging can cost more than it saves)
     engine.generate(list(range(2, 120)), max_tokens=16, ignore_eos=True)
     assert torch.cuda.max_memory_allocated() - base <= budget

@@ -168,6 +168,32 @@ class ExpertBank:
             return self._forward_skip(layer, bank, hidden, expert_ids, weights)
         return self._forward_fetch(layer, bank, hidden, expert_ids, weights)
 
+    def dispatch(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Device-only dispatch through the current slot map: the caller guarantees residency."""
+        bank = self.layers[layer]
+        return self._dispatch(hidden, bank.gate_up, bank.down, bank.slot_map[expert_ids], weights)
+
+    def can_segment(self, batch: int) -> bool:
+        """Decode of `batch` tokens can always be made resident before its experts run (fetch policy)."""
+        if self.fully_resident or self.miss_policy != "fetch":
+            return False
+        most_pinned = max((len(p) for p in self.policy.pinned.values()), default=0)
+        return batch * self.top_k <= self.capacity - most_pinned and batch <= self.capacity
+
+    def ensure_resident(self, layer: int, expert_ids: np.ndarray) -> None:
+        """Host side of a fetch: count hits and misses, copy missing experts into evicted slots."""
+        bank = self.layers[layer]
+        experts, counts = np.unique(expert_ids, return_counts=True)
+        self.policy.record(layer, experts, counts)
+        resident = np.array([e in bank.where for e in experts.tolist()], dtype=bool)
+        stats = self.stats.layer(layer)
+        stats.hits += int(counts[resident].sum())
+        stats.misses += int(counts[~resident].sum())
+        missing = experts[~resident].tolist()
+        if missing:
+            victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), set(experts.tolist()))
+            self._install(layer, missing, victims)
+
     def _forward_skip(self, layer, bank, hidden, expert_ids, weights):
         slots = bank.slot_map[expert_ids]
         present = slots >= 0
@@ -182,22 +208,19 @@ class ExpertBank:
 
     def _forward_fetch(self, layer, bank, hidden, expert_ids, weights):
         flat = expert_ids.reshape(-1).cpu().numpy()          # the one host sync of a layer that may miss
-        experts, counts = np.unique(flat, return_counts=True)
-        self.policy.record(layer, experts, counts)
-        resident = np.array([e in bank.where for e in experts.tolist()], dtype=bool)
-        stats = self.stats.layer(layer)
-        stats.hits += int(counts[resident].sum())
-        stats.misses += int(counts[~resident].sum())
-        missing = experts[~resident].tolist()
-        if missing:
-            free_slots = self.capacity - len(self.policy.pinned.get(layer, ())) - int(resident.sum())
-            if len(missing) <= free_slots and hidden.shape[0] <= self.capacity:
-                protect = set(experts.tolist())
-                victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), protect)
-                self._install(layer, missing, victims)
-            else:
-                return self._forward_staged(layer, bank, hidden, expert_ids, weights, missing)
-        return self._dispatch(hidden, bank.gate_up, bank.down, bank.slot_map[expert_ids], weights)
+        experts = np.unique(flat)
+        missing = [e for e in experts.tolist() if e not in bank.where]
+        free_slots = self.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
+        if missing and (len(missing) > free_slots or hidden.shape[0] > self.capacity):
+            experts, counts = np.unique(flat, return_counts=True)
+            self.policy.record(layer, experts, counts)
+            stats = self.stats.layer(layer)
+            missed = np.isin(experts, missing)
+            stats.hits += int(counts[~missed].sum())
+            stats.misses += int(counts[missed].sum())
+            return self._forward_staged(layer, bank, hidden, expert_ids, weights, missing)
+        self.ensure_resident(layer, flat)
+        return self.dispatch(layer, hidden, expert_ids, weights)
 
     def _install(self, layer: int, experts: list[int], victims: list[int]) -> None:
         """Copy `experts` over the slots of `victims` and update both slot maps."""
@@ -300,8 +323,8 @@ class ExpertBank:
     def refresh_from_misses(self) -> None:
         """Skip mode: swap cold resident experts for hot missed ones (one sync per refresh)."""
         for layer, bank in self.layers.items():
-            misses = self.miss_counts[layer].cpu().numpy()
-            uses = self.use_counts[layer].cpu().numpy()
+            misses = self.miss_counts[layer].cpu().numpy().copy()   # copies: on the CPU .cpu() aliases
+            uses = self.use_counts[layer].cpu().numpy().copy()
             hits, missed = self.pair_counts[layer].tolist()
             self.miss_counts[layer].zero_()
             self.use_counts[layer].zero_()

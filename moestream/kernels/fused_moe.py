@@ -1,28 +1,34 @@
 """Fused MoE dispatch over bank slots in Triton: the CUDA hot path of `moe_reference`.
 
-The shape is vLLM's fused_moe (written afresh here for a bank of slots):
+Two paths with one contract, picked from host-known shapes (`DECODE_MAX_PAIRS`):
 
-1. **Align** (torch ops on the device, no host sync): the T*k (token, position) pairs are
-   sorted by slot and each slot's group is padded to a multiple of BLOCK_M, so every M-block
-   of the grouped GEMM belongs to exactly one slot. Pairs whose slot is -1 (not resident) go
-   to a trailing "unrouted" group whose blocks are tagged slot -1. The padded length has a
-   host-side upper bound, T*k + min(S+1, T*k) * (BLOCK_M-1), so the grid size is known
-   without reading anything back from the device.
+**Decode** (T*k <= DECODE_MAX_PAIRS, `fused_moe_decode.py`): no alignment at all. Two launches
+over a (pair, N-tile) grid read the routing directly; the first pair routed to a slot computes
+every pair of that slot, so each used expert is streamed once. Then one launch sums the k rows
+of each token. 3 launches in all, memory-bound GEMV shapes.
+
+**Grouped** (vLLM's fused_moe shape, written afresh here for a bank of slots):
+
+1. **Align** (`moe_align.py`, one Triton launch, no host sync): the T*k (token, position) pairs
+   are grouped by slot and each slot's group is padded to a multiple of BLOCK_M, so every
+   M-block of the grouped GEMM belongs to exactly one slot. Pairs whose slot is -1 (not
+   resident) go to a trailing "unrouted" group whose blocks are tagged slot -1. The padded
+   length has a host-side upper bound, T*k + min(S+1, T*k) * (BLOCK_M-1), so the grid size is
+   known without reading anything back from the device.
 2. **gate_up GEMM + activation**, one launch: each program loads the gate tile and the matching
    up tile of its slot, keeps two fp32 accumulators and writes `silu(gate) * up` (T*k, I) in
    the hidden dtype. Fusing the activation halves the intermediate traffic and saves a launch.
 3. **down GEMM**, one launch, routing weight multiplied in the epilogue, written in fp32 to a
-   (T*k, H) buffer; unrouted pairs get zeros there, so nothing needs a memset.
-4. **Sum over k** with torch on a (T, k, H) view, in fp32, and one cast to the hidden dtype.
+   (T*k, H) buffer.
 
-Decode (T = 1..8) is a memory-bound GEMV over the used experts. With BLOCK_M = 16 every used
-slot has one M-block, so each used expert's weights are read exactly once, split over the
-N-tiles of the grid; the weight tiles are contiguous along K (the innermost dimension of the
-bank), which Triton turns into 16-byte vector loads.
+Both paths end with the same launch (`_sum_over_k_kernel`): out[t] = sum over j of the fp32 rows
+of the routed pairs, in a fixed order (deterministic), cast to the hidden dtype. Rows of
+unrouted pairs (slot -1 or outside [0, S)) are never written and never read.
 
-Block sizes come from a small table keyed by the expected rows per used slot (`select_config`).
-It was chosen from first principles and vLLM-style H100 settings, not measured here;
-`benchmarks/bench_fused_moe.py --tune` searches around it on the GPU.
+Block sizes of the grouped path come from a small table keyed by the expected rows per used
+slot (`select_config`). It was chosen from first principles and vLLM-style H100 settings, not
+measured here; `benchmarks/bench_fused_moe.py --tune` searches around it on the GPU (and
+`--tune-decode` around the decode path's `DEFAULT_DECODE_CONFIG`).
 
 This module imports Triton at the top; the package `moestream.kernels` loads it lazily.
 It also runs under `TRITON_INTERPRET=1` on CPU tensors (that is how CI checks the kernel logic).
@@ -39,20 +45,34 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fused_moe_decode import (DEFAULT_DECODE_CONFIG, DecodeConfig, DecodeTile,
+                               launch_decode_gemms)
+from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
+from .moe_activation import activate
+from .moe_align import moe_align_block_size, moe_align_block_size_torch
 from .moe_reference import check_moe_inputs, get_activation
 
 __all__ = [
     "fused_moe",
     "fused_moe_with_config",
     "moe_align_block_size",
+    "moe_align_block_size_torch",
     "select_config",
     "GemmConfig",
     "MoeConfig",
+    "DecodeConfig",
+    "DecodeTile",
+    "DEFAULT_DECODE_CONFIG",
+    "DECODE_MAX_PAIRS",
 ]
 
-# Activation name -> constexpr code understood by `_activate`. Add new names to
-# moe_reference.ACTIVATIONS first (the spec), then here and in `_activate`.
-_ACTIVATION_CODES: dict[str, int] = {"swiglu": 0}
+# `fused_moe` takes the decode path when T*k is at most this (8 tokens at k=8). A first guess:
+# `benchmarks/bench_fused_moe.py` times both paths per T so the crossover can be read off.
+DECODE_MAX_PAIRS = 64
+# The decode path keeps all T*k slot ids of a program in registers; forcing it past this many
+# pairs is refused (the grouped path is the right one there anyway).
+_DECODE_FORCED_MAX_PAIRS = 1024
+_PATHS = ("auto", "decode", "grouped")
 
 # Shared memory we let one program's pipeline use (H100 allows 227 KiB per block).
 _SMEM_BUDGET_BYTES = 192 * 1024
@@ -125,61 +145,6 @@ def _fit_gemm(cfg: GemmConfig, block_m: int, n: int, k: int, elt_bytes: int,
     return replace(cfg, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
-def moe_align_block_size(slot_ids: Tensor, num_slots: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """Group the (token, position) pairs by slot, each group padded to a multiple of block_m.
-
-    Runs as torch ops on slot_ids' device with no host sync: every size is derived from
-    host-known shapes. torch.bincount is avoided on purpose (on CUDA it reads the maximum back
-    to size its output); the group sizes come from searchsorted on the sorted slots instead.
-
-    Args:
-        slot_ids: (T, k) int slot per pair; -1 or any value outside [0, num_slots) = unrouted.
-        num_slots: S, the bank's slot count.
-        block_m: rows per M-block of the grouped GEMM.
-
-    Returns:
-        pair_ids: (num_blocks * block_m,) int32 flat pair index (t*k + j) per padded row;
-            padding rows hold T*k (out of range: the kernels mask them).
-        block_slot: (num_blocks,) int32 slot of each M-block; -1 for the unrouted group and for
-            the unused tail blocks of the upper bound.
-    """
-    device = slot_ids.device
-    num_pairs = slot_ids.numel()
-    num_groups = num_slots + 1                      # group num_slots collects unrouted pairs
-    max_rows = num_pairs + min(num_groups, num_pairs) * (block_m - 1)
-    num_blocks = triton.cdiv(max_rows, block_m)
-
-    key = slot_ids.reshape(-1).to(torch.int64)
-    key = key.masked_fill((key < 0) | (key >= num_slots), num_slots)
-    sorted_key, order = torch.sort(key, stable=True)
-
-    # bounds[g] = first sorted position of group g; bounds[num_groups] = num_pairs.
-    bounds = torch.searchsorted(sorted_key, torch.arange(num_groups + 1, device=device))
-    counts = bounds[1:] - bounds[:-1]
-    padded = (counts + (block_m - 1)) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-
-    # Sorted position p of group g goes to padded row padded_start[g] + (p - bounds[g]).
-    shift = padded_start - bounds[:-1]
-    dest = shift[sorted_key] + torch.arange(num_pairs, device=device)
-    pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pair_ids.scatter_(0, dest, order.to(torch.int32))
-
-    block_start = torch.arange(num_blocks, device=device) * block_m
-    block_slot = torch.searchsorted(padded_end, block_start, right=True)
-    block_slot = torch.where(block_slot < num_slots, block_slot, -1).to(torch.int32)
-    return pair_ids, block_slot
-
-
-@triton.jit
-def _activate(gate, up, ACTIVATION: tl.constexpr):
-    """Epilogue activation on fp32 accumulators; codes match _ACTIVATION_CODES."""
-    tl.static_assert(ACTIVATION == 0, "unknown activation code")
-    # Hook: a clamped SwiGLU (GPT-OSS) becomes `elif ACTIVATION == 1:` with alpha/limit args.
-    return gate * tl.sigmoid(gate) * up
-
-
 @triton.jit
 def _moe_grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr,
@@ -189,7 +154,6 @@ def _moe_grouped_gemm_kernel(
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight w[pair]
-    ZERO_UNROUTED: tl.constexpr,  # write zeros for rows of slot -1 (else leave them untouched)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -209,6 +173,8 @@ def _moe_grouped_gemm_kernel(
     pid_n = (pid % pids_per_group) // group_size
 
     slot = tl.load(block_slot_ptr + pid_m)
+    if slot < 0:                  # unrouted pairs and unused tail blocks: nothing to write
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_ids_ptr + offs_m)
     row_mask = pair < num_pairs
@@ -216,12 +182,6 @@ def _moe_grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_mask[:, None] & (offs_n[None, :] < N)
-
-    if slot < 0:
-        if ZERO_UNROUTED:
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
-            tl.store(c_ptrs, zeros, mask=c_mask)
-        return
 
     offs_k = tl.arange(0, BLOCK_K)
     # Columns past N wrap around instead of being masked: loads stay unmasked along N (the
@@ -255,17 +215,17 @@ def _moe_grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     if GATED:
-        acc = _activate(acc, acc_up, ACTIVATION)
+        acc = activate(acc, acc_up, ACTIVATION)
     if MUL_WEIGHT:
         w = tl.load(w_ptr + pair, mask=row_mask, other=0.0)
-        acc = acc * w[:, None]
+        acc = acc * w.to(tl.float32)[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: Tensor,
                          block_slot: Tensor, n: int, k: int, num_pairs: int, a_row_div: int,
                          gated: bool, activation_code: int, mul_weight: bool,
-                         zero_unrouted: bool, block_m: int, cfg: GemmConfig) -> None:
+                         block_m: int, cfg: GemmConfig) -> None:
     """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles."""
     num_m_blocks = block_slot.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
@@ -274,7 +234,6 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
-        ZERO_UNROUTED=zero_unrouted,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=(k % cfg.block_k == 0),
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -282,14 +241,57 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
     )
 
 
+@triton.jit
+def _sum_over_k_kernel(
+    src_ptr, slot_ptr, out_ptr, N, num_slots,
+    stride_sm, stride_st, stride_sj, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out[t, n-tile] = sum_j src[t*k + j, n-tile] over routed pairs, j in order, fp32."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = tl.load(slot_ptr + t * stride_st + j * stride_sj)
+        if (slot >= 0) & (slot < num_slots):       # unrouted rows are never written
+            row = (t * TOP_K + j).to(tl.int64)
+            acc += tl.load(src_ptr + row * stride_sm + offs_n, mask=n_mask, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n,
+             acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _launch_sum_over_k(per_pair: Tensor, slot_ids: Tensor, out: Tensor, num_slots: int) -> None:
+    T, k = slot_ids.shape
+    H = out.shape[1]
+    block_n = min(512, max(16, triton.next_power_of_2(H)))
+    _sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
+        per_pair, slot_ids, out, H, num_slots,
+        per_pair.stride(0), slot_ids.stride(0), slot_ids.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_N=block_n, num_warps=4,
+    )
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def choose_path(num_tokens: int, top_k: int) -> str:
+    """"decode" when T*k <= DECODE_MAX_PAIRS, else "grouped" (host-side shapes only)."""
+    return "decode" if num_tokens * top_k <= DECODE_MAX_PAIRS else "grouped"
+
+
 def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                           weights: Tensor, activation: str = "swiglu",
-                          config: MoeConfig | None = None) -> Tensor:
-    """`fused_moe` with explicit block sizes (None = `select_config`); for tuning and tests."""
+                          config: MoeConfig | DecodeConfig | None = None,
+                          path: str = "auto") -> Tensor:
+    """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
+
+    Args:
+        path: "auto" (`choose_path`, or the path `config`'s type names), "decode" or "grouped".
+        config: a `DecodeConfig` (decode path) or a `MoeConfig` (grouped path); None = defaults
+            (`DEFAULT_DECODE_CONFIG`, `select_config`).
+    """
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     get_activation(activation)                   # same errors as the reference
     if activation not in _ACTIVATION_CODES:
@@ -303,35 +305,72 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                     ("weights", weights)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if path not in _PATHS:
+        raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
+    if path == "auto":
+        if isinstance(config, DecodeConfig):
+            path = "decode"
+        elif isinstance(config, MoeConfig):
+            path = "grouped"
+        else:
+            path = choose_path(T, k)
+    wanted = DecodeConfig if path == "decode" else MoeConfig
+    if config is not None and not isinstance(config, wanted):
+        raise TypeError(f"the {path} path takes a {wanted.__name__}, got {type(config).__name__}")
 
     num_pairs = T * k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
+    if path == "decode" and num_pairs > _DECODE_FORCED_MAX_PAIRS:
+        raise ValueError(f"the decode path handles at most {_DECODE_FORCED_MAX_PAIRS} "
+                         f"(token, expert) pairs, got T*k = {num_pairs}; use the grouped path")
+    activation_code = _ACTIVATION_CODES[activation]
+    out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
+    per_pair = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
+    activated = torch.empty((num_pairs, I), dtype=hidden.dtype, device=hidden.device)
+
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        if path == "decode":
+            launch_decode_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
+                                activation_code, config)
+        else:
+            _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
+                           activation_code, config)
+        _launch_sum_over_k(per_pair, slot_ids, out, S)
+    return out
+
+
+def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
+                   weights: Tensor, activated: Tensor, per_pair: Tensor, activation_code: int,
+                   config: MoeConfig | None) -> None:
+    """Align + the two grouped GEMM launches; rows of unrouted pairs are left unwritten."""
+    T, k = slot_ids.shape
+    S, two_i, H = gate_up.shape
+    I = two_i // 2
+    num_pairs = T * k
     cfg = config if config is not None else select_config(T, k, S)
     elt = hidden.element_size()
     gate_up_cfg = _fit_gemm(cfg.gate_up, cfg.block_m, I, H, elt, gated=True)
     down_cfg = _fit_gemm(cfg.down, cfg.block_m, H, I, elt, gated=False)
 
     pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
-    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    activated = torch.empty((num_pairs, I), dtype=hidden.dtype, device=hidden.device)
-    per_pair = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
-
-    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
-        _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
-                             n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
-                             activation_code=_ACTIVATION_CODES[activation], mul_weight=False,
-                             zero_unrouted=False, block_m=cfg.block_m, cfg=gate_up_cfg)
-        _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
-                             n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
-                             activation_code=0, mul_weight=True, zero_unrouted=True,
-                             block_m=cfg.block_m, cfg=down_cfg)
-    return per_pair.view(T, k, H).sum(dim=1).to(hidden.dtype)
+    flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous
+    _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
+                         n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
+                         activation_code=activation_code, mul_weight=False,
+                         block_m=cfg.block_m, cfg=gate_up_cfg)
+    _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
+                         n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
+                         activation_code=0, mul_weight=True,
+                         block_m=cfg.block_m, cfg=down_cfg)
 
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation: str = "swiglu") -> Tensor:
-    """Routed-expert FFN over bank slots in two Triton launches; contract of `moe_reference`.
+    """Routed-expert FFN over bank slots in Triton; contract of `moe_reference`.
+
+    T*k <= DECODE_MAX_PAIRS takes the decode path (3 launches), larger batches the grouped
+    path (4 launches); see the module docstring.
 
     Args:
         hidden: (T, H) bf16/fp16/fp32 CUDA tensor.
@@ -342,7 +381,7 @@ def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         activation: "swiglu".
 
     Returns:
-        (T, H) in hidden's dtype, accumulated in fp32. No host sync; safe to capture in a
-        CUDA graph (all shapes depend only on T, k, S, H, I).
+        (T, H) in hidden's dtype, accumulated in fp32, deterministic (no atomics). No host
+        sync; safe to capture in a CUDA graph (all shapes depend only on T, k, S, H, I).
     """
     return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation)

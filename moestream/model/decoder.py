@@ -30,8 +30,11 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self._ffn_name)
 
+    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), ctx)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        x = self.attend(x, ctx)
         return x + self.ffn(self.post_attention_layernorm(x))
 
 
@@ -56,10 +59,13 @@ class MoECausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, ctx)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        return self.head(x)

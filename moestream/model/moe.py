@@ -47,14 +47,26 @@ class MoEBlock(nn.Module):
     def router(self) -> nn.Linear:
         return getattr(self, self._router_name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
-        weights, ids = route(self.router(h), self.top_k, self.router_kind, self.renormalise)
-        out = self.bank.forward(self.layer, h, ids, weights)
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights and expert ids for tokens h (T, H)."""
+        return route(self.router(h), self.top_k, self.router_kind, self.renormalise)
+
+    def combine(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident: bool = False) -> torch.Tensor:
+        """Routed experts (+ the shared expert) for routed tokens. `resident`: the caller made sure
+        every routed expert is in the bank, so dispatch reads nothing back (graph-capturable)."""
+        if resident:
+            out = self.bank.dispatch(self.layer, h, ids, weights)
+        else:
+            out = self.bank.forward(self.layer, h, ids, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(h)
             if self.shared_expert_gate is not None:
                 shared = F.sigmoid(self.shared_expert_gate(h)) * shared
             out = out + shared
-        return out.view(shape)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        weights, ids = self.route(h)
+        return self.combine(h, ids, weights).view(shape)

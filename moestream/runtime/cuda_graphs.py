@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graph replays: one launch per step instead of ~50 per layer.
+"""Decode steps as CUDA graph replays: a few launches per step instead of ~50 per layer.
 
 A batch-B decode step has static shapes except the attended cache length, so one graph is
 captured per length bucket (powers of two from 256): attention then reads at most twice the
@@ -9,10 +9,13 @@ them on the device. Only banks that read nothing back during a step can be captu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moestream.model.context import decode_context
 from moestream.model.decoder import MoECausalLM
+from moestream.model.moe import MoEBlock
 from moestream.runtime.kv_cache import KVCache
 
 
@@ -69,3 +72,99 @@ class DecodeGraphs:
             entry = self.graphs[bucket] = self._capture(bucket)
         entry[0].replay()
         return entry[1]
+
+
+@dataclass
+class _Carry:
+    """What one segment hands to the next: the residual stream and the routing of the next MoE layer."""
+
+    ctx: object
+    x: torch.Tensor
+    h: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class SegmentedDecode:
+    """Decode with a fetch-policy bank: graph segments split at each MoE layer's routing.
+
+    Segment i runs the experts of MoE layer i-1, the layers up to MoE layer i and that layer's
+    attention and router. Between segments the host reads the routing (the one sync the fetch
+    policy needs per layer) and makes the routed experts resident; the next segment then reads
+    the updated slot map from the device. Everything else of a step replays as graphs.
+    """
+
+    def __init__(self, model: MoECausalLM, rotary, cache: KVCache, batch: int, dtype: torch.dtype,
+                 use_graphs: bool = True):
+        self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
+        self.use_graphs = use_graphs
+        self.layers = list(model.model.layers)
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlock)]
+        device = cache.data.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, _Carry]]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    def _segment(self, i: int, kv_len: int, prev: _Carry | None) -> _Carry:
+        if i == 0:
+            ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype)
+            x, start = self.model.model.embed_tokens(self.tokens), 0
+        else:
+            ctx, layer = prev.ctx, self.moe_layers[i - 1]
+            routed = self.layers[layer].ffn.combine(prev.h, prev.ids, prev.weights, resident=True)
+            x, start = prev.x + routed.view_as(prev.x), layer + 1
+        if i == len(self.moe_layers):
+            for layer in self.layers[start:]:
+                x = layer(x, ctx)
+            return _Carry(ctx, x, logits=self.model.head(x)[:, -1])
+        moe = self.moe_layers[i]
+        for layer in self.layers[start:moe]:
+            x = layer(x, ctx)
+        x = self.layers[moe].attend(x, ctx)
+        h = self.layers[moe].post_attention_layernorm(x).reshape(-1, x.shape[-1])
+        weights, ids = self.layers[moe].ffn.route(h)
+        return _Carry(ctx, x, h, ids, weights)
+
+    def _make_resident(self, i: int, carry: _Carry) -> None:
+        self.model.bank.ensure_resident(self.moe_layers[i], carry.ids.reshape(-1).cpu().numpy())
+
+    def _eager(self, kv_len: int) -> torch.Tensor:
+        carry = None
+        for i in range(len(self.moe_layers) + 1):
+            carry = self._segment(i, kv_len, carry)
+            if i < len(self.moe_layers):
+                self._make_resident(i, carry)
+        return carry.logits
+
+    def _capture(self, kv_len: int) -> list[tuple[torch.cuda.CUDAGraph, _Carry]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._eager(kv_len)   # compile kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        out, carry = [], None
+        for i in range(len(self.moe_layers) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                carry = self._segment(i, kv_len, carry)
+            out.append((graph, carry))
+        return out
+
+    capture_upto = DecodeGraphs.capture_upto
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        self.tokens.copy_(tokens.view(-1, 1))
+        self.positions.copy_(positions)
+        if not self.use_graphs:
+            return self._eager(kv_len)
+        bucket = length_bucket(kv_len, self.cache.max_len)
+        segments = self.graphs.get(bucket)
+        if segments is None:
+            segments = self.graphs[bucket] = self._capture(bucket)
+        for i, (graph, carry) in enumerate(segments):
+            graph.replay()
+            if i < len(self.moe_layers):
+                self._make_resident(i, carry)
+        return segments[-1][1].logits

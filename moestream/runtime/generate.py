@@ -16,7 +16,7 @@ import torch
 
 from moestream.model.context import decode_context, prefill_context
 from moestream.model.decoder import MoECausalLM
-from moestream.runtime.cuda_graphs import DecodeGraphs
+from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
 from moestream.runtime.kv_cache import KVCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample
 
@@ -68,6 +68,7 @@ class Generator:
         self._cache: KVCache | None = None
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
         self._graphs: dict[int, DecodeGraphs] = {}
+        self._segmented: dict[int, SegmentedDecode] = {}
 
     def forward(self, input_ids: torch.Tensor, ctx, last_only: bool = False, decoding: bool = False) -> torch.Tensor:
         """One model call, with the bank told what kind of step it is and how many tokens went through."""
@@ -90,6 +91,15 @@ class Generator:
             logits = graphs(tokens, positions, kv_len)
             bank.after_step(B)
             return logits
+        if bank is not None and bank.can_segment(B):   # on the CPU the same segments run eagerly
+            seg = self._segmented.get(B)
+            if seg is None or seg.cache is not cache:
+                seg = self._segmented[B] = SegmentedDecode(self.model, self.rotary_table(), cache, B, self.dtype,
+                                                           use_graphs=self.cuda_graphs)
+            bank.begin_step(True)
+            logits = seg(tokens, positions, kv_len)
+            bank.after_step(B)
+            return logits
         ctx = decode_context(self.rotary_table(), cache, positions, kv_len, self.dtype)
         return self.forward(tokens[:, None], ctx, decoding=True)[:, -1]
 
@@ -107,6 +117,7 @@ class Generator:
             cfg = self.model.config
             self._cache = None
             self._graphs.clear()
+            self._segmented.clear()
             c = KVCache(cfg.num_layers, batch, self.max_context, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
             self._cache = c
         return c
@@ -119,11 +130,18 @@ class Generator:
         """
         cache = self.cache_for(batch, length)
         bank = self.model.bank
-        if not (self.cuda_graphs and bank is not None and bank.graph_safe):
+        if not (self.cuda_graphs and bank is not None):
             return
-        graphs = self._graphs.get(batch)
-        if graphs is None or graphs.cache is not cache:
-            graphs = self._graphs[batch] = DecodeGraphs(self.model, self.rotary_table(), cache, batch, self.dtype)
+        if bank.graph_safe:
+            graphs = self._graphs.get(batch)
+            if graphs is None or graphs.cache is not cache:
+                graphs = self._graphs[batch] = DecodeGraphs(self.model, self.rotary_table(), cache, batch, self.dtype)
+        elif bank.can_segment(batch):
+            graphs = self._segmented.get(batch)
+            if graphs is None or graphs.cache is not cache:
+                graphs = self._segmented[batch] = SegmentedDecode(self.model, self.rotary_table(), cache, batch, self.dtype)
+        else:
+            return
         graphs.capture_upto(min(length, self.max_context))
 
     @torch.inference_mode()

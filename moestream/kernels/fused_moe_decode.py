@@ -1,0 +1,212 @@
+"""Small-batch (decode) path of `fused_moe`: two GEMV-like launches, no alignment step.
+
+For a few (token, position) pairs the grouped GEMM's align step (launches, padding) costs more
+than the work, so this path reads the routing directly. One kernel, launched twice:
+
+* gate_up: grid (T*k, cdiv(I, BLOCK_N)); writes `act(gate_up[slot] @ hidden[t])` into a
+  (T*k, I) buffer in the hidden dtype.
+* down:    grid (T*k, cdiv(H, BLOCK_N)); writes `weights[t, j] * down[slot] @ inter[pair]` in
+  fp32 into a (T*k, H) buffer.
+
+The caller then sums the k rows of each token in a fixed order (deterministic, no atomics).
+
+Program (p, n) belongs to pair p. It loads all T*k slot ids (a few hundred bytes) and does the
+work only if p is the *first* pair routed to its slot (the slot's owner); the owner computes the
+rows of every pair routed to that slot, BLOCK_M at a time, with a `tl.dot` over the stacked
+rows. So each used expert is streamed from memory once even when several tokens share it
+(at T=8, k=8, S=128 random routing, ~64 pairs touch only ~50 experts), and a pair never needs
+a host-side grouping. Pairs whose slot is -1 or outside [0, S) are skipped by both launches;
+their rows of the two buffers stay unwritten and the caller's sum skips them too.
+
+Memory-bound by design: weight tiles are [BLOCK_K, BLOCK_N] with K the contiguous dimension of
+the bank (16-byte vector loads, pipelined over `num_stages`), and BLOCK_N is small so that one
+token's 8 experts already give hundreds of programs (8 pairs x 48 N-tiles for gate_up at
+Qwen3-30B-A3B's I = 768 and BLOCK_N = 16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .moe_activation import activate
+
+__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "launch_decode_gemms"]
+
+# Shared memory one program's pipeline may use; small tiles leave room for several programs/SM.
+_SMEM_BUDGET_BYTES = 96 * 1024
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """Tile shape and pipelining of one decode launch."""
+
+    block_n: int      # output columns per program (for gate_up: activated columns)
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Block sizes of the decode path. block_m = pair rows per dot (>= 16; more loop)."""
+
+    gate_up: DecodeTile
+    down: DecodeTile
+    block_m: int = 16
+
+
+# First-principles defaults for H100 (not yet measured; `bench_fused_moe.py --tune-decode`
+# sweeps around them). gate_up at T=1: 8 pairs x 48 N-tiles = 384 programs, each streaming
+# 2 x 16 rows x H; down: 8 x 64 = 512 programs of 32 rows x I.
+DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),
+                                     down=DecodeTile(32, 128, 4, 4))
+
+
+def _fit_tile(tile: DecodeTile, block_m: int, n: int, k: int, elt_bytes: int,
+              gated: bool) -> DecodeTile:
+    """Shrink a tile to the problem (tl.dot needs dims >= 16) and to the smem budget."""
+    block_n = min(tile.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
+    stages = tile.num_stages
+    b_tiles = 2 if gated else 1
+
+    def smem(st: int, bk: int) -> int:
+        return st * (block_m + b_tiles * block_n) * bk * elt_bytes
+
+    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and stages > 2:
+        stages -= 1
+    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and block_k > 32:
+        block_k //= 2
+    return replace(tile, block_n=block_n, block_k=block_k, num_stages=stages)
+
+
+@triton.jit
+def _moe_decode_kernel(
+    a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr,
+    N, K, num_pairs, num_slots, top_k,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_st, stride_sj, stride_wt, stride_wj,
+    A_BY_TOKEN: tl.constexpr,     # A row of a pair = its token (hidden) or the pair (inter)
+    GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); activate
+    ACTIVATION: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight
+    PAIRS: tl.constexpr,          # power of two >= num_pairs
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """C[q, n-tile] = epilogue(A[row(q)] @ B[slot]^T) for every pair q routed to this pair's
+    slot, if this pair is the slot's first pair (see the module docstring)."""
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # One load of all T*k slot ids (this pair's among them): a single memory round trip
+    # before the weights can be requested.
+    offs_p = tl.arange(0, PAIRS)
+    in_range = offs_p < num_pairs
+    slots = tl.load(slot_ptr + (offs_p // top_k) * stride_st + (offs_p % top_k) * stride_sj,
+                    mask=in_range, other=-1)
+    slot = tl.sum(tl.where(offs_p == pid, slots, 0), axis=0)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    match = (slots == slot) & in_range
+    if tl.min(tl.where(match, offs_p, PAIRS), axis=0) != pid:
+        return                                    # an earlier pair owns this slot
+    match_i = match.to(tl.int32)
+    count = tl.sum(match_i, axis=0)
+    rank = tl.where(match, tl.cumsum(match_i, axis=0) - 1, -1)   # position among the matches
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N wrap around instead of being masked (the store is masked), which keeps
+    # the weight loads unmasked along N and wide along K.
+    offs_bn = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_start = (b_ptr + slot.to(tl.int64) * stride_be
+               + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk)
+
+    for first_row in range(0, count, BLOCK_M):
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_mask = rows < count
+        # pair of row r = the offs_p whose rank is r (0 for the unused rows, masked)
+        pair = tl.sum(tl.where(rank[None, :] == rows[:, None], offs_p[None, :], 0), axis=1)
+        pair = pair.to(tl.int64)
+        if A_BY_TOKEN:
+            a_row = pair // top_k
+        else:
+            a_row = pair
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_start
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            up_ptrs = b_start + N * stride_bn
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_mask = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                if EVEN_K:
+                    b_up = tl.load(up_ptrs)
+                else:
+                    b_up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        if GATED:
+            acc = activate(acc, acc_up, ACTIVATION)
+        if MUL_WEIGHT:
+            w = tl.load(w_ptr + (pair // top_k) * stride_wt + (pair % top_k) * stride_wj,
+                        mask=row_mask, other=0.0)
+            acc = acc * w.to(tl.float32)[:, None]
+        c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_n[None, :] < N)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
+            num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
+            mul_weight: bool, block_m: int, tile: DecodeTile) -> None:
+    num_pairs = slot_ids.numel()
+    grid = (num_pairs, triton.cdiv(n, tile.block_n))
+    _moe_decode_kernel[grid](
+        a, b, c, slot_ids, weights,
+        n, k, num_pairs, num_slots, slot_ids.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1),
+        A_BY_TOKEN=a_by_token, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
+        PAIRS=max(16, triton.next_power_of_2(num_pairs)),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=(k % tile.block_k == 0),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
+                        weights: Tensor, inter: Tensor, per_pair: Tensor, activation_code: int,
+                        config: DecodeConfig | None = None) -> None:
+    """The two decode launches: gate_up+activation into `inter` (T*k, I), hidden dtype; then
+    down times routing weight into `per_pair` (T*k, H), fp32. Rows of unrouted pairs are left
+    unwritten. Inputs are validated by the caller."""
+    cfg = config if config is not None else DEFAULT_DECODE_CONFIG
+    S, two_i, H = gate_up.shape
+    I = two_i // 2
+    elt = hidden.element_size()
+    gate_up_tile = _fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, gated=True)
+    down_tile = _fit_tile(cfg.down, cfg.block_m, H, I, elt, gated=False)
+    _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
+            gated=True, activation_code=activation_code, mul_weight=False,
+            block_m=cfg.block_m, tile=gate_up_tile)
+    _launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
+            gated=False, activation_code=0, mul_weight=True, block_m=cfg.block_m,
+            tile=down_tile)
