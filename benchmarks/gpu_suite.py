@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import moestream  # noqa: E402
-from moestream.bench import run_bench  # noqa: E402
+from moestream.bench import UniformRouting, run_bench, set_routing  # noqa: E402
 from moestream.experts.budget import format_bytes, plan_memory  # noqa: E402
 
 
@@ -117,6 +117,8 @@ def budgets(args) -> dict:
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency)
         load_s = time.perf_counter() - t0
+        if args.routing == "uniform":
+            set_routing(engine, UniformRouting(config.top_k))
         res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
         res["expert_fraction"] = frac
         res["within_budget"] = res["peak_device_bytes"] <= budget
@@ -124,7 +126,7 @@ def budgets(args) -> dict:
         res["roofline_tok_s"] = bw / missed if missed else None
         res["share_of_roofline"] = res["decode_tok_s"] / res["roofline_tok_s"] if missed else None
         log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}")
-        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token",
+        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token", "graph_pool_bytes",
                                              "roofline_tok_s", "share_of_roofline", "peak_device_bytes", "within_budget")}))
         results[f"moestream_{int(frac * 100)}"] = res
         del engine
@@ -149,6 +151,7 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--hf-offload", action="store_true")
+    ap.add_argument("--routing", choices=["model", "uniform"], default="model")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

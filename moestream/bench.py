@@ -36,6 +36,8 @@ class BenchResult:
     prefill_bytes: float
     peak_device_bytes: int
     budget_bytes: int | None
+    graph_pool_bytes: int
+    routing: str
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +56,29 @@ class BenchResult:
         return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
+class UniformRouting:
+    """Benchmark-only routing: k distinct experts per token drawn uniformly on the device.
+
+    The router's own probabilities are kept at the drawn ids and renormalised, so the expert
+    weights stay realistic while the choice is the worst case for a bank (no reuse beyond chance).
+    Random-weight checkpoints do not give that by themselves: their hidden states are so alike
+    that the router picks nearly the same experts for every token.
+    """
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+
+    def __call__(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.rand(logits.shape, device=logits.device).topk(self.top_k, dim=-1).indices
+        weights = logits.float().softmax(-1).gather(-1, ids)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+
+def set_routing(engine: Engine, routing) -> None:
+    for block in engine.model.moe_blocks():
+        block.routing_override = routing
+
+
 def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float = 0.0, seed: int = 0,
               warmup_tokens: int = 4, temperature: float = 0.0) -> BenchResult:
     """temperature > 0 samples (seeded): random-weight models then decode diverse tokens instead of
@@ -65,7 +90,9 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     warm = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     # same prompt length: prefill kernels compile outside the timing; decode graphs captured ahead
     engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)
-    engine.generator.prepare(1, prompt_tokens + gen_tokens)
+    before_graphs = torch.cuda.memory_allocated(engine.device) if engine.device.type == "cuda" else 0
+    engine.generator.prepare(1, prompt_tokens + gen_tokens, prompt_tokens)
+    graph_bytes = (torch.cuda.memory_allocated(engine.device) - before_graphs) if engine.device.type == "cuda" else 0
     engine.reset_stats()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too
@@ -92,4 +119,6 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         prefill_tok_s=prompt_tokens / m.ttft_s if m.ttft_s else 0.0, decode_tok_s=m.decode_tok_s,
         decode_hit_rate=(total.hits - at_first.hits) / decode_pairs if decode_pairs else 1.0,
         decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,
-        prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget)
+        prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget,
+        graph_pool_bytes=int(graph_bytes),
+        routing="uniform (synthetic)" if engine.model.moe_blocks()[0].routing_override is not None else "model")

@@ -115,6 +115,10 @@ def cmd_bench(args) -> int:
     if args.prompt_tokens < 1 or args.gen_tokens < 1:
         raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
     engine, load_s = _load(args)
+    if args.routing == "uniform":
+        from moestream.bench import UniformRouting, set_routing
+
+        set_routing(engine, UniformRouting(engine.config.top_k))
     result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed, temperature=args.temperature)
     print(result.table())
     if args.stats:
@@ -218,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="sample the decoded tokens (seeded); use 1.0 on random-weight checkpoints for near-uniform routing")
+    bench.add_argument("--routing", choices=["model", "uniform"], default="model",
+                       help="uniform: replace the model's expert choice by uniform random experts (worst case for the bank; labelled)")
     bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
     bench.add_argument("--json", default=None, help="write the results as JSON to this file")
     bench.set_defaults(func=cmd_bench)

@@ -22,8 +22,8 @@ of each token. 3 launches in all, memory-bound GEMV shapes.
    (T*k, H) buffer.
 
 Both paths end with the same launch (`_sum_over_k_kernel`): out[t] = sum over j of the fp32 rows
-of the routed pairs, in a fixed order (deterministic), cast to the hidden dtype. Rows of
-unrouted pairs (slot -1 or outside [0, S)) are never written and never read.
+of the routed pairs, in a fixed reduction order (deterministic, no atomics), cast to the hidden
+dtype. Rows of unrouted pairs (slot -1 or outside [0, S)) are never written and never read.
 
 Block sizes of the grouped path come from a small table keyed by the expected rows per used
 slot (`select_config`). It was chosen from first principles and vLLM-style H100 settings, not
@@ -45,8 +45,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fused_moe_decode import (DEFAULT_DECODE_CONFIG, DecodeConfig, DecodeTile,
-                               launch_decode_gemms)
+from .fused_moe_decode import (
+    DEFAULT_DECODE_CONFIG,
+    DecodeConfig,
+    DecodeTile,
+    launch_decode_gemms,
+)
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
@@ -243,32 +247,36 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
 
 @triton.jit
 def _sum_over_k_kernel(
-    src_ptr, slot_ptr, out_ptr, N, num_slots,
+    src_ptr, slot_ptr, out_ptr, N, num_slots, top_k,
     stride_sm, stride_st, stride_sj, stride_om,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """out[t, n-tile] = sum_j src[t*k + j, n-tile] over routed pairs, j in order, fp32."""
-    t = tl.program_id(0)
+    """out[t, n-tile] = sum over routed j of src[t*k + j, n-tile] (fp32), cast to out dtype.
+
+    All k rows are loaded as one [K_PAD, BLOCK_N] tile (every load in flight at once) and
+    reduced with a fixed tree: deterministic. Rows of unrouted pairs are masked, never read.
+    """
+    t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        slot = tl.load(slot_ptr + t * stride_st + j * stride_sj)
-        if (slot >= 0) & (slot < num_slots):       # unrouted rows are never written
-            row = (t * TOP_K + j).to(tl.int64)
-            acc += tl.load(src_ptr + row * stride_sm + offs_n, mask=n_mask, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n,
-             acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    offs_j = tl.arange(0, K_PAD)
+    slot = tl.load(slot_ptr + t * stride_st + offs_j * stride_sj, mask=offs_j < top_k, other=-1)
+    routed = (slot >= 0) & (slot < num_slots)
+    rows = t * top_k + offs_j
+    tile = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :],
+                   mask=routed[:, None] & (offs_n[None, :] < N), other=0.0)
+    tl.store(out_ptr + t * stride_om + offs_n, tl.sum(tile, axis=0).to(out_ptr.dtype.element_ty),
+             mask=offs_n < N)
 
 
 def _launch_sum_over_k(per_pair: Tensor, slot_ids: Tensor, out: Tensor, num_slots: int) -> None:
     T, k = slot_ids.shape
     H = out.shape[1]
-    block_n = min(512, max(16, triton.next_power_of_2(H)))
+    k_pad = triton.next_power_of_2(k)
+    block_n = min(max(16, 2048 // k_pad), max(16, triton.next_power_of_2(H)))
     _sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
-        per_pair, slot_ids, out, H, num_slots,
+        per_pair, slot_ids, out, H, num_slots, k,
         per_pair.stride(0), slot_ids.stride(0), slot_ids.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=block_n, num_warps=4,
+        K_PAD=k_pad, BLOCK_N=block_n, num_warps=4,
     )
 
 
@@ -277,7 +285,7 @@ def _interpreting() -> bool:
 
 
 def choose_path(num_tokens: int, top_k: int) -> str:
-    """"decode" when T*k <= DECODE_MAX_PAIRS, else "grouped" (host-side shapes only)."""
+    """The path `fused_moe` takes: decode when T*k <= DECODE_MAX_PAIRS, else grouped."""
     return "decode" if num_tokens * top_k <= DECODE_MAX_PAIRS else "grouped"
 
 

@@ -42,6 +42,9 @@ class MoEBlock(nn.Module):
         self.shared_expert = SwiGLU(config.hidden_size, config.shared_intermediate) if spec.shared_expert else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if spec.shared_expert_gate else None
         self.bank: ExpertBank | None = None  # attached by the loader; not a submodule (it is not a parameter set)
+        # Benchmark-only: a callable (layer, router logits) -> (weights, ids) that replaces the
+        # model's own expert choice (synthetic or replayed routing); None in normal use.
+        self.routing_override = None
 
     @property
     def router(self) -> nn.Linear:
@@ -49,6 +52,8 @@ class MoEBlock(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids for tokens h (T, H)."""
+        if self.routing_override is not None:
+            return self.routing_override(self.layer, self.router(h))
         return route(self.router(h), self.top_k, self.router_kind, self.renormalise)
 
     def combine(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident: bool = False) -> torch.Tensor:

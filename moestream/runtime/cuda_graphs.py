@@ -52,9 +52,9 @@ class DecodeGraphs:
             out = self._step(kv_len)
         return graph, out
 
-    def capture_upto(self, kv_len: int) -> None:
-        """Capture every bucket up to the one holding kv_len (benchmarks keep capture out of timings)."""
-        bucket = length_bucket(1, self.cache.max_len)
+    def capture_upto(self, kv_len: int, from_len: int = 1) -> None:
+        """Capture every bucket from from_len's up to kv_len's (benchmarks keep capture out of timings)."""
+        bucket = length_bucket(from_len, self.cache.max_len)
         while True:
             if bucket not in self.graphs:
                 self.graphs[bucket] = self._capture(bucket)

@@ -123,7 +123,7 @@ class Generator:
         return c
 
     @torch.inference_mode()
-    def prepare(self, batch: int, length: int) -> None:
+    def prepare(self, batch: int, length: int, prompt_length: int = 1) -> None:
         """Allocate the cache and capture the decode graphs a run of this size will need, ahead of time.
 
         Call between runs only: capturing writes the cache at the static buffers' positions.
@@ -142,7 +142,7 @@ class Generator:
                 graphs = self._segmented[batch] = SegmentedDecode(self.model, self.rotary_table(), cache, batch, self.dtype)
         else:
             return
-        graphs.capture_upto(min(length, self.max_context))
+        graphs.capture_upto(min(length, self.max_context), prompt_length + 1)
 
     @torch.inference_mode()
     def prefill(self, cache: KVCache, row: int, prompt: list[int]) -> torch.Tensor:
