@@ -178,7 +178,14 @@ def cmd_perplexity(args) -> int:
     engine, _ = _load(args)
     if engine.tokenizer is None:
         raise InputError("this checkpoint has no tokenizer files, so a text file cannot be scored.")
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # a file longer than the context is the point here: no length warning
+    try:
+        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if len(ids) < 2:
         raise InputError(f"--file {path} holds fewer than two tokens; give a longer file.")
     window = min(args.window or engine.max_context, engine.max_context)

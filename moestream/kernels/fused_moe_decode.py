@@ -8,7 +8,8 @@ than the work, so this path reads the routing directly. One kernel, launched twi
 * down:    grid (T*k, cdiv(H, BLOCK_N)); writes `weights[t, j] * down[slot] @ inter[pair]` in
   fp32 into a (T*k, H) buffer.
 
-The caller then sums the k rows of each token in a fixed order (deterministic, no atomics).
+The caller then sums the k rows of each token in a fixed reduction order (deterministic, no
+atomics).
 
 Program (p, n) belongs to pair p. It loads all T*k slot ids (a few hundred bytes) and does the
 work only if p is the *first* pair routed to its slot (the slot's owner); the owner computes the

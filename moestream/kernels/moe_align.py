@@ -14,7 +14,7 @@ Two implementations with bit-identical outputs:
   `padded_start[g] + earlier_in_g + rank_in_chunk`: the same stable order as a sort. The same
   programs then tag the blocks and write the padding rows (disjoint from the pair rows, so no
   ordering between programs is needed). Each program's work is O(T*k) cheap histogram steps
-  (T*k = 16384 is 16 steps), so the launch costs a few microseconds.
+  (T*k = 16384 is 16 steps), so the launch should cost a few microseconds (not measured yet).
 * `moe_align_block_size_torch` — ~20 small torch launches (sort, searchsorted, cumsum,
   scatter); the spec the kernel is tested against, and a fallback (`USE_TRITON_ALIGN`).
 """
@@ -130,11 +130,12 @@ def _moe_align_kernel(
     for first in range(my_first, my_end, CHUNK):
         pair = first + lane
         key = _group_keys(slot_ptr, pair, my_end, num_slots, top_k, stride_st, stride_sj, BINS)
-        base = tl.sum(tl.where(key[:, None] == bins[None, :], next_free[None, :], 0), axis=1)
+        one_hot = key[:, None] == bins[None, :]
+        base = tl.sum(tl.where(one_hot, next_free[None, :], 0), axis=1)
         earlier_same = (key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)
         tl.store(pair_ids_ptr + base + rank, pair, mask=pair < my_end)
-        next_free += tl.histogram(key, BINS)
+        next_free += tl.sum(one_hot.to(tl.int32), axis=0)
 
     # 3. Blocks pid, pid + P, ... (in steps of BLOCKS_PER_STEP): slot tag, and padding rows.
     blk_lane = tl.arange(0, BLOCKS_PER_STEP)

@@ -1,13 +1,18 @@
 """fused_moe (Triton) against moe_reference, on fresh random inputs.
 
+fused_moe has two paths (decode: no align, T*k <= DECODE_MAX_PAIRS; grouped: align + grouped
+GEMMs); the tests force each one with `fused_moe_with_config(..., path=...)` as well as going
+through the automatic choice.
+
 Two groups:
 * CUDA tests (skipped unless `fused_moe_available()`): bf16 at the Qwen3-30B-A3B shape and a
   small odd shape, relative error against the fp32 reference on upcast inputs, NaN-poisoned
-  workspaces, -1 slots, CUDA-graph capture (which fails on any host sync).
-* An interpreter test (skipped unless Triton is installed) that runs the same kernels on the
-  CPU under TRITON_INTERPRET=1 in a subprocess (the variable must be set before Triton is
-  imported). The interpreter cannot do bf16 `tl.dot` (it multiplies the raw bit patterns, see
-  triton-lang/triton#11584), so it checks fp32 and fp16 only.
+  workspaces, -1 and out-of-range slots, duplicate slots, determinism, the Triton align kernel
+  against its torch spec (bit for bit), CUDA-graph capture (which fails on any host sync).
+* An interpreter test (skipped unless Triton is installed, and skipped when CUDA is available)
+  that runs the same kernels on the CPU under TRITON_INTERPRET=1 in a subprocess (the variable
+  must be set before Triton is imported). The interpreter cannot do bf16 `tl.dot` (it
+  multiplies the raw bit patterns, see triton-lang/triton#11584), so it checks fp32 and fp16.
 """
 
 from __future__ import annotations
@@ -54,15 +59,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def poison_allocator(T: int, k: int, H: int, I: int, dtype: torch.dtype) -> None:
     """Leave NaNs in the blocks the caching allocator will hand to fused_moe's workspaces.
 
-    fused_moe allocates its intermediates with torch.empty; allocating NaN tensors of the same
-    sizes and freeing them makes those blocks come back NaN-filled, so any row the kernels
-    forget to write (padding, -1 slots) shows up as NaN in the output.
+    fused_moe allocates its intermediates and its output with torch.empty; allocating NaN
+    tensors of the same sizes and freeing them makes those blocks come back NaN-filled, so any
+    row the kernels forget to write, or read without having written it (padding, -1 slots),
+    shows up as NaN in the output.
     """
     poison = [torch.full((T * k, I), float("nan"), dtype=dtype, device="cuda"),
               torch.full((T * k, H), float("nan"), dtype=torch.float32, device="cuda"),
+              torch.full((T, H), float("nan"), dtype=dtype, device="cuda"),
               torch.full((T, k, H), float("nan"), dtype=torch.float32, device="cuda"),
               torch.full((T, H), float("nan"), dtype=torch.float32, device="cuda")]
     del poison
+
+
+def kernel_module():
+    """The module moestream.kernels.fused_moe, loaded the way the package loads it (importing
+    it directly first would leave the module where the package's `fused_moe` function is)."""
+    import moestream.kernels as kernels
+
+    kernels._load_fused_impl()
+    return sys.modules["moestream.kernels.fused_moe"]
+
+
+def fused(inputs, path: str = "auto", **kwargs) -> torch.Tensor:
+    """fused_moe with the path forced ("decode" / "grouped") or chosen ("auto")."""
+    return kernel_module().fused_moe_with_config(*inputs, path=path, **kwargs)
 
 
 # ---------------------------------------------------------------------------------- CUDA
@@ -87,12 +108,92 @@ def test_bf16_matches_reference(T: int, S: int, shape: str) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("T", [1, 2, 3, 8, 16])
+def test_both_paths_around_the_threshold(T: int, shape: str, path: str) -> None:
+    """Each path forced, at T on both sides of DECODE_MAX_PAIRS (64 pairs = T 8 at k 8)."""
+    H, I = SHAPES[shape]
+    S, k = (128, 8) if shape == "qwen3_30b_a3b" else (8, 2)
+    inputs = make_inputs(T, H, I, S, k, torch.bfloat16, "cuda", seed=7 * T + len(path))
+    inputs[3][0, -1] = S + 5                       # out of range counts as unrouted
+    poison_allocator(T, k, H, I, torch.bfloat16)
+    out = fused(inputs, path)
+    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) rows reached the output"
+    assert rel_err(out, fp32_reference(*inputs)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("T,k,S", [(8, 8, 3), (8, 8, 1), (3, 4, 128), (16, 4, 2)])
+def test_duplicate_slots(T: int, k: int, S: int, path: str) -> None:
+    """Many pairs on one slot, within a token and across tokens: (8, 8, 1) puts 63 of the 64
+    pairs on slot 0 (the decode path's owner then loops over 4 blocks of 16 rows)."""
+    H, I = 256, 96
+    hidden, gate_up, down, _, weights = make_inputs(T, H, I, max(S, 8), k, torch.bfloat16,
+                                                    "cuda", seed=T + k + S)
+    gate_up, down = gate_up[:S].contiguous(), down[:S].contiguous()
+    g = torch.Generator(device="cuda").manual_seed(S)
+    slot_ids = torch.randint(0, S, (T, k), generator=g, device="cuda", dtype=torch.int32)
+    slot_ids[0, 1] = slot_ids[0, 0]                 # a duplicate inside one token
+    if k > 2:
+        slot_ids[-1, 2] = -1
+    inputs = (hidden, gate_up, down, slot_ids, weights)
+    poison_allocator(T, k, H, I, torch.bfloat16)
+    out = fused(inputs, path)
+    assert not out.isnan().any()
+    assert rel_err(out, fp32_reference(*inputs)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-2), (torch.float32, 1e-4)])
-def test_other_dtypes(dtype: torch.dtype, tol: float) -> None:
-    inputs = make_inputs(33, 256, 96, 16, 4, dtype, "cuda", seed=5, slot_dtype=torch.int64)
-    out = fused_moe(*inputs)
+def test_other_dtypes(dtype: torch.dtype, tol: float, path: str) -> None:
+    inputs = make_inputs(13, 256, 96, 16, 4, dtype, "cuda", seed=5, slot_dtype=torch.int64)
+    out = fused(inputs, path)
     assert out.dtype == dtype
     assert rel_err(out, fp32_reference(*inputs)) < tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_strided_inputs_and_low_precision_weights(path: str) -> None:
+    """Non-contiguous hidden / slot_ids / weights (bf16 weights) are read through strides."""
+    T, H, I, S, k = 6, 256, 96, 16, 4
+    hidden, gate_up, down, slot_ids, weights = make_inputs(T, H, I, S, k, torch.bfloat16,
+                                                           "cuda", seed=11)
+    wide = torch.zeros(T, 2 * H, dtype=torch.bfloat16, device="cuda")
+    wide[:, ::2] = hidden
+    strided = (wide[:, ::2], gate_up, down, slot_ids.t().contiguous().t(),
+               weights.to(torch.bfloat16).t().contiguous().t())
+    assert not strided[0].is_contiguous() and not strided[3].is_contiguous()
+    out = fused(strided, path)
+    assert rel_err(out, fp32_reference(*strided)) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+def test_deterministic_and_paths_agree(path: str) -> None:
+    """No atomics: two calls give the same bits; the two paths agree to bf16 rounding."""
+    inputs = make_inputs(8, 2048, 768, 128, 8, torch.bfloat16, "cuda", seed=3)
+    first, second = fused(inputs, path), fused(inputs, path)
+    assert torch.equal(first, second)
+    other = fused(inputs, "grouped" if path == "decode" else "decode")
+    assert rel_err(first, other.float()) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("T,k,S,block_m", [(1, 8, 128, 16), (37, 8, 128, 16), (64, 8, 128, 64),
+                                           (512, 8, 128, 64), (2048, 8, 128, 128),
+                                           (300, 10, 512, 32), (20, 2, 8, 16)])
+def test_align_kernel_matches_torch_spec(T: int, k: int, S: int, block_m: int) -> None:
+    module = kernel_module()
+    g = torch.Generator(device="cuda").manual_seed(T + S)
+    slot_ids = torch.randint(-1, S + 2, (T, k), generator=g, device="cuda", dtype=torch.int32)
+    got = module.moe_align_block_size(slot_ids, S, block_m)
+    want = module.moe_align_block_size_torch(slot_ids, S, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @needs_cuda
@@ -100,15 +201,17 @@ def test_all_unrouted_gives_zeros_and_duplicates_add() -> None:
     hidden, gate_up, down, slot_ids, weights = make_inputs(4, 256, 96, 8, 2, torch.bfloat16,
                                                            "cuda", seed=9)
     poison_allocator(4, 2, 256, 96, torch.bfloat16)
-    out = fused_moe(hidden, gate_up, down, torch.full_like(slot_ids, -1), weights)
-    assert torch.equal(out, torch.zeros_like(out))
+    none = torch.full_like(slot_ids, -1)
     same = torch.tensor([[3, 3]] * 4, device="cuda", dtype=torch.int32)
-    out = fused_moe(hidden, gate_up, down, same, weights)
-    assert rel_err(out, fp32_reference(hidden, gate_up, down, same, weights)) < 1e-2
+    for path in ("decode", "grouped"):
+        out = fused((hidden, gate_up, down, none, weights), path)
+        assert torch.equal(out, torch.zeros_like(out))
+        out = fused((hidden, gate_up, down, same, weights), path)
+        assert rel_err(out, fp32_reference(hidden, gate_up, down, same, weights)) < 1e-2
 
 
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 256])
+@pytest.mark.parametrize("T", [1, 8, 256])        # decode, decode at the threshold, grouped
 def test_no_host_sync_and_cuda_graph_capture(T: int) -> None:
     """A host sync inside fused_moe raises under sync-debug mode and breaks graph capture."""
     H, I, S, k = 512, 128, 32, 8
@@ -144,19 +247,23 @@ def test_no_host_sync_and_cuda_graph_capture(T: int) -> None:
 
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
-    from moestream.kernels.fused_moe import (GemmConfig, MoeConfig, fused_moe_with_config,
-                                             moe_align_block_size)
+    from moestream.kernels.fused_moe import (DecodeConfig, DecodeTile, GemmConfig, MoeConfig,
+                                             fused_moe_with_config, moe_align_block_size,
+                                             moe_align_block_size_torch)
+    import moestream.kernels.moe_align as moe_align
     from moestream.kernels import moe_reference
 
     _empty = torch.empty
     def nan_empty(*args, **kwargs):
         # Poison every workspace fused_moe allocates: a row the kernels forget shows up as NaN.
         t = _empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
     torch.empty = nan_empty
 
     def check_alignment(slot_ids, S, block_m):
         pair_ids, block_slot = moe_align_block_size(slot_ids, S, block_m)
+        want = moe_align_block_size_torch(slot_ids, S, block_m)
+        assert torch.equal(pair_ids, want[0]) and torch.equal(block_slot, want[1])
         M = slot_ids.numel()
         flat = slot_ids.reshape(-1).long()
         rows = pair_ids.view(-1, block_m)
@@ -185,25 +292,42 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     small = MoeConfig(16, GemmConfig(16, 32, 4, 2), GemmConfig(32, 32, 4, 2))
     grouped = MoeConfig(32, GemmConfig(32, 16, 4, 2, group_m=2),
                         GemmConfig(16, 64, 4, 2, group_m=3))
-    cases = [  # T, H, I, S, k, dtype, config
-        (1, 64, 32, 8, 4, torch.float32, None),
-        (7, 40, 24, 5, 3, torch.float32, small),       # odd H/I: masked K, wrapped N
-        (13, 64, 48, 6, 4, torch.float16, grouped),    # several blocks per slot, GROUP_M
-        (9, 96, 32, 4, 2, torch.float16, None),
-    ]
-    for i, (T, H, I, S, k, dtype, cfg) in enumerate(cases):
+    tiny_decode = DecodeConfig(DecodeTile(16, 16, 4, 2), DecodeTile(16, 32, 4, 2))
+    cases = [  # T, H, I, S, k, dtype, grouped config, decode config
+        (1, 64, 32, 8, 4, torch.float32, None, None),
+        (7, 40, 24, 5, 3, torch.float32, small, tiny_decode),   # odd H/I: masked K, wrapped N
+        (13, 64, 48, 6, 4, torch.float16, grouped, None),       # several blocks per slot
+        (9, 96, 32, 4, 2, torch.float16, None, None),
+        (8, 64, 48, 2, 8, torch.float16, None, None),           # 64 pairs on 2 slots:
+    ]                                                           # decode owners loop row blocks
+    for i, (T, H, I, S, k, dtype, cfg, dcfg) in enumerate(cases):
         hidden, gate_up, down, slot_ids, weights = make(T, H, I, S, k, dtype, seed=i)
         for block_m in (16, 32):
             check_alignment(slot_ids, S, block_m)
-        out = fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, config=cfg)
         ref = moe_reference(hidden.float(), gate_up.float(), down.float(), slot_ids, weights)
-        err = float((out.float() - ref).norm() / ref.norm())
         tol = 1e-5 if dtype == torch.float32 else 3e-3
-        assert out.dtype == dtype and not out.isnan().any(), (i, out)
-        assert err < tol, (i, err)
-        print(f"case {i}: T={T} H={H} I={I} S={S} k={k} {dtype} rel_err={err:.2e}")
-    none = fused_moe_with_config(hidden, gate_up, down, torch.full_like(slot_ids, -1), weights)
-    assert torch.equal(none, torch.zeros_like(none))
+        for path, c in (("grouped", cfg), ("decode", dcfg), ("auto", None)):
+            out = fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, config=c,
+                                        path=path)
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert out.dtype == dtype and not out.isnan().any(), (i, path, out)
+            assert err < tol, (i, path, err)
+            again = fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, config=c,
+                                          path=path)
+            assert torch.equal(out, again), (i, path, "not deterministic")
+            print(f"case {i}: T={T} H={H} I={I} S={S} k={k} {dtype} {path:7s} rel_err={err:.2e}")
+        for path in ("grouped", "decode"):
+            none = fused_moe_with_config(hidden, gate_up, down, torch.full_like(slot_ids, -1),
+                                         weights, path=path)
+            assert torch.equal(none, torch.zeros_like(none)), path
+
+    # The align kernel with several chunks per program and several programs.
+    g = torch.Generator().manual_seed(0)
+    moe_align._MAX_PROGRAMS = 3
+    for T, k, S, block_m in ((300, 8, 128, 16), (50, 8, 130, 64), (9, 2, 4, 16)):
+        slot_ids = torch.randint(-1, S + 2, (T, k), generator=g).int()
+        check_alignment(slot_ids, S, block_m)
+        check_alignment(slot_ids.long().t().contiguous().t(), S, block_m)
     print("interpreter ok")
 """)
 
