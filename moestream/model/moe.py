@@ -45,6 +45,9 @@ class MoEBlock(nn.Module):
         # Benchmark-only: a callable (layer, router logits) -> (weights, ids) that replaces the
         # model's own expert choice (synthetic or replayed routing); None in normal use.
         self.routing_override = None
+        # Optional callable (layer, expert ids (T, k) on the device) that watches routing (profiles,
+        # traces, discovery); it must not read the ids back itself during a captured step.
+        self.routing_observer = None
 
     @property
     def router(self) -> nn.Linear:
@@ -53,8 +56,12 @@ class MoEBlock(nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights and expert ids for tokens h (T, H)."""
         if self.routing_override is not None:
-            return self.routing_override(self.layer, self.router(h))
-        return route(self.router(h), self.top_k, self.router_kind, self.renormalise)
+            weights, ids = self.routing_override(self.layer, self.router(h))
+        else:
+            weights, ids = route(self.router(h), self.top_k, self.router_kind, self.renormalise)
+        if self.routing_observer is not None:
+            self.routing_observer(self.layer, ids)
+        return weights, ids
 
     def combine(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident: bool = False) -> torch.Tensor:
         """Routed experts (+ the shared expert) for routed tokens. `resident`: the caller made sure
