@@ -1,19 +1,28 @@
-"""Benchmark fused_moe (Triton) against moe_reference and a naive per-expert loop (CUDA).
+"""Benchmark fused_moe's two paths (Triton) against moe_reference and a naive loop (CUDA).
 
 Shape: Qwen3-30B-A3B's MoE layer (H=2048, I=768, E=S=128 slots, k=8), bf16, random routing
-(k distinct slots per token). For each T it reports the median time (triton.testing.do_bench)
-and:
-  * GB/s  = bytes of the experts the batch touches (each used expert's gate_up + down, read
-            once) / time: the figure of merit for decode, where the layer is a memory-bound GEMV;
-  * TFLOP/s = 2 * T * k * 3 * H * I / time: the figure of merit for prefill.
-`fused_moe (graph)` is the same call replayed from a CUDA graph (do_bench_cudagraph), which is
-how the engine runs decode; the difference to `fused_moe` is launch overhead.
+(k distinct slots per token). For each T, both paths of `fused_moe_with_config` are forced
+(`path="decode"`: no align, 3 launches; `path="grouped"`: align + grouped GEMMs, 4 launches),
+so the crossover for `DECODE_MAX_PAIRS` can be read off one run. Each is timed three ways:
 
-`--tune` also sweeps a few block-size candidates per T and prints the best, to refresh the
-table in moestream/kernels/fused_moe.py.
+* `eager`  — triton.testing.do_bench (L2 flushed before each call; host launch cost included
+             when it exceeds the GPU time);
+* `graph`  — triton.testing.do_bench_cudagraph on the same inputs every replay (the same
+             experts each time: partly served from the 50 MB L2 when they fit);
+* `cold`   — one CUDA graph holding the call on 16 different random routings in a row, the
+             way decode walks through layers: each call finds its experts in HBM. This is the
+             number to compare with the HBM roofline.
+
+Columns: GB/s = bytes of the experts the batch touches (each used expert's gate_up + down,
+read once) / time, the figure of merit for decode; TFLOP/s = 2 * T * k * 3 * H * I / time, the
+figure of merit for prefill; `roof us` = those bytes at 3.35 TB/s (H100 SXM HBM3 peak).
+
+`--tune` sweeps grouped-path block sizes per T (refreshes `_CONFIG_TABLE`); `--tune-decode`
+sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`.
 
 Usage:
-    python benchmarks/bench_fused_moe.py [--tokens 1 4 32 512 2048] [--json out.json] [--tune]
+    python benchmarks/bench_fused_moe.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
+                                         [--tune] [--tune-decode]
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moestream.kernels import fused_moe, fused_moe_available, moe_reference  # noqa: E402
+from moestream.kernels import fused_moe_available, moe_reference  # noqa: E402
+
+HBM_PEAK_BYTES_PER_S = 3.35e12
+COLD_ROUTINGS = 16
 
 
 def naive_loop(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -49,14 +61,19 @@ def naive_loop(hidden: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out.to(hidden.dtype)
 
 
-def make_layer(T: int, H: int, I: int, S: int, k: int, seed: int = 0):
+def make_bank(H: int, I: int, S: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16)
     gate_up = (torch.randn(S, 2 * I, H, generator=g, device="cuda") / H ** 0.5).bfloat16()
     down = (torch.randn(S, H, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    return gate_up, down
+
+
+def make_routing(T: int, H: int, S: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g, device="cuda", dtype=torch.bfloat16)
     slot_ids = torch.rand(T, S, generator=g, device="cuda").topk(k, dim=1).indices.int()
     weights = torch.rand(T, k, generator=g, device="cuda").softmax(dim=1)
-    return hidden, gate_up, down, slot_ids, weights
+    return hidden, slot_ids, weights
 
 
 def time_ms(fn: Callable[[], object], graph: bool = False) -> float:
@@ -67,17 +84,49 @@ def time_ms(fn: Callable[[], object], graph: bool = False) -> float:
     return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
+def time_cold_graph_ms(call: Callable[[tuple], object], routings: list[tuple],
+                       replays: int = 10) -> float:
+    """Median time per call of one graph that runs `call` on every routing in turn."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        for r in routings:                       # compile and warm up outside the capture
+            call(r)
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for r in routings:
+                call(r)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(routings))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
-    """Coordinate search around the default config for one T: BLOCK_M, the gate_up tile, the
-    down tile, then GROUP_M (each timed on the whole call). Returns the best and its time.
-    About 60 candidates, so budget ~1-2 minutes of compiling per T."""
+    """Coordinate search around the default grouped config for one T: BLOCK_M, the gate_up
+    tile, the down tile, then GROUP_M (each timed on the whole call). Returns the best and its
+    time. About 60 candidates, so budget ~1-2 minutes of compiling per T."""
     from dataclasses import asdict, replace
 
-    from moestream.kernels.fused_moe import GemmConfig, fused_moe_with_config, select_config
+    from moestream.kernels.fused_moe import (
+        GemmConfig,
+        fused_moe_with_config,
+        select_config,
+    )
 
     def measure(cfg) -> float:
         try:
-            return time_ms(lambda: fused_moe_with_config(*inputs, config=cfg))
+            return time_ms(lambda: fused_moe_with_config(*inputs, config=cfg, path="grouped"))
         except Exception as exc:  # out of shared memory / registers: not a candidate
             print(f"    skip {cfg}: {type(exc).__name__}")
             return float("inf")
@@ -99,56 +148,129 @@ def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
     return asdict(best), best_ms
 
 
+def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
+    """Coordinate search around DEFAULT_DECODE_CONFIG: the gate_up tile, then the down tile,
+    each timed `cold` on the whole call. 13 candidates, about a second of compiling each."""
+    from dataclasses import asdict, replace
+
+    from moestream.kernels.fused_moe import (
+        DEFAULT_DECODE_CONFIG,
+        DecodeTile,
+        fused_moe_with_config,
+    )
+
+    def measure(cfg) -> float:
+        try:
+            return time_cold_graph_ms(
+                lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2], config=cfg,
+                                                path="decode"), routings, replays=5)
+        except Exception as exc:
+            print(f"    skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+            return float("inf")
+
+    best = DEFAULT_DECODE_CONFIG
+    best_ms = measure(best)
+    gate_up_tiles = [DecodeTile(bn, bk, w, st) for bn, bk, w, st in (
+        (16, 64, 4, 6), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (16, 128, 2, 4),
+        (32, 256, 8, 3))]
+    down_tiles = [DecodeTile(bn, bk, w, st) for bn, bk, w, st in (
+        (16, 128, 4, 4), (32, 64, 4, 6), (32, 256, 4, 3), (64, 128, 4, 4), (32, 128, 2, 4),
+        (128, 64, 4, 4))]
+    for tile in gate_up_tiles:
+        cfg = replace(best, gate_up=tile)
+        ms = measure(cfg)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    for tile in down_tiles:
+        cfg = replace(best, down=tile)
+        ms = measure(cfg)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    print(f"T={T}: best decode {best} {best_ms * 1e3:.1f} us (cold)")
+    return asdict(best), best_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32, 512, 2048])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 512, 2048])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--slots", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--decode-max-tokens", type=int, default=32,
+                        help="time the decode path only up to this T (default 32)")
+    parser.add_argument("--peers-max-tokens", type=int, default=1 << 30,
+                        help="time moe_reference and the naive loop only up to this T")
     parser.add_argument("--json", type=Path, help="write the results here as JSON")
-    parser.add_argument("--tune", action="store_true", help="sweep block sizes per T")
-    parser.add_argument("--skip-naive-above", type=int, default=1 << 30,
-                        help="skip the naive loop for T above this (default: never)")
+    parser.add_argument("--tune", action="store_true", help="sweep grouped block sizes per T")
+    parser.add_argument("--tune-decode", action="store_true",
+                        help="sweep decode tiles at T=1 and T=8 (cold graph timing)")
     args = parser.parse_args()
     if not fused_moe_available():
         sys.exit("bench_fused_moe needs a CUDA device and Triton")
+    from moestream.kernels.fused_moe import DECODE_MAX_PAIRS, fused_moe_with_config
 
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k
     expert_bytes = 3 * H * I * 2                                     # gate, up, down in bf16
+    bank = make_bank(H, I, S)
     rows: list[dict] = []
-    tuned: dict[int, dict] = {}
+    tuned: dict[str, dict] = {}
     for T in args.tokens:
-        inputs = make_layer(T, H, I, S, k, seed=T)
-        used = int(inputs[3].unique().numel())
+        hidden, slot_ids, weights = make_routing(T, H, S, k, seed=T)
+        inputs = (hidden, *bank, slot_ids, weights)
+        used = int(slot_ids.unique().numel())
         bytes_touched = used * expert_bytes + T * H * 2 * 2
+        cold = [make_routing(T, H, S, k, seed=1000 * T + i) for i in range(COLD_ROUTINGS)]
+        cold_used = sum(int(r[1].unique().numel()) for r in cold) / len(cold)
+        cold_bytes = cold_used * expert_bytes + T * H * 2 * 2
         flops = 2 * T * k * 3 * H * I
         ref32 = moe_reference(*(t.float() if t.is_floating_point() else t for t in inputs))
-        err = float((fused_moe(*inputs).float() - ref32).norm() / ref32.norm())
-        impls: list[tuple[str, Callable[[], object], bool]] = [
-            ("fused_moe", lambda: fused_moe(*inputs), False),
-            ("fused_moe (graph)", lambda: fused_moe(*inputs), True),
-            ("moe_reference", lambda: moe_reference(*inputs), False),
-        ]
-        if T <= args.skip_naive_above:
-            impls.append(("naive_loop", lambda: naive_loop(*inputs), False))
-        for name, fn, graph in impls:
-            ms = time_ms(fn, graph=graph)
-            rows.append({"T": T, "impl": name, "ms": ms, "experts_touched": used,
-                         "GB_per_s": bytes_touched / ms / 1e6, "TFLOP_per_s": flops / ms / 1e9,
-                         "rel_err_vs_fp32": err if name.startswith("fused") else None})
+        paths = ["grouped"] + (["decode"] if T <= args.decode_max_tokens else [])
+        impls: list[tuple[str, str, Callable[[], object], float | None]] = []
+        for path in paths:
+            def call(p=path, x=inputs):
+                return fused_moe_with_config(*x, path=p)
+            out = call()
+            err = float((out.float() - ref32).norm() / ref32.norm())
+            impls.append((path, "eager", call, err))
+            impls.append((path, "graph", call, err))
+            impls.append((path, "cold", call, err))
+        if T <= args.peers_max_tokens:
+            impls.append(("moe_reference", "eager", lambda x=inputs: moe_reference(*x), None))
+            impls.append(("naive_loop", "eager", lambda x=inputs: naive_loop(*x), None))
+        for name, mode, fn, err in impls:
+            if mode == "cold":
+                ms = time_cold_graph_ms(
+                    lambda r, p=name: fused_moe_with_config(r[0], *bank, r[1], r[2], path=p),
+                    cold)
+                nbytes, n_used = cold_bytes, cold_used
+            else:
+                ms = time_ms(fn, graph=(mode == "graph"))
+                nbytes, n_used = bytes_touched, used
+            rows.append({"T": T, "impl": name, "mode": mode, "ms": ms, "experts_touched": n_used,
+                         "GB_per_s": nbytes / ms / 1e6, "TFLOP_per_s": flops / ms / 1e9,
+                         "roofline_ms": nbytes / HBM_PEAK_BYTES_PER_S * 1e3,
+                         "rel_err_vs_fp32": err})
+            print(f"  T={T} {name} {mode}: {ms * 1e3:.1f} us", flush=True)
         if args.tune:
             cfg, ms = tune(T, inputs, k, S)
-            tuned[T] = {"config": cfg, "ms": ms}
-            print(f"T={T}: best {cfg} {ms * 1e3:.1f} us")
+            tuned[f"grouped T={T}"] = {"config": cfg, "ms": ms}
+            print(f"T={T}: best grouped {cfg} {ms * 1e3:.1f} us")
+        if args.tune_decode and T in (1, 8):
+            cfg, ms = tune_decode(T, bank, cold)
+            tuned[f"decode T={T}"] = {"config": cfg, "ms": ms}
 
-    print(f"\nfused MoE, H={H} I={I} S={S} k={k} bf16 on {torch.cuda.get_device_name()}")
-    print(f"{'T':>6} {'impl':<18} {'experts':>7} {'time us':>10} {'GB/s':>8} {'TFLOP/s':>8}"
-          f" {'rel err':>9}")
+    print(f"\nfused MoE, H={H} I={I} S={S} k={k} bf16 on {torch.cuda.get_device_name()}; "
+          f"auto path: decode when T*k <= {DECODE_MAX_PAIRS}")
+    print(f"{'T':>6} {'impl':<14} {'mode':<6} {'experts':>7} {'time us':>9} {'roof us':>8} "
+          f"{'GB/s':>7} {'TFLOP/s':>8} {'rel err':>8}")
     for r in rows:
         err = f"{r['rel_err_vs_fp32']:.1e}" if r["rel_err_vs_fp32"] is not None else ""
-        print(f"{r['T']:>6} {r['impl']:<18} {r['experts_touched']:>7} {r['ms'] * 1e3:>10.1f} "
-              f"{r['GB_per_s']:>8.0f} {r['TFLOP_per_s']:>8.1f} {err:>9}")
+        print(f"{r['T']:>6} {r['impl']:<14} {r['mode']:<6} {r['experts_touched']:>7.1f} "
+              f"{r['ms'] * 1e3:>9.1f} {r['roofline_ms'] * 1e3:>8.1f} {r['GB_per_s']:>7.0f} "
+              f"{r['TFLOP_per_s']:>8.1f} {err:>8}")
+    for name, t in tuned.items():
+        print(f"tuned {name}: {t['ms'] * 1e3:.1f} us {t['config']}")
 
     if args.json:
         import triton
@@ -156,7 +278,7 @@ def main() -> None:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__, "python": platform.python_version(),
                 "shape": {"H": H, "I": I, "S": S, "k": k, "dtype": "bfloat16"},
-                "command": " ".join(sys.argv)}
+                "decode_max_pairs": DECODE_MAX_PAIRS, "command": " ".join(sys.argv)}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "results": rows,
                                          "tuned": tuned}, indent=2))

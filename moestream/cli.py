@@ -31,6 +31,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
     p.add_argument("--miss-policy", default="fetch", choices=["fetch", "skip"], help="fetch = exact (default); skip = drop non-resident experts and renormalise (approximate)")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                   help="do not predict and copy the next layer's experts ahead (fetch policy)")
 
 
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +48,7 @@ def _load(args):
     engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context,
                             gpu_memory=args.gpu_memory, memory=args.memory, capacity=args.capacity,
                             host_memory=args.host_memory, host_tier=args.host_tier, miss_policy=args.miss_policy,
-                            residency=args.residency)
+                            residency=args.residency, prefetch=args.prefetch)
     return engine, time.perf_counter() - t0
 
 

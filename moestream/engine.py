@@ -176,7 +176,7 @@ def _peak_rss_bytes() -> int:
 def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto", max_context: int | None = None,
          gpu_memory: int | str | None = None, memory: int | str | None = None, capacity: int | None = None,
          host_memory: int | str | None = None, host_tier: str = "auto", miss_policy: str = "fetch",
-         residency: str = "lcp", pinned: dict[int, list[int]] | None = None) -> Engine:
+         residency: str = "lcp", pinned: dict[int, list[int]] | None = None, prefetch: bool = True) -> Engine:
     """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
 
     `gpu_memory` (alias `memory`, which names no device) bounds everything the engine takes on
@@ -191,7 +191,7 @@ def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "au
     dt = resolve_dtype(dtype, dev)
     options = BankOptions(gpu_memory=gpu_memory if gpu_memory is not None else memory, capacity=capacity,
                           host_memory=host_memory, host_tier=host_tier, miss_policy=miss_policy,
-                          residency=residency, pinned=pinned)
+                          residency=residency, pinned=pinned, prefetch=prefetch)
     loaded = load_model(model, dev, dt, options, max_context)
     context = min(max_context or loaded.config.max_position, loaded.config.max_position)
     return Engine(loaded, _load_tokenizer(loaded.folder), dev, dt, context)

@@ -55,6 +55,7 @@ class BankOptions:
     miss_policy: str = "fetch"            # fetch (exact) | skip
     residency: str = "lcp"                # lcp | lru
     pinned: dict[int, list[int]] | None = None
+    prefetch: bool = True                 # next-layer prediction starts copies early (fetch policy)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype, opti
     net.eval()
     bank = ExpertBank(store, device, dtype, capacity=plan.capacity, miss_policy=options.miss_policy,
                       residency=options.residency, host_tier=options.host_tier, host_memory=host_memory,
-                      staging_slots=plan.staging_slots, pinned=options.pinned)
+                      staging_slots=plan.staging_slots, pinned=options.pinned, prefetch=options.prefetch)
     net.bank = bank
     for block in net.moe_blocks():
         block.bank = bank

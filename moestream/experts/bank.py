@@ -31,6 +31,8 @@ from moestream.experts.stats import BankStats
 from moestream.experts.store import ExpertStore
 
 MISS_POLICIES = ("fetch", "skip")
+PREFETCH_WINDOW = 256          # predicted experts per layer before prefetch is judged
+PREFETCH_MIN_ACCURACY = 0.3    # below this share of right predictions a layer stops prefetching
 
 
 @dataclass
@@ -55,7 +57,7 @@ class ExpertBank:
     def __init__(self, store: ExpertStore, device: torch.device, dtype: torch.dtype, capacity: int | None = None,
                  miss_policy: str = "fetch", residency: str = "lcp", host_tier: str = "auto",
                  host_memory: int | None = None, staging_slots: int = 0, pinned: dict[int, list[int]] | None = None,
-                 refresh_every: int = 16):
+                 refresh_every: int = 16, prefetch: bool = True):
         config = store.config
         self.store, self.device, self.dtype = store, device, dtype
         self.num_experts, self.top_k = config.num_experts, config.top_k
@@ -89,6 +91,10 @@ class ExpertBank:
             self.pair_counts = {l: torch.zeros(2, dtype=torch.int64, device=device) for l in self.layers}
         self._since_refresh = 0
         self.decoding = False  # set by the model per step: skip applies to decode steps only
+        self.prefetch_enabled = prefetch
+        self._pending: dict[int, torch.cuda.Event] = {}   # layer → copies issued by prefetch
+        self._predicted: dict[int, set[int]] = {}          # layer → experts predicted for its next call
+        self._recent_accuracy: dict[int, tuple[int, int]] = {}  # layer → (right, predicted) lately
 
     # ---- construction -------------------------------------------------------------------
     def _make_tier(self, kind, host_memory: int | None):
@@ -180,8 +186,19 @@ class ExpertBank:
         most_pinned = max((len(p) for p in self.policy.pinned.values()), default=0)
         return batch * self.top_k <= self.capacity - most_pinned and batch <= self.capacity
 
-    def ensure_resident(self, layer: int, expert_ids: np.ndarray) -> None:
-        """Host side of a fetch: count hits and misses, copy missing experts into evicted slots."""
+    def _prediction_pays(self, layer: int) -> bool:
+        """Prefetch only where the prediction has been right often enough: unpredictable routing
+        (synthetic, or a layer whose router disagrees with its predecessor) would only spend
+        bandwidth evicting useful experts. Judged on the last PREFETCH_WINDOW predicted experts."""
+        hits, total = self._recent_accuracy.get(layer, (0, 0))
+        return total < PREFETCH_WINDOW or hits >= PREFETCH_MIN_ACCURACY * total
+
+    def ensure_resident(self, layer: int, expert_ids: np.ndarray, wait: str = "host") -> None:
+        """Host side of a fetch: count hits and misses, copy missing experts into evicted slots.
+
+        Experts prefetched for this layer count as hits (their copies were issued ahead); the
+        compute stream is made to wait for those copies before the layer's experts run.
+        """
         bank = self.layers[layer]
         experts, counts = np.unique(expert_ids, return_counts=True)
         self.policy.record(layer, experts, counts)
@@ -189,10 +206,27 @@ class ExpertBank:
         stats = self.stats.layer(layer)
         stats.hits += int(counts[resident].sum())
         stats.misses += int(counts[~resident].sum())
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            right = sum(1 for e in experts.tolist() if e in predicted)
+            stats.predicted_total += len(experts)
+            stats.predicted_hits += right
+            hits, total = self._recent_accuracy.get(layer, (0, 0))
+            if total >= PREFETCH_WINDOW:   # a sliding estimate: decay the old counts by half
+                hits, total = hits // 2, total // 2
+            self._recent_accuracy[layer] = (hits + right, total + len(experts))
+        pending = self._pending.pop(layer, None)
         missing = experts[~resident].tolist()
-        if missing:
+        if missing:   # queued after any prefetch on the same copy stream: waiting on it covers both
             victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), set(experts.tolist()))
-            self._install(layer, missing, victims)
+            self._install(layer, missing, victims, wait=wait)
+        elif pending is not None:
+            if wait == "device":
+                torch.cuda.current_stream(self.device).wait_event(pending)
+            else:
+                t0 = time.perf_counter()
+                pending.synchronize()
+                stats.copy_wait_s += time.perf_counter() - t0
 
     def _forward_skip(self, layer, bank, hidden, expert_ids, weights):
         slots = bank.slot_map[expert_ids]
@@ -222,24 +256,58 @@ class ExpertBank:
         self.ensure_resident(layer, flat)
         return self.dispatch(layer, hidden, expert_ids, weights)
 
-    def _install(self, layer: int, experts: list[int], victims: list[int]) -> None:
-        """Copy `experts` over the slots of `victims` and update both slot maps."""
+    def _install(self, layer: int, experts: list[int], victims: list[int], wait: str = "host"):
+        """Copy `experts` over the slots of `victims` and update both slot maps.
+
+        wait: "host" blocks until the copies land; "device" makes the compute stream wait for them
+        (the host runs on); "none" returns the copies' event to the caller (prefetch).
+        """
         bank = self.layers[layer]
         stats = self.stats.layer(layer)
         slots = [bank.where.pop(v) for v in victims]
         t0 = time.perf_counter()
         copied, done = self._copy_experts(layer, experts, [(bank.gate_up[s], bank.down[s]) for s in slots])
-        if done is not None:
-            done.synchronize()   # the caller needs these experts right away
+        if done is not None and wait == "host":
+            done.synchronize()
+        elif done is not None and wait == "device":
+            torch.cuda.current_stream(self.device).wait_event(done)
         stats.copy_wait_s += time.perf_counter() - t0
         stats.bytes_copied += copied
         stats.evictions += sum(1 for v in victims if v >= 0)
         for e, s in zip(experts, slots):
             bank.owner[s] = e
             bank.where[e] = s
-        update = torch.tensor(victims + experts, dtype=torch.long)
+        pin = self.device.type == "cuda"
+        update = torch.tensor(victims + experts, dtype=torch.long).pin_memory() if pin else \
+            torch.tensor(victims + experts, dtype=torch.long)
         values = torch.tensor([-1] * len(victims) + slots, dtype=torch.int32)
-        bank.slot_map.index_put_((update.to(self.device),), values.to(self.device))
+        values = values.pin_memory() if pin else values
+        bank.slot_map.index_put_((update.to(self.device, non_blocking=True),), values.to(self.device, non_blocking=True))
+        return done
+
+    # ---- next-layer prefetch ------------------------------------------------------------
+    def prefetch(self, layer: int, predicted: np.ndarray) -> None:
+        """Start copying the predicted experts of `layer` that are missing, without waiting.
+
+        Called with the next layer's router applied to the current hidden state; the copies run
+        on the copy stream while this layer computes. `ensure_resident` later makes the compute
+        stream wait for them and counts how many of the actual experts were predicted.
+        """
+        bank = self.layers[layer]
+        experts = list(dict.fromkeys(int(e) for e in predicted.reshape(-1)))
+        self._predicted[layer] = set(experts)
+        if not self._prediction_pays(layer):
+            return   # still predicted (accuracy keeps being measured) but nothing is copied
+        missing = [e for e in experts if e not in bank.where]
+        room = self.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
+        missing = missing[:max(0, room)]
+        if not missing:
+            return
+        victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), set(experts))
+        done = self._install(layer, missing, victims, wait="none")
+        self.stats.layer(layer).prefetched += len(missing)
+        if done is not None:
+            self._pending[layer] = done
 
     def _copy_experts(self, layer: int, experts: list[int], dests: list[tuple[torch.Tensor, torch.Tensor]],
                       after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:

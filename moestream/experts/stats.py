@@ -12,6 +12,9 @@ class LayerStats:
     evictions: int = 0       # experts dropped from the bank to make room
     bytes_copied: int = 0    # expert bytes copied into the bank or the staging area
     copy_wait_s: float = 0.0  # host time spent waiting for those copies
+    prefetched: int = 0      # experts copied ahead on the next-layer prediction
+    predicted_hits: int = 0  # routed experts (distinct per call) that the prediction named
+    predicted_total: int = 0  # routed experts (distinct per call) in calls that had a prediction
 
     def add(self, other: "LayerStats") -> None:
         for k, v in asdict(other).items():
@@ -21,6 +24,10 @@ class LayerStats:
     def hit_rate(self) -> float:
         n = self.hits + self.misses
         return self.hits / n if n else 1.0
+
+    @property
+    def prediction_accuracy(self) -> float | None:
+        return self.predicted_hits / self.predicted_total if self.predicted_total else None
 
 
 @dataclass
@@ -46,16 +53,20 @@ class BankStats:
 
     def as_dict(self) -> dict:
         total = self.total()
-        per_layer = {str(i): {**asdict(s), "hit_rate": s.hit_rate} for i, s in sorted(self.layers.items())}
+        per_layer = {str(i): {**asdict(s), "hit_rate": s.hit_rate, "prediction_accuracy": s.prediction_accuracy}
+                     for i, s in sorted(self.layers.items())}
         return {"tokens": self.tokens, **asdict(total), "hit_rate": total.hit_rate,
+                "prediction_accuracy": total.prediction_accuracy,
                 "bytes_copied_per_token": total.bytes_copied / self.tokens if self.tokens else 0.0,
                 "layers": per_layer}
 
     def table(self) -> str:
-        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s")]
+        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s", "prefetched", "pred acc")]
         items = sorted(self.layers.items()) + [("all", self.total())]
         for i, s in items:
+            acc = s.prediction_accuracy
             rows.append((str(i), str(s.hits), str(s.misses), f"{s.hit_rate:.1%}", str(s.evictions),
-                         f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}"))
+                         f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}", str(s.prefetched),
+                         "-" if acc is None else f"{acc:.1%}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

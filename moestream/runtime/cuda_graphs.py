@@ -83,6 +83,7 @@ class _Carry:
     h: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+    predicted: torch.Tensor | None = None   # next MoE layer's experts, its router applied to this h
     logits: torch.Tensor | None = None
 
 
@@ -93,12 +94,15 @@ class SegmentedDecode:
     attention and router. Between segments the host reads the routing (the one sync the fetch
     policy needs per layer) and makes the routed experts resident; the next segment then reads
     the updated slot map from the device. Everything else of a step replays as graphs.
+    With prefetch on, each segment also applies the next MoE layer's router to its hidden state;
+    the predicted misses start copying right after the sync, behind the current layer's compute.
     """
 
     def __init__(self, model: MoECausalLM, rotary, cache: KVCache, batch: int, dtype: torch.dtype,
                  use_graphs: bool = True):
         self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
         self.use_graphs = use_graphs
+        self.prefetch = model.bank.prefetch_enabled
         self.layers = list(model.model.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlock)]
         device = cache.data.device
@@ -125,10 +129,24 @@ class SegmentedDecode:
         x = self.layers[moe].attend(x, ctx)
         h = self.layers[moe].post_attention_layernorm(x).reshape(-1, x.shape[-1])
         weights, ids = self.layers[moe].ffn.route(h)
-        return _Carry(ctx, x, h, ids, weights)
+        predicted = None
+        if self.prefetch and i + 1 < len(self.moe_layers):
+            nxt = self.layers[self.moe_layers[i + 1]].ffn
+            predicted = nxt.router(h).topk(nxt.top_k, dim=-1).indices
+        return _Carry(ctx, x, h, ids, weights, predicted)
 
     def _make_resident(self, i: int, carry: _Carry) -> None:
-        self.model.bank.ensure_resident(self.moe_layers[i], carry.ids.reshape(-1).cpu().numpy())
+        """The one sync of a layer: read its routing (and the next layer's prediction), fetch, prefetch."""
+        bank = self.model.bank
+        if carry.predicted is None:
+            actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
+        else:
+            both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
+            actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
+        wait = "device" if self.cache.data.device.type == "cuda" else "host"
+        bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
+        if predicted is not None:
+            bank.prefetch(self.moe_layers[i + 1], predicted)
 
     def _eager(self, kv_len: int) -> torch.Tensor:
         carry = None
