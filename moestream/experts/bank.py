@@ -57,7 +57,8 @@ class ExpertBank:
     def __init__(self, store: ExpertStore, device: torch.device, dtype: torch.dtype, capacity: int | None = None,
                  miss_policy: str = "fetch", residency: str = "lcp", host_tier: str = "auto",
                  host_memory: int | None = None, staging_slots: int = 0, pinned: dict[int, list[int]] | None = None,
-                 refresh_every: int = 16, prefetch: bool = True):
+                 refresh_every: int = 16, prefetch: bool = True, seed: dict[int, np.ndarray] | None = None,
+                 fill: bool = True):
         config = store.config
         self.store, self.device, self.dtype = store, device, dtype
         self.num_experts, self.top_k = config.num_experts, config.top_k
@@ -79,8 +80,12 @@ class ExpertBank:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts, load=False)
+        for layer, frequencies in (seed or {}).items():   # discovery or a profile: fill with the most used
+            self.policy.seed(layer, frequencies)
         self.tier = None if self.fully_resident else self._make_tier(host_tier, host_memory)
-        self.layers: dict[int, LayerBank] = {layer: self._fill_layer(layer) for layer in store.moe_layers}
+        self.layers: dict[int, LayerBank] = {layer: self._empty_layer() for layer in store.moe_layers}
+        if fill:
+            self.fill()
         self.staging = self._make_staging(staging_slots) if not self.fully_resident else []
         self._staging_turn = 0
         self._staging_done: list[torch.cuda.Event | None] = [None] * len(self.staging)
@@ -118,16 +123,25 @@ class ExpertBank:
         rest = [e for e in self.policy.ranking(layer) if e not in set(pinned)]
         return (pinned + rest)[: self.capacity]
 
-    def _fill_layer(self, layer: int) -> LayerBank:
+    def _empty_layer(self) -> LayerBank:
+        """Slots allocated, nothing resident: filled by `fill` or restored from a prepacked snapshot."""
         S, E = self.capacity, self.num_experts
-        store = self.store
-        gate_up = torch.empty((S, *store.gate_up_shape), dtype=self.dtype, device=self.device)
-        down = torch.empty((S, *store.down_shape), dtype=self.dtype, device=self.device)
-        experts = list(range(E)) if self.fully_resident else self._initial_experts(layer)
-        self._load_slots(layer, experts, gate_up, down)
-        slot_map = torch.full((E,), -1, dtype=torch.int32)
-        slot_map[torch.tensor(experts)] = torch.arange(len(experts), dtype=torch.int32)
-        return LayerBank(gate_up, down, slot_map.to(self.device), list(experts), {e: s for s, e in enumerate(experts)})
+        gate_up = torch.empty((S, *self.store.gate_up_shape), dtype=self.dtype, device=self.device)
+        down = torch.empty((S, *self.store.down_shape), dtype=self.dtype, device=self.device)
+        slot_map = torch.full((E,), -1, dtype=torch.int32, device=self.device)
+        return LayerBank(gate_up, down, slot_map, [-1] * S, {})
+
+    def fill(self) -> None:
+        """Read every slot's expert from the host tier or the checkpoint (all of them at capacity E)."""
+        for layer, bank in self.layers.items():
+            experts = list(range(self.num_experts)) if self.fully_resident else self._initial_experts(layer)
+            self._load_slots(layer, experts, bank.gate_up, bank.down)
+            slot_map = torch.full((self.num_experts,), -1, dtype=torch.int32)
+            slot_map[torch.tensor(experts)] = torch.arange(len(experts), dtype=torch.int32)
+            bank.slot_map.copy_(slot_map)
+            bank.owner[:] = experts
+            bank.where.clear()
+            bank.where.update({e: s for s, e in enumerate(experts)})
 
     def _load_slots(self, layer: int, experts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> None:
         if isinstance(self.tier, PinnedHostTier):

@@ -48,6 +48,7 @@ class MoEBlock(nn.Module):
         # Optional callable (layer, expert ids (T, k) on the device) that watches routing (profiles,
         # traces, discovery); it must not read the ids back itself during a captured step.
         self.routing_observer = None
+        self.skip_routed = False  # router-only discovery: route, but run no routed expert
 
     @property
     def router(self) -> nn.Linear:
@@ -66,7 +67,9 @@ class MoEBlock(nn.Module):
     def combine(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, resident: bool = False) -> torch.Tensor:
         """Routed experts (+ the shared expert) for routed tokens. `resident`: the caller made sure
         every routed expert is in the bank, so dispatch reads nothing back (graph-capturable)."""
-        if resident:
+        if self.skip_routed:
+            out = torch.zeros_like(h)
+        elif resident:
             out = self.bank.dispatch(self.layer, h, ids, weights)
         else:
             out = self.bank.forward(self.layer, h, ids, weights)
