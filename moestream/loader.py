@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
 from moestream.errors import CheckpointError, DeviceError, InputError
 from moestream.experts.bank import ExpertBank
 from moestream.experts.budget import MemoryPlan, parse_bytes, plan_memory
+from moestream.experts.discovery import Discovery, discover_routing
+from moestream.experts.prepack import load_snapshot, save_snapshot, snapshot_key
 from moestream.experts.store import ExpertStore
 from moestream.model.decoder import MoECausalLM
 
@@ -56,6 +59,9 @@ class BankOptions:
     residency: str = "lcp"                # lcp | lru
     pinned: dict[int, list[int]] | None = None
     prefetch: bool = True                 # next-layer prediction starts copies early (fetch policy)
+    discovery_ids: list[int] | None = None  # router-only pass over this prompt seeds the bank (capacity < E)
+    seed: dict[int, object] | None = None   # per-layer expert frequencies (a profile) that seed the bank
+    prepack: str | Path | None = None       # folder of a prepacked bank snapshot: loaded when it matches
 
 
 @dataclass
@@ -67,6 +73,17 @@ class LoadedModel:
     bank: ExpertBank
     index: TensorIndex
     plan: MemoryPlan
+    discovery: Discovery | None = None
+    prepack: PrepackStatus | None = None
+
+
+@dataclass
+class PrepackStatus:
+    folder: Path
+    loaded: bool      # the bank came from the snapshot
+    reason: str       # why it did not (rebuilt and to be saved after warm-up)
+    seconds: float
+    key: dict
 
 
 def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelConfig, device: torch.device,
@@ -112,8 +129,41 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype, opti
     net.eval()
     bank = ExpertBank(store, device, dtype, capacity=plan.capacity, miss_policy=options.miss_policy,
                       residency=options.residency, host_tier=options.host_tier, host_memory=host_memory,
-                      staging_slots=plan.staging_slots, pinned=options.pinned, prefetch=options.prefetch)
+                      staging_slots=plan.staging_slots, pinned=options.pinned, prefetch=options.prefetch, fill=False)
+    prepack = _try_prepack(bank, folder, options.prepack) if options.prepack else None
+    discovery = None
+    if prepack is None or not prepack.loaded:
+        seed = options.seed
+        if options.discovery_ids and seed is None and plan.capacity < config.num_experts:
+            discovery = discover_routing(net, options.discovery_ids, device, dtype)
+            seed = discovery.frequencies
+        for layer, frequencies in (seed or {}).items():
+            bank.policy.seed(layer, frequencies)
+        bank.fill()
     net.bank = bank
     for block in net.moe_blocks():
         block.bank = bank
-    return LoadedModel(folder, spec, config, net, bank, index, plan)
+    return LoadedModel(folder, spec, config, net, bank, index, plan, discovery, prepack)
+
+
+def _try_prepack(bank: ExpertBank, folder: Path, directory: str | Path) -> PrepackStatus:
+    """Restore the bank from a matching snapshot; any mismatch or damage means a rebuild, not an error."""
+    t0 = time.perf_counter()
+    directory = Path(directory).expanduser()
+    key = snapshot_key(bank, folder)
+    ok, reason = load_snapshot(bank, directory, key)
+    return PrepackStatus(directory, ok, reason, time.perf_counter() - t0, key)
+
+
+def save_prepack(loaded: LoadedModel) -> str | None:
+    """Save the warmed bank when the start did not come from a snapshot; best effort (returns the
+    failure as a sentence rather than stopping a running engine)."""
+    status = loaded.prepack
+    if status is None or status.loaded:
+        return None
+    try:
+        status.folder.mkdir(parents=True, exist_ok=True)
+        save_snapshot(loaded.bank, status.folder, status.key)
+    except OSError as exc:
+        return f"could not save the prepacked bank to {status.folder} ({exc.strerror or exc}); the next start rebuilds it."
+    return None
