@@ -1,4 +1,4 @@
-"""`moestream run | bench | check | perplexity | archs`: the command line. Errors print one line and exit 1."""
+"""`moestream run | bench | profile | check | perplexity | archs`: the command line. Errors print one line and exit 1."""
 
 from __future__ import annotations
 
@@ -33,12 +33,27 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="do not predict and copy the next layer's experts ahead (fetch policy)")
+    p.add_argument("--no-discovery", dest="discovery", action="store_false",
+                   help="fill a bounded bank without the router-only pass over a warm-up prompt")
+    p.add_argument("--prepack", default=None, metavar="DIR",
+                   help="load the warmed bank from this folder when it matches; otherwise build, warm and save it there")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="generate this many tokens before the first request (default: 8 with --prepack, else 0)")
+    p.add_argument("--verbose", action="store_true", help="print the memory plan, discovery and prepack details to stderr")
 
 
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", default=None, help="everything the engine may take on the device, e.g. 16GiB (default: free memory less headroom)")
     p.add_argument("--memory", default=None, help="alias of --gpu-memory that names no device (the RAM bank on CPU)")
     p.add_argument("--capacity", type=int, default=None, help="bank slots per layer (overrides the budget's choice)")
+
+
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, help="expert profile JSON from `moestream profile`: seeds the bank with its most used experts")
+    pin = p.add_mutually_exclusive_group()
+    pin.add_argument("--pin-top-k", type=int, default=None, help="with --profile: pin the K most used experts of every layer")
+    pin.add_argument("--pin-threshold", type=float, default=None,
+                     help="with --profile: pin the experts active on more than this fraction of tokens")
 
 
 def _load(args):
@@ -48,8 +63,37 @@ def _load(args):
     engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context,
                             gpu_memory=args.gpu_memory, memory=args.memory, capacity=args.capacity,
                             host_memory=args.host_memory, host_tier=args.host_tier, miss_policy=args.miss_policy,
-                            residency=args.residency, prefetch=args.prefetch)
-    return engine, time.perf_counter() - t0
+                            residency=args.residency, prefetch=args.prefetch, profile=getattr(args, "profile", None),
+                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
+                            discovery=args.discovery, prepack=args.prepack, warmup_tokens=_warmup_tokens(args))
+    load_s = time.perf_counter() - t0
+    _report_load(engine, load_s, args)
+    return engine, load_s
+
+
+def _warmup_tokens(args) -> int:
+    if args.warmup_tokens is not None:
+        if args.warmup_tokens < 0:
+            raise InputError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
+        return args.warmup_tokens
+    return 8 if args.prepack else 0
+
+
+def _report_load(engine, load_s: float, args) -> None:
+    """The start-up story: plan, discovery, snapshot (always a line for --prepack; details with --verbose)."""
+    loaded = engine.loaded
+    if args.verbose:
+        print(loaded.plan.explain(), file=sys.stderr)
+        if loaded.discovery is not None:
+            d = loaded.discovery
+            print(f"[moestream] discovery: {d.tokens} prompt tokens, router-only, {d.seconds * 1000:.0f} ms", file=sys.stderr)
+    status = loaded.prepack
+    if status is not None:
+        what = (f"loaded the prepacked bank from {status.folder} in {status.seconds:.2f} s" if status.loaded
+                else f"built the bank ({status.reason}); saved it to {status.folder}")
+        print(f"[moestream] {what}; start-up {load_s:.2f} s", file=sys.stderr)
+    if engine.prepack_error:
+        print(f"[moestream] warning: {engine.prepack_error}", file=sys.stderr)
 
 
 def _read_prompt(args) -> str:
@@ -116,17 +160,97 @@ def cmd_bench(args) -> int:
 
     if args.prompt_tokens < 1 or args.gen_tokens < 1:
         raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
+    trace = None
+    if args.routing_trace is not None:
+        from moestream.experts.trace import RoutingTrace
+
+        if args.routing == "uniform":
+            raise InputError("give either --routing uniform or --routing-trace, not both.")
+        trace = RoutingTrace.load(args.routing_trace)   # a bad trace fails before the weights load
     engine, load_s = _load(args)
     if args.routing == "uniform":
         from moestream.bench import UniformRouting, set_routing
 
         set_routing(engine, UniformRouting(engine.config.top_k))
+    if trace is not None:
+        from moestream.bench import set_routing
+        from moestream.experts.trace import TraceRouting
+
+        set_routing(engine, TraceRouting.for_engine(trace, engine))
     result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed, temperature=args.temperature)
     print(result.table())
     if args.stats:
         print(engine.bank.stats.table())
     if args.json:
         _write_json(Path(args.json), {**result.as_dict(), "stats": engine.stats()})
+    return 0
+
+
+def _read_profile_prompts(args, engine) -> list[str | list[int]]:
+    """One prompt per non-empty line, or the whole file cut into --chunk-tokens pieces. Without a
+    tokenizer, the file holds space-separated token ids."""
+    path = Path(args.prompts)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"--prompts {path} does not exist; give a text file with one prompt per line.") from None
+    except (OSError, UnicodeDecodeError):
+        raise InputError(f"--prompts {path} cannot be read as UTF-8 text; give a text file with one prompt per line.") from None
+
+    def ids_of(chunk: str) -> list[int]:
+        words = chunk.split()
+        if not all(w.isdigit() for w in words):
+            raise InputError(f"this checkpoint has no tokenizer files, so --prompts {path} must hold space-separated token ids.")
+        return [int(w) for w in words]
+
+    if args.chunk_tokens is not None:
+        if not 1 <= args.chunk_tokens < engine.max_context:
+            raise InputError(f"--chunk-tokens must be in 1..{engine.max_context - 1} (the context holds {engine.max_context}).")
+        if engine.tokenizer is None:
+            ids = ids_of(text)
+        else:
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()   # a file longer than the context is the point: no length warning
+            try:
+                ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+            finally:
+                hf_logging.set_verbosity(verbosity)
+        prompts = [ids[i:i + args.chunk_tokens] for i in range(0, len(ids), args.chunk_tokens)]
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        prompts = [ids_of(line) for line in lines] if engine.tokenizer is None else lines
+    if args.max_prompts is not None:
+        prompts = prompts[:args.max_prompts]
+    if not prompts:
+        raise InputError(f"--prompts {path} holds no prompts; give a text file with one prompt per line.")
+    return prompts
+
+
+def cmd_profile(args) -> int:
+    """Record which experts the prompts use (and optionally the full routing trace)."""
+    from moestream.experts.trace import record_profile_and_trace
+
+    if args.max_tokens < 0:
+        raise InputError("--max-tokens must be 0 or more.")
+    if not Path(args.prompts).is_file():
+        raise InputError(f"--prompts {args.prompts} does not exist; give a text file with one prompt per line.")
+    for flag, out in (("--out", args.out), ("--trace", args.trace)):
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise InputError(f"{flag} {out}: the folder does not exist; create it or choose another path.")
+    engine, load_s = _load(args)
+    prompts = _read_profile_prompts(args, engine)
+    t0 = time.perf_counter()
+    profile, trace = record_profile_and_trace(engine, prompts, args.max_tokens, trace=args.trace is not None)
+    seconds = time.perf_counter() - t0
+    profile.save(args.out)
+    print(profile.summary())
+    print(f"profile written to {args.out}")
+    if trace is not None:
+        trace.save(args.trace)
+        print(f"routing trace of {trace.tokens} tokens written to {args.trace}")
+    print(f"[moestream] load {load_s:.2f} s | recorded {profile.tokens} tokens in {seconds:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -215,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     run.add_argument("--stats", action="store_true", help="print the bank's hit/miss table to stderr")
     run.add_argument("--stats-json", default=None, help="write the bank's statistics as JSON to this file")
+    _add_profile_args(run)
     run.set_defaults(func=cmd_run)
 
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
@@ -222,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--file", required=True, help="text or code file to score")
     ppl.add_argument("--window", type=int, default=None, help="window length (default: the context)")
     ppl.add_argument("--json", action="store_true")
+    _add_profile_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)
 
     bench = sub.add_parser("bench", help="measure TTFT, prefill and decode speed, hit rate and bytes moved")
@@ -235,7 +361,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="uniform: replace the model's expert choice by uniform random experts (worst case for the bank; labelled)")
     bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
     bench.add_argument("--json", default=None, help="write the results as JSON to this file")
+    bench.add_argument("--routing-trace", default=None,
+                       help="replay the expert choices of a routing trace from `moestream profile --trace` (labelled)")
+    _add_profile_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    prof = sub.add_parser("profile", help="record how often each expert is used on your prompts (a profile for --profile)")
+    _add_load_args(prof)
+    prof.add_argument("--prompts", required=True, help="text file: one prompt per line (or see --chunk-tokens)")
+    prof.add_argument("--out", required=True, help="where to write the profile JSON")
+    prof.add_argument("--max-tokens", type=int, default=0, help="greedy tokens to decode after each prompt (default 0: prompts only)")
+    prof.add_argument("--chunk-tokens", type=int, default=None, help="cut the whole file into prompts of this many tokens instead of lines")
+    prof.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
+    prof.add_argument("--trace", default=None, help="also write the routing trace (expert ids per token and layer) for `bench --routing-trace`")
+    prof.set_defaults(func=cmd_profile)
 
     check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
     check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")

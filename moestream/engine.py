@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from moestream.errors import InputError
-from moestream.loader import BankOptions, LoadedModel, load_model, resolve_device, resolve_dtype
+from moestream.checkpoint import resolve_checkpoint
+from moestream.experts.discovery import DEFAULT_PROMPT as DEFAULT_DISCOVERY_PROMPT
+from moestream.loader import BankOptions, LoadedModel, load_model, resolve_device, resolve_dtype, save_prepack
 from moestream.model.context import no_cache_context
 from moestream.runtime.detokenize import IncrementalDetokenizer, StopStringFilter
 from moestream.runtime.generate import GenerationRun, Generator, RunMetrics
@@ -38,6 +40,7 @@ class Engine:
         self.max_context = max_context
         self.generator = Generator(self.model, device, dtype, max_context)
         self.last_metrics = RunMetrics()
+        self.prepack_error: str | None = None
         self.eos_ids = set(self.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
@@ -55,6 +58,14 @@ class Engine:
     def reset_stats(self) -> None:
         self.bank.sync_stats()
         self.bank.stats.reset()
+
+    def warm_up(self, tokens: int = 8) -> None:
+        """Hybrid warm-up: a few generated tokens of a short prompt compile kernels, capture decode
+        graphs and swap in that domain's missing experts before the first real request."""
+        prompt = (self.encode(DEFAULT_DISCOVERY_PROMPT) if self.tokenizer is not None
+                  else list(range(1, min(32, self.config.vocab_size))))
+        self.generate(prompt, max_tokens=tokens, ignore_eos=True)
+        self.reset_stats()
 
     # ---- inputs -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -176,12 +187,24 @@ def _peak_rss_bytes() -> int:
 def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto", max_context: int | None = None,
          gpu_memory: int | str | None = None, memory: int | str | None = None, capacity: int | None = None,
          host_memory: int | str | None = None, host_tier: str = "auto", miss_policy: str = "fetch",
-         residency: str = "lcp", pinned: dict[int, list[int]] | None = None, prefetch: bool = True) -> Engine:
+         residency: str = "lcp", pinned: dict[int, list[int]] | None = None, prefetch: bool = True,
+         profile=None, pin_top_k: int | None = None, pin_threshold: float | None = None,
+         discovery: bool | str | list[int] = True, prepack: str | Path | None = None,
+         warmup_tokens: int = 0) -> Engine:
     """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
 
     `gpu_memory` (alias `memory`, which names no device) bounds everything the engine takes on
     the device; `capacity` fixes the bank slots per layer instead. Experts beyond the bank stay
     in pinned host RAM (`host_memory` bounds it) or on disk.
+
+    `profile` (a path or a Profile, from `moestream profile`) seeds the bank with the experts that
+    its prompts used most; `pin_top_k` / `pin_threshold` also pin its top experts per layer.
+
+    With a bounded bank and no profile, `discovery` (True: a built-in prompt; or your text or
+    token ids) runs a router-only pass first so the bank starts with the experts it used.
+    `prepack` names a folder for a snapshot of the warmed bank: loaded when it matches, else
+    built, warmed with `warmup_tokens` generated tokens, and saved. `warmup_tokens` > 0 also
+    compiles kernels and captures decode graphs before the first request.
     """
     if max_context is not None and max_context < 2:
         raise InputError(f"max_context must be at least 2, got {max_context}.")
@@ -189,9 +212,36 @@ def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "au
         raise InputError("give either gpu_memory or memory (they are the same budget), not both.")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    from moestream.experts.profile import apply_profile, prepare_profile, profile_seed
+
+    profile, pinned = prepare_profile(model, profile, pin_top_k, pin_threshold, pinned)   # pins before the bank fills
+    folder = resolve_checkpoint(model)
+    tokenizer = _load_tokenizer(folder)
     options = BankOptions(gpu_memory=gpu_memory if gpu_memory is not None else memory, capacity=capacity,
                           host_memory=host_memory, host_tier=host_tier, miss_policy=miss_policy,
-                          residency=residency, pinned=pinned, prefetch=prefetch)
-    loaded = load_model(model, dev, dt, options, max_context)
+                          residency=residency, pinned=pinned, prefetch=prefetch, prepack=prepack,
+                          discovery_ids=_discovery_ids(discovery, tokenizer))
+    if profile is not None and options.seed is None:
+        options.seed = profile_seed(profile)   # the bank's first fill then holds the profile's top experts
+    loaded = load_model(folder, dev, dt, options, max_context)
     context = min(max_context or loaded.config.max_position, loaded.config.max_position)
-    return Engine(loaded, _load_tokenizer(loaded.folder), dev, dt, context)
+    engine = Engine(loaded, tokenizer, dev, dt, context)
+    if profile is not None:   # a bank restored from a prepacked snapshot keeps its experts
+        apply_profile(engine, profile, refill=loaded.prepack is None or not loaded.prepack.loaded)
+        engine.reset_stats()   # seeding is part of loading, like the bank's first fill
+    if warmup_tokens > 0:
+        engine.warm_up(warmup_tokens)
+    engine.prepack_error = save_prepack(loaded)   # only when the bank did not come from the snapshot
+    return engine
+
+
+def _discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:
+    if discovery is False or discovery is None:
+        return None
+    if discovery is True:
+        return tokenizer(DEFAULT_DISCOVERY_PROMPT).input_ids if tokenizer is not None else None
+    if isinstance(discovery, str):
+        if tokenizer is None:
+            raise InputError("a discovery prompt given as text needs tokenizer files; pass token ids instead.")
+        return tokenizer(discovery).input_ids
+    return [int(t) for t in discovery]

@@ -136,7 +136,7 @@ def load_model(model: str | Path, device: torch.device, dtype: torch.dtype, opti
         seed = options.seed
         if options.discovery_ids and seed is None and plan.capacity < config.num_experts:
             discovery = discover_routing(net, options.discovery_ids, device, dtype)
-            seed = discovery.frequencies
+            seed = {layer: f * discovery.tokens for layer, f in discovery.frequencies.items()}   # as counts
         for layer, frequencies in (seed or {}).items():
             bank.policy.seed(layer, frequencies)
         bank.fill()
