@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import moestream  # noqa: E402
 from moestream.bench import UniformRouting, run_bench, set_routing  # noqa: E402
+from moestream.experts.trace import RoutingTrace, TraceRouting  # noqa: E402
 from moestream.experts.budget import format_bytes, plan_memory  # noqa: E402
 
 
@@ -99,7 +100,8 @@ def budgets(args) -> dict:
     log(results["bandwidth"])
     bw = results["bandwidth"]["pinned_h2d_GBps"] * 1e9
     tier = None
-    for frac in args.fractions:
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
+    for frac, prefetch in [(f, p) for f in args.fractions for p in variants]:
         t0 = time.perf_counter()
         probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=8, host_tier="disk",
                                max_context=4096) if tier is None else None
@@ -115,20 +117,27 @@ def budgets(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
-                                host_tier=tier if cap < config.num_experts else "auto", residency=args.residency)
+                                host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
+                                prefetch=prefetch)
         load_s = time.perf_counter() - t0
         if args.routing == "uniform":
             set_routing(engine, UniformRouting(config.top_k))
+        elif args.routing == "trace":
+            set_routing(engine, TraceRouting.for_engine(RoutingTrace.load(args.trace), engine))
         res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
         res["expert_fraction"] = frac
+        res["prefetch"] = prefetch
+        stats = engine.stats()
+        res["prediction_accuracy"] = stats["prediction_accuracy"]
+        res["prefetched"] = stats["prefetched"]
         res["within_budget"] = res["peak_device_bytes"] <= budget
         missed = res["decode_bytes_per_token"]
         res["roofline_tok_s"] = bw / missed if missed else None
         res["share_of_roofline"] = res["decode_tok_s"] / res["roofline_tok_s"] if missed else None
-        log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}")
-        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token", "graph_pool_bytes",
+        log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}, prefetch {prefetch}, routing {res['routing']}")
+        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token", "prediction_accuracy", "prefetched",
                                              "roofline_tok_s", "share_of_roofline", "peak_device_bytes", "within_budget")}))
-        results[f"moestream_{int(frac * 100)}"] = res
+        results[f"moestream_{int(frac * 100)}" + ("" if prefetch else "_noprefetch")] = res
         del engine
         torch.cuda.empty_cache()
     del tier
@@ -151,7 +160,9 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--hf-offload", action="store_true")
-    ap.add_argument("--routing", choices=["model", "uniform"], default="model")
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
+    ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")
+    ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
