@@ -123,7 +123,9 @@ def budgets(args) -> dict:
         if args.routing == "uniform":
             set_routing(engine, UniformRouting(config.top_k))
         elif args.routing == "trace":
-            set_routing(engine, TraceRouting.for_engine(RoutingTrace.load(args.trace), engine))
+            replay = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
+            replay.prediction_accuracy = args.trace_prediction_accuracy
+            set_routing(engine, replay)
         res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
         res["expert_fraction"] = frac
         res["prefetch"] = prefetch
@@ -163,6 +165,9 @@ def main() -> None:
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")
     ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--trace-prediction-accuracy", type=float, default=None,
+                    help="under trace replay, predict the next layer's replayed experts with this accuracy "
+                         "(the demo model's measured next-layer accuracy is 0.65)")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

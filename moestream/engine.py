@@ -59,11 +59,16 @@ class Engine:
         self.bank.sync_stats()
         self.bank.stats.reset()
 
-    def warm_up(self, tokens: int = 8) -> None:
+    def warm_up(self, tokens: int = 8, bank_is_warm: bool = False) -> None:
         """Hybrid warm-up: a few generated tokens of a short prompt compile kernels, capture decode
-        graphs and swap in that domain's missing experts before the first real request."""
+        graphs and swap in that domain's missing experts before the first real request.
+
+        A bank restored from a snapshot is already warm: then a 4-token prompt only compiles and
+        captures, instead of streaming a prompt's worth of missing experts through the bank."""
         prompt = (self.encode(DEFAULT_DISCOVERY_PROMPT) if self.tokenizer is not None
                   else list(range(1, min(32, self.config.vocab_size))))
+        if bank_is_warm:
+            prompt = prompt[:4]
         self.generate(prompt, max_tokens=tokens, ignore_eos=True)
         self.reset_stats()
 
@@ -230,7 +235,7 @@ def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "au
         apply_profile(engine, profile, refill=loaded.prepack is None or not loaded.prepack.loaded)
         engine.reset_stats()   # seeding is part of loading, like the bank's first fill
     if warmup_tokens > 0:
-        engine.warm_up(warmup_tokens)
+        engine.warm_up(warmup_tokens, bank_is_warm=loaded.prepack is not None and loaded.prepack.loaded)
     engine.prepack_error = save_prepack(loaded)   # only when the bank did not come from the snapshot
     return engine
 

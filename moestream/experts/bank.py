@@ -31,7 +31,8 @@ from moestream.experts.stats import BankStats
 from moestream.experts.store import ExpertStore
 
 MISS_POLICIES = ("fetch", "skip")
-PREFETCH_WINDOW = 256          # predicted experts per layer before prefetch is judged
+PREFETCH_WARMUP_CALLS = 16     # predicted calls per layer before prefetch is judged
+PREFETCH_EMA = 1 / 32          # weight of the newest call in the moving accuracy
 PREFETCH_MIN_ACCURACY = 0.3    # below this share of right predictions a layer stops prefetching
 
 
@@ -99,7 +100,7 @@ class ExpertBank:
         self.prefetch_enabled = prefetch
         self._pending: dict[int, torch.cuda.Event] = {}   # layer → copies issued by prefetch
         self._predicted: dict[int, set[int]] = {}          # layer → experts predicted for its next call
-        self._recent_accuracy: dict[int, tuple[int, int]] = {}  # layer → (right, predicted) lately
+        self._recent_accuracy: dict[int, tuple[float, int]] = {}  # layer → (moving accuracy, calls)
 
     # ---- construction -------------------------------------------------------------------
     def _make_tier(self, kind, host_memory: int | None):
@@ -203,9 +204,10 @@ class ExpertBank:
     def _prediction_pays(self, layer: int) -> bool:
         """Prefetch only where the prediction has been right often enough: unpredictable routing
         (synthetic, or a layer whose router disagrees with its predecessor) would only spend
-        bandwidth evicting useful experts. Judged on the last PREFETCH_WINDOW predicted experts."""
-        hits, total = self._recent_accuracy.get(layer, (0, 0))
-        return total < PREFETCH_WINDOW or hits >= PREFETCH_MIN_ACCURACY * total
+        bandwidth evicting useful experts. Judged on a moving average over recent calls, once
+        PREFETCH_WARMUP_CALLS have been seen; predictions keep being scored while it is off."""
+        accuracy, calls = self._recent_accuracy.get(layer, (1.0, 0))
+        return calls < PREFETCH_WARMUP_CALLS or accuracy >= PREFETCH_MIN_ACCURACY
 
     def ensure_resident(self, layer: int, expert_ids: np.ndarray, wait: str = "host") -> None:
         """Host side of a fetch: count hits and misses, copy missing experts into evicted slots.
@@ -225,10 +227,9 @@ class ExpertBank:
             right = sum(1 for e in experts.tolist() if e in predicted)
             stats.predicted_total += len(experts)
             stats.predicted_hits += right
-            hits, total = self._recent_accuracy.get(layer, (0, 0))
-            if total >= PREFETCH_WINDOW:   # a sliding estimate: decay the old counts by half
-                hits, total = hits // 2, total // 2
-            self._recent_accuracy[layer] = (hits + right, total + len(experts))
+            accuracy, calls = self._recent_accuracy.get(layer, (1.0, 0))
+            rate = max(PREFETCH_EMA, 1.0 / (calls + 1))   # a plain mean at first, then a moving average
+            self._recent_accuracy[layer] = (accuracy + rate * (right / len(experts) - accuracy), calls + 1)
         pending = self._pending.pop(layer, None)
         missing = experts[~resident].tolist()
         if missing:   # queued after any prefetch on the same copy stream: waiting on it covers both

@@ -154,6 +154,19 @@ class TraceRouting:
         self.per_layer = [ids[:, i].contiguous().to(device) for i in range(L)]   # (N, k) each
         self.cursor = torch.zeros((), dtype=torch.long, device=device)
         self.label = f"trace replay ({trace.name})"
+        self.prediction_accuracy: float | None = None
+
+    def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Next-layer prediction under replay (benchmark-only): the target model's own router says
+        nothing about replayed routing, so the prediction is drawn from the replayed ids of `layer`
+        at this forward's rows, each id kept with probability `prediction_accuracy` (measured on
+        the model the trace came from) and otherwise replaced by a uniformly random expert.
+        None means the plain router prediction (set the accuracy to model prefetch)."""
+        T = h.shape[0]
+        rows = (self.cursor + torch.arange(T, device=h.device)) % self.tokens
+        ids = self.per_layer[self.trace_layer[layer]].index_select(0, rows)
+        keep = torch.rand(ids.shape, device=h.device) < self.prediction_accuracy
+        return torch.where(keep, ids, torch.randint_like(ids, self.num_experts))
 
     @classmethod
     def for_engine(cls, trace: RoutingTrace, engine) -> TraceRouting:

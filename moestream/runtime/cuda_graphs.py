@@ -132,7 +132,11 @@ class SegmentedDecode:
         predicted = None
         if self.prefetch and i + 1 < len(self.moe_layers):
             nxt = self.layers[self.moe_layers[i + 1]].ffn
-            predicted = nxt.router(h).topk(nxt.top_k, dim=-1).indices
+            override = nxt.routing_override
+            if getattr(override, "prediction_accuracy", None) is not None:   # replayed routing and prediction
+                predicted = override.predict(nxt.layer, h)
+            else:
+                predicted = nxt.router(h).topk(nxt.top_k, dim=-1).indices
         return _Carry(ctx, x, h, ids, weights, predicted)
 
     def _make_resident(self, i: int, carry: _Carry) -> None:
