@@ -31,8 +31,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
     p.add_argument("--miss-policy", default="fetch", choices=["fetch", "skip"], help="fetch = exact (default); skip = drop non-resident experts and renormalise (approximate)")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
-    p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
-                   help="do not predict and copy the next layer's experts ahead (fetch policy)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
+                        "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
     p.add_argument("--no-discovery", dest="discovery", action="store_false",
                    help="fill a bounded bank without the router-only pass over a warm-up prompt")
     p.add_argument("--prepack", default=None, metavar="DIR",

@@ -192,7 +192,7 @@ def _peak_rss_bytes() -> int:
 def load(model: str | Path, device: str = "auto", dtype: str | torch.dtype = "auto", max_context: int | None = None,
          gpu_memory: int | str | None = None, memory: int | str | None = None, capacity: int | None = None,
          host_memory: int | str | None = None, host_tier: str = "auto", miss_policy: str = "fetch",
-         residency: str = "lcp", pinned: dict[int, list[int]] | None = None, prefetch: bool = True,
+         residency: str = "lcp", pinned: dict[int, list[int]] | None = None, prefetch: bool = False,
          profile=None, pin_top_k: int | None = None, pin_threshold: float | None = None,
          discovery: bool | str | list[int] = True, prepack: str | Path | None = None,
          warmup_tokens: int = 0) -> Engine:

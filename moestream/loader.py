@@ -58,7 +58,7 @@ class BankOptions:
     miss_policy: str = "fetch"            # fetch (exact) | skip
     residency: str = "lcp"                # lcp | lru
     pinned: dict[int, list[int]] | None = None
-    prefetch: bool = True                 # next-layer prediction starts copies early (fetch policy)
+    prefetch: bool = False                # next-layer prediction starts copies early (fetch policy); off: see BENCHMARKS.md
     discovery_ids: list[int] | None = None  # router-only pass over this prompt seeds the bank (capacity < E)
     seed: dict[int, object] | None = None   # per-layer expert frequencies (a profile) that seed the bank
     prepack: str | Path | None = None       # folder of a prepacked bank snapshot: loaded when it matches

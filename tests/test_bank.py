@@ -136,3 +136,26 @@ def test_bench_reports_hit_rate_and_bytes(tiny_qwen3, tmp_path, capsys):
     data = json.loads(path.read_text())
     assert 0 <= data["decode_hit_rate"] <= 1 and data["gen_tokens"] == 8 and data["capacity"] == 3
     assert "decode" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("capacity", [2, 4, 7])
+def test_prefetch_keeps_fetch_exact_and_scores_its_predictions(tiny_qwen3, reference_tokens, capacity):
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=capacity, prefetch=True)
+    assert engine.generate(PROMPTS[1], max_tokens=20, ignore_eos=True) == reference_tokens["single"]
+    stats = engine.stats()
+    assert stats["prediction_accuracy"] is not None and 0 <= stats["prediction_accuracy"] <= 1
+    assert stats["layers"]["2"]["predicted_total"] > 0   # layer 2 is predicted from layer 0
+
+
+def test_prefetch_switches_itself_off_when_predictions_miss(tiny_qwen3):
+    from moestream.bench import UniformRouting, set_routing
+    from moestream.experts.bank import PREFETCH_WARMUP_CALLS
+
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, prefetch=True)
+    set_routing(engine, UniformRouting(engine.config.top_k))   # the router cannot predict random routing
+    engine.generate(PROMPTS[0], max_tokens=200, ignore_eos=True)
+    layer = engine.stats()["layers"]["2"]
+    assert layer["prediction_accuracy"] < 0.5
+    # only the first calls (before the accuracy is judged) and rare lucky streaks copy anything
+    assert layer["prefetched"] < 0.5 * layer["predicted_total"]
+    assert engine.bank._recent_accuracy[2][1] > PREFETCH_WARMUP_CALLS

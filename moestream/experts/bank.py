@@ -58,7 +58,7 @@ class ExpertBank:
     def __init__(self, store: ExpertStore, device: torch.device, dtype: torch.dtype, capacity: int | None = None,
                  miss_policy: str = "fetch", residency: str = "lcp", host_tier: str = "auto",
                  host_memory: int | None = None, staging_slots: int = 0, pinned: dict[int, list[int]] | None = None,
-                 refresh_every: int = 16, prefetch: bool = True, seed: dict[int, np.ndarray] | None = None,
+                 refresh_every: int = 16, prefetch: bool = False, seed: dict[int, np.ndarray] | None = None,
                  fill: bool = True):
         config = store.config
         self.store, self.device, self.dtype = store, device, dtype
