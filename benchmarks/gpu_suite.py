@@ -116,7 +116,9 @@ def budgets(args) -> dict:
         budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=4096).total_bytes
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        pinned = _pins_from_profile(args.pin_profile, args.pin_top_k, config) if args.pin_top_k else None
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
+                                pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
                                 prefetch=prefetch)
         load_s = time.perf_counter() - t0
@@ -129,6 +131,7 @@ def budgets(args) -> dict:
         res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
         res["expert_fraction"] = frac
         res["prefetch"] = prefetch
+        res["pin_top_k"] = args.pin_top_k
         stats = engine.stats()
         res["prediction_accuracy"] = stats["prediction_accuracy"]
         res["prefetched"] = stats["prefetched"]
@@ -151,6 +154,18 @@ def budgets(args) -> dict:
     return results
 
 
+def _pins_from_profile(path: Path, top_k: int, config) -> dict[int, list[int]]:
+    """The profile's top experts per layer, its layers mapped modulo onto the target's (as traces are)."""
+    profile = json.loads(path.read_text())
+    layers = [v for _, v in sorted(profile["frequencies"].items(), key=lambda kv: int(kv[0]))]
+    moe = [i for i, is_moe in enumerate(config.moe_layers) if is_moe]
+    pins = {}
+    for n, layer in enumerate(moe):
+        freqs = layers[n % len(layers)]
+        pins[layer] = sorted(range(len(freqs)), key=lambda e: -freqs[e])[:top_k]
+    return pins
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["foundation", "budgets"], required=True)
@@ -165,6 +180,8 @@ def main() -> None:
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")
     ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--pin-profile", type=Path, default=None, help="profile whose top experts get pinned (layers mapped modulo)")
+    ap.add_argument("--pin-top-k", type=int, default=0)
     ap.add_argument("--trace-prediction-accuracy", type=float, default=None,
                     help="under trace replay, predict the next layer's replayed experts with this accuracy "
                          "(the demo model's measured next-layer accuracy is 0.65)")
