@@ -145,6 +145,9 @@ def test_prefetch_keeps_fetch_exact_and_scores_its_predictions(tiny_qwen3, refer
     stats = engine.stats()
     assert stats["prediction_accuracy"] is not None and 0 <= stats["prediction_accuracy"] <= 1
     assert stats["layers"]["2"]["predicted_total"] > 0   # layer 2 is predicted from layer 0
+    layer = stats["layers"]["2"]
+    if layer["prefetched"]:
+        assert layer["prefetch_used"] <= layer["prefetched"] and 0 <= layer["hidden_share"] <= 1
 
 
 def test_prefetch_switches_itself_off_when_predictions_miss(tiny_qwen3):

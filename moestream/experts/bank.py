@@ -101,6 +101,7 @@ class ExpertBank:
         self._pending: dict[int, torch.cuda.Event] = {}   # layer → copies issued by prefetch
         self._predicted: dict[int, set[int]] = {}          # layer → experts predicted for its next call
         self._recent_accuracy: dict[int, tuple[float, int]] = {}  # layer → (moving accuracy, calls)
+        self._prefetched: dict[int, set[int]] = {}         # layer → experts copied ahead for its next call
 
     # ---- construction -------------------------------------------------------------------
     def _make_tier(self, kind, host_memory: int | None):
@@ -232,6 +233,10 @@ class ExpertBank:
             self._recent_accuracy[layer] = (accuracy + rate * (right / len(experts) - accuracy), calls + 1)
         pending = self._pending.pop(layer, None)
         missing = experts[~resident].tolist()
+        ahead = self._prefetched.pop(layer, set())
+        if ahead or predicted is not None:   # copies this call needed: hidden behind the previous layer or not
+            stats.prefetch_used += sum(1 for e in experts.tolist() if e in ahead)
+            stats.demand_copies += len(missing)
         if missing:   # queued after any prefetch on the same copy stream: waiting on it covers both
             victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), set(experts.tolist()))
             self._install(layer, missing, victims, wait=wait)
@@ -321,6 +326,7 @@ class ExpertBank:
         victims = self.policy.victims(layer, [e for e in bank.owner if e >= 0], len(missing), set(experts))
         done = self._install(layer, missing, victims, wait="none")
         self.stats.layer(layer).prefetched += len(missing)
+        self._prefetched[layer] = set(missing)
         if done is not None:
             self._pending[layer] = done
 

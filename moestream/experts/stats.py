@@ -15,6 +15,8 @@ class LayerStats:
     prefetched: int = 0      # experts copied ahead on the next-layer prediction
     predicted_hits: int = 0  # routed experts (distinct per call) that the prediction named
     predicted_total: int = 0  # routed experts (distinct per call) in calls that had a prediction
+    prefetch_used: int = 0   # experts copied ahead that the call then routed to (their copy was hidden)
+    demand_copies: int = 0   # experts such calls still had to copy while the layer waited
 
     def add(self, other: "LayerStats") -> None:
         for k, v in asdict(other).items():
@@ -28,6 +30,13 @@ class LayerStats:
     @property
     def prediction_accuracy(self) -> float | None:
         return self.predicted_hits / self.predicted_total if self.predicted_total else None
+
+    @property
+    def hidden_share(self) -> float | None:
+        """Share of the copies a predicted call needed that were already issued ahead (each expert
+        copy costs the same time, so this is the share of its miss time moved off the critical path)."""
+        n = self.prefetch_used + self.demand_copies
+        return self.prefetch_used / n if n else None
 
 
 @dataclass
@@ -53,20 +62,20 @@ class BankStats:
 
     def as_dict(self) -> dict:
         total = self.total()
-        per_layer = {str(i): {**asdict(s), "hit_rate": s.hit_rate, "prediction_accuracy": s.prediction_accuracy}
-                     for i, s in sorted(self.layers.items())}
+        per_layer = {str(i): {**asdict(s), "hit_rate": s.hit_rate, "prediction_accuracy": s.prediction_accuracy,
+                              "hidden_share": s.hidden_share} for i, s in sorted(self.layers.items())}
         return {"tokens": self.tokens, **asdict(total), "hit_rate": total.hit_rate,
-                "prediction_accuracy": total.prediction_accuracy,
+                "prediction_accuracy": total.prediction_accuracy, "hidden_share": total.hidden_share,
                 "bytes_copied_per_token": total.bytes_copied / self.tokens if self.tokens else 0.0,
                 "layers": per_layer}
 
     def table(self) -> str:
-        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s", "prefetched", "pred acc")]
+        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s", "prefetched", "pred acc", "hidden")]
         items = sorted(self.layers.items()) + [("all", self.total())]
         for i, s in items:
-            acc = s.prediction_accuracy
+            acc, hidden = s.prediction_accuracy, s.hidden_share
             rows.append((str(i), str(s.hits), str(s.misses), f"{s.hit_rate:.1%}", str(s.evictions),
                          f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}", str(s.prefetched),
-                         "-" if acc is None else f"{acc:.1%}"))
+                         "-" if acc is None else f"{acc:.1%}", "-" if hidden is None else f"{hidden:.1%}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
