@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
+from .moe_tiles import gated_dot
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "launch_decode_gemms"]
 
@@ -139,30 +140,8 @@ def _moe_decode_kernel(
         else:
             a_row = pair
         a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_start
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATED:
-            up_ptrs = b_start + N * stride_bn
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_mask = offs_k < K - kk * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                if EVEN_K:
-                    b_up = tl.load(up_ptrs)
-                else:
-                    b_up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-                up_ptrs += BLOCK_K * stride_bk
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-
+        acc, acc_up = gated_dot(a_ptrs, b_start, row_mask, offs_k, K, N, stride_ak, stride_bk, stride_bn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION)
         if GATED:
             acc = activate(acc, acc_up, ACTIVATION)
         if MUL_WEIGHT:
