@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,7 +53,7 @@ from .fused_moe_decode import (
 )
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
-from .moe_tiles import gated_dot
+from .moe_tiles import fit_tile, gated_dot
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
 from .moe_reference import check_moe_inputs, get_activation
 
@@ -125,29 +125,6 @@ def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
         if rows_per_slot <= limit:
             return config
     return _CONFIG_TABLE[-1][1]
-
-
-def _fit_gemm(cfg: GemmConfig, block_m: int, n: int, k: int, elt_bytes: int,
-              gated: bool) -> GemmConfig:
-    """Shrink a tile to the problem and to shared memory.
-
-    tl.dot needs every tile dimension >= 16; small or odd shapes get the smallest power of two
-    that covers them. fp32 inputs double the pipeline's shared memory, so stages (then BLOCK_K)
-    are reduced until it fits.
-    """
-    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    stages = cfg.num_stages
-    b_tiles = 2 if gated else 1
-
-    def smem(st: int, bk: int) -> int:
-        return st * (block_m + b_tiles * block_n) * bk * elt_bytes
-
-    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and stages > 2:
-        stages -= 1
-    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and block_k > 32:
-        block_k //= 2
-    return replace(cfg, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 @triton.jit
@@ -337,8 +314,8 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     num_pairs = T * k
     cfg = config if config is not None else select_config(T, k, S)
     elt = hidden.element_size()
-    gate_up_cfg = _fit_gemm(cfg.gate_up, cfg.block_m, I, H, elt, gated=True)
-    down_cfg = _fit_gemm(cfg.down, cfg.block_m, H, I, elt, gated=False)
+    gate_up_cfg = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
+    down_cfg = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
 
     pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
     flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous

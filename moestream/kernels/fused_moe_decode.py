@@ -27,7 +27,7 @@ Qwen3-30B-A3B's I = 768 and BLOCK_N = 16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
-from .moe_tiles import gated_dot
+from .moe_tiles import fit_tile, gated_dot
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "launch_decode_gemms"]
 
@@ -67,24 +67,6 @@ class DecodeConfig:
 # 2 x 16 rows x H; down: 8 x 64 = 512 programs of 32 rows x I.
 DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),
                                      down=DecodeTile(32, 128, 4, 4))
-
-
-def _fit_tile(tile: DecodeTile, block_m: int, n: int, k: int, elt_bytes: int,
-              gated: bool) -> DecodeTile:
-    """Shrink a tile to the problem (tl.dot needs dims >= 16) and to the smem budget."""
-    block_n = min(tile.block_n, max(16, triton.next_power_of_2(n)))
-    block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
-    stages = tile.num_stages
-    b_tiles = 2 if gated else 1
-
-    def smem(st: int, bk: int) -> int:
-        return st * (block_m + b_tiles * block_n) * bk * elt_bytes
-
-    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and stages > 2:
-        stages -= 1
-    while smem(stages, block_k) > _SMEM_BUDGET_BYTES and block_k > 32:
-        block_k //= 2
-    return replace(tile, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 @triton.jit
@@ -182,8 +164,8 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
     S, two_i, H = gate_up.shape
     I = two_i // 2
     elt = hidden.element_size()
-    gate_up_tile = _fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, gated=True)
-    down_tile = _fit_tile(cfg.down, cfg.block_m, H, I, elt, gated=False)
+    gate_up_tile = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
+    down_tile = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
     _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
             block_m=cfg.block_m, tile=gate_up_tile)

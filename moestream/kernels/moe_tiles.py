@@ -6,6 +6,9 @@ accumulated in the same pass over K so the activation can be applied in the epil
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TypeVar
+
 import triton
 import triton.language as tl
 
@@ -37,3 +40,28 @@ def gated_dot(a_ptrs, b_ptrs, row_mask, offs_k, K, N, stride_ak, stride_bk, stri
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc, acc_up
+
+
+Tile = TypeVar("Tile")   # a dataclass with block_n, block_k and num_stages fields
+
+
+def fit_tile(tile: Tile, block_m: int, n: int, k: int, elt_bytes: int, gated: bool, smem_budget: int) -> Tile:
+    """Shrink a tile to the problem and to shared memory.
+
+    tl.dot needs every tile dimension >= 16; small or odd shapes get the smallest power of two
+    that covers them. fp32 inputs double the pipeline's shared memory, so stages (then BLOCK_K)
+    are reduced until it fits.
+    """
+    block_n = min(tile.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
+    stages = tile.num_stages
+    b_tiles = 2 if gated else 1
+
+    def smem(st: int, bk: int) -> int:
+        return st * (block_m + b_tiles * block_n) * bk * elt_bytes
+
+    while smem(stages, block_k) > smem_budget and stages > 2:
+        stages -= 1
+    while smem(stages, block_k) > smem_budget and block_k > 32:
+        block_k //= 2
+    return replace(tile, block_n=block_n, block_k=block_k, num_stages=stages)
