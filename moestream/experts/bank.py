@@ -58,8 +58,7 @@ class ExpertBank:
     def __init__(self, store: ExpertStore, device: torch.device, dtype: torch.dtype, capacity: int | None = None,
                  miss_policy: str = "fetch", residency: str = "lcp", host_tier: str = "auto",
                  host_memory: int | None = None, staging_slots: int = 0, pinned: dict[int, list[int]] | None = None,
-                 refresh_every: int = 16, prefetch: bool = False, seed: dict[int, np.ndarray] | None = None,
-                 fill: bool = True):
+                 refresh_every: int = 16, prefetch: bool = False, fill: bool = True):
         config = store.config
         self.store, self.device, self.dtype = store, device, dtype
         self.num_experts, self.top_k = config.num_experts, config.top_k
@@ -81,11 +80,9 @@ class ExpertBank:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts, load=False)
-        for layer, frequencies in (seed or {}).items():   # discovery or a profile: fill with the most used
-            self.policy.seed(layer, frequencies)
         self.tier = None if self.fully_resident else self._make_tier(host_tier, host_memory)
         self.layers: dict[int, LayerBank] = {layer: self._empty_layer() for layer in store.moe_layers}
-        if fill:
+        if fill:   # fill=False: the loader restores a snapshot or seeds the policy (discovery, profile) first
             self.fill()
         self.staging = self._make_staging(staging_slots) if not self.fully_resident else []
         self._staging_turn = 0
