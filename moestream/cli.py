@@ -317,9 +317,18 @@ def cmd_perplexity(args) -> int:
         raise InputError(f"--file {path} holds fewer than two tokens; give a longer file.")
     window = min(args.window or engine.max_context, engine.max_context)
     t0 = time.perf_counter()
-    ppl, n = sliding_window_perplexity(engine.logits, ids, window, engine.device)
-    result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0}
-    print(json.dumps(result) if args.json else f"perplexity {ppl:.4f} over {n} tokens (window {window})")
+    if args.decode:
+        from moestream.runtime.perplexity import decode_perplexity
+
+        ppl, n = decode_perplexity(engine.generator, ids, window, args.max_tokens)
+    else:
+        ppl, n = sliding_window_perplexity(engine.logits, ids, window, engine.device)
+    result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0,
+              "mode": "decode" if args.decode else "prefill", "miss_policy": args.miss_policy,
+              "capacity": engine.bank.capacity}
+    print(json.dumps(result) if args.json else
+          f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {args.miss_policy}, "
+          f"capacity {engine.bank.capacity}/{engine.config.num_experts})")
     return 0
 
 
@@ -348,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--file", required=True, help="text or code file to score")
     ppl.add_argument("--window", type=int, default=None, help="window length (default: the context)")
     ppl.add_argument("--json", action="store_true")
+    ppl.add_argument("--decode", action="store_true",
+                     help="score every token through a decode step (what decode-only approximations such as --miss-policy skip change)")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="with --decode: score at most this many tokens")
     _add_profile_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)
 

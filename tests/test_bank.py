@@ -162,3 +162,17 @@ def test_prefetch_switches_itself_off_when_predictions_miss(tiny_qwen3):
     # only the first calls (before the accuracy is judged) and rare lucky streaks copy anything
     assert layer["prefetched"] < 0.5 * layer["predicted_total"]
     assert engine.bank._recent_accuracy[2][1] > PREFETCH_WARMUP_CALLS
+
+
+def test_decode_perplexity_is_exact_for_fetch_and_shows_skip(tiny_qwen3):
+    from moestream.runtime.perplexity import decode_perplexity
+
+    ids = torch.randint(2, 160, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    reference, scored = decode_perplexity(full.generator, ids, window=32)
+    assert scored == len(ids) - 1
+    fetch = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3)
+    assert decode_perplexity(fetch.generator, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
+    skip = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, miss_policy="skip")
+    assert decode_perplexity(skip.generator, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
+    assert decode_perplexity(full.generator, ids, window=32, max_scored=10)[1] == 10

@@ -157,6 +157,22 @@ class Generator:
         return logits[:, -1]
 
     @torch.inference_mode()
+    def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:
+        """Log-probabilities (len(targets),) of `targets` after `context`, scored one decode step at a
+        time: the path generation takes, so decode-only approximations (the skip policy) count."""
+        cache = self.cache_for(1, len(context) + len(targets))
+        logits = self.prefill(cache, 0, context)
+        positions = torch.tensor([len(context)], dtype=torch.long, device=self.device)
+        wanted = torch.tensor(targets, dtype=torch.long, device=self.device)
+        scores = []
+        for step, token in enumerate(wanted):
+            scores.append(logits.float().log_softmax(-1)[0, token])
+            if step + 1 < len(targets):
+                logits = self._decode_logits(cache, token.view(1), positions, len(context) + step + 1)
+                positions = positions + 1
+        return torch.stack(scores)
+
+    @torch.inference_mode()
     def run(self, run: GenerationRun) -> Iterator[list[int]]:
         """Yield the new token of every row, step by step, until all rows are finished."""
         params, prompts = run.params, run.prompts

@@ -36,3 +36,27 @@ def sliding_window_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], 
         if end == len(ids):
             break
     return math.exp(total_nll / scored), scored
+
+
+def decode_perplexity(generator, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
+    """(perplexity, scored tokens) with every scored token produced by a decode step.
+
+    Each window of W tokens gives its first W/2 as an exact prompt and scores the next W/2 one
+    decode step at a time, so modes that only change decoding (the skip miss policy) show their
+    cost. `max_scored` bounds the work (decode is one step per token).
+    """
+    half = max(1, window // 2)
+    total_nll, scored = 0.0, 0
+    for begin in range(0, len(ids) - 1, half):
+        context = ids[max(0, begin - half):begin] or ids[:1]   # the first window: the first token alone
+        targets = ids[max(begin, 1):begin + half]
+        if max_scored is not None:
+            targets = targets[:max_scored - scored]
+        if not targets:
+            break
+        logp = generator.teacher_forced(context, targets)
+        total_nll -= float(logp.sum())
+        scored += len(targets)
+        if max_scored is not None and scored >= max_scored:
+            break
+    return math.exp(total_nll / scored), scored
