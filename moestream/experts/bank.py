@@ -75,7 +75,7 @@ class ExpertBank:
         self.stats = BankStats()
         self.refresh_every = refresh_every
         self.fully_resident = self.capacity == self.num_experts
-        self.slot_bytes = (3 * config.moe_intermediate * config.hidden_size) * torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = config.expert_numel() * torch.empty((), dtype=dtype).element_size()
         self._dispatch = select_dispatch(device)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for layer, experts in (pinned or {}).items():
@@ -445,10 +445,6 @@ class ExpertBank:
                 s = self.stats.layer(layer)
                 s.hits += hits
                 s.misses += missed
-
-    def nbytes(self) -> int:
-        bank = sum(b.gate_up.nbytes + b.down.nbytes + b.slot_map.nbytes for b in self.layers.values())
-        return bank + sum(gu.nbytes + dn.nbytes for gu, dn in self.staging)
 
 
 def _available_ram() -> int:

@@ -14,6 +14,7 @@ import torch
 
 from moestream.archs.spec import ModelConfig
 from moestream.errors import BudgetError, InputError
+from moestream.runtime.kv_cache import KVCache
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -142,7 +143,8 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                           f"and has only {E}; pick a capacity in that range.")
     slot = config.expert_numel() * _elt(dtype)
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype),
-                kv_bytes=config.num_layers * 2 * batch * max_context * config.num_kv_heads * config.head_dim * _elt(dtype),
+                kv_bytes=KVCache.nbytes_for(config.num_layers, batch, max_context, config.num_kv_heads,
+                                            config.head_dim, dtype),
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 slot_bytes=slot, moe_layers=L, num_experts=E, top_k=k)
     if capacity is None and budget_bytes is None:

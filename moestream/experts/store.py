@@ -42,10 +42,6 @@ class ExpertStore:
             raise CheckpointError(f"expert tensors mix dtypes {sorted(map(str, dtypes))}; re-convert the checkpoint to one dtype.")
         return dtypes.pop() if dtypes else torch.float32
 
-    def expert_nbytes(self) -> int:
-        """Bytes of one expert as stored (gate + up + down)."""
-        return 3 * self.config.moe_intermediate * self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-
     def new_buffers(self, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Staging buffers for one expert, in the store's dtype."""
         gate_up = torch.empty(self.gate_up_shape, dtype=self.dtype, pin_memory=pin)
