@@ -6,10 +6,9 @@
     for piece in engine.stream("prompt"): ...      # incremental text
 """
 
-from moestream.engine import Engine, load
+from moestream.engine import Engine, EngineConfig, load
 from moestream.errors import MoestreamError
-
-__version__ = "0.1.0"
+from moestream.version import __version__
 
 
 def generate(model: str, prompt, **kwargs):
@@ -23,4 +22,4 @@ def stream_generate(model: str, prompt, **kwargs):
     yield from load(model, **load_kw).stream(prompt, **kwargs)
 
 
-__all__ = ["Engine", "MoestreamError", "generate", "load", "stream_generate", "__version__"]
+__all__ = ["Engine", "EngineConfig", "MoestreamError", "generate", "load", "stream_generate", "__version__"]

@@ -57,38 +57,49 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                      help="with --profile: pin the experts active on more than this fraction of tokens")
 
 
+def engine_config(args):
+    """The EngineConfig of a command's flags (run, bench, profile, perplexity, check)."""
+    from moestream.engine import BankConfig, EngineConfig, RuntimeConfig, WarmStartConfig
+
+    if args.gpu_memory is not None and args.memory is not None:
+        raise InputError("give either --gpu-memory or --memory (they are the same budget), not both.")
+    runtime = RuntimeConfig(device=args.device, dtype=args.dtype, max_context=args.max_context)
+    bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
+                      capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
+                      host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
+                      residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False))
+    warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
+                           pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
+                           prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))
+    return EngineConfig(_model_arg(args.model), runtime, bank, warm).validate()
+
+
 def _load(args):
     import moestream
 
     t0 = time.perf_counter()
-    engine = moestream.load(_model_arg(args.model), device=args.device, dtype=args.dtype, max_context=args.max_context,
-                            gpu_memory=args.gpu_memory, memory=args.memory, capacity=args.capacity,
-                            host_memory=args.host_memory, host_tier=args.host_tier, miss_policy=args.miss_policy,
-                            residency=args.residency, prefetch=args.prefetch, profile=getattr(args, "profile", None),
-                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
-                            discovery=args.discovery, prepack=args.prepack, warmup_tokens=_warmup_tokens(args))
+    engine = moestream.load(engine_config(args))
     load_s = time.perf_counter() - t0
     _report_load(engine, load_s, args)
     return engine, load_s
 
 
 def _warmup_tokens(args) -> int:
-    if args.warmup_tokens is not None:
+    if getattr(args, "warmup_tokens", None) is not None:
         if args.warmup_tokens < 0:
             raise InputError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
         return args.warmup_tokens
-    return 8 if args.prepack else 0
+    return 8 if getattr(args, "prepack", None) else 0
 
 
 def _report_load(engine, load_s: float, args) -> None:
     """The start-up story: plan, discovery, snapshot (always a line for --prepack; details with --verbose)."""
-    loaded = engine.loaded
     if args.verbose:
-        print(loaded.plan.explain(), file=sys.stderr)
-        if loaded.discovery is not None:
-            d = loaded.discovery
+        print(engine.plan.memory.explain(), file=sys.stderr)
+        if engine.discovery is not None:
+            d = engine.discovery
             print(f"[moestream] discovery: {d.tokens} prompt tokens, router-only, {d.seconds * 1000:.0f} ms", file=sys.stderr)
-    status = loaded.prepack
+    status = engine.prepack
     if status is not None:
         what = (f"loaded the prepacked bank from {status.folder} in {status.seconds:.2f} s" if status.loaded
                 else f"built the bank ({status.reason}); saved it to {status.folder}")
@@ -147,13 +158,9 @@ def _report_stats(engine, args) -> None:
 
 
 def _write_json(path: Path, data) -> None:
-    """Write via a temporary file and rename, so a crash never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
-    except OSError as exc:
-        raise InputError(f"cannot write {path} ({exc.strerror}); check the path.") from None
+    from moestream.fileio import write_json_atomic
+
+    write_json_atomic(path, data, indent=2)
 
 
 def cmd_bench(args) -> int:
@@ -163,22 +170,20 @@ def cmd_bench(args) -> int:
         raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
     trace = None
     if args.routing_trace is not None:
-        from moestream.experts.trace import RoutingTrace
+        from moestream.warmstart.trace import RoutingTrace
 
         if args.routing == "uniform":
             raise InputError("give either --routing uniform or --routing-trace, not both.")
         trace = RoutingTrace.load(args.routing_trace)   # a bad trace fails before the weights load
     engine, load_s = _load(args)
-    if args.routing == "uniform":
-        from moestream.bench import UniformRouting, set_routing
+    routing = None
+    if args.routing == "uniform" or trace is not None:
+        from moestream.bench import TraceRouting, UniformRouting, use_routing
 
-        set_routing(engine, UniformRouting(engine.config.top_k))
-    if trace is not None:
-        from moestream.bench import set_routing
-        from moestream.experts.trace import TraceRouting
-
-        set_routing(engine, TraceRouting.for_engine(trace, engine))
-    result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed, temperature=args.temperature)
+        routing = (UniformRouting(engine.config.top_k) if trace is None else TraceRouting.for_engine(trace, engine))
+        use_routing(engine, routing)
+    result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed,
+                       temperature=args.temperature, routing=routing)
     print(result.table())
     if args.stats:
         print(engine.bank.stats.table())
@@ -231,7 +236,7 @@ def _read_profile_prompts(args, engine) -> list[str | list[int]]:
 
 def cmd_profile(args) -> int:
     """Record which experts the prompts use (and optionally the full routing trace)."""
-    from moestream.experts.trace import record_profile_and_trace
+    from moestream.warmstart.trace import record_profile_and_trace
 
     if args.max_tokens < 0:
         raise InputError("--max-tokens must be 0 or more.")
@@ -257,25 +262,13 @@ def cmd_profile(args) -> int:
 
 def cmd_check(args) -> int:
     """The memory plan for a checkpoint and budget, from config.json alone (no weights read)."""
-    from moestream.archs import detect_arch, model_config_from_hf
-    from moestream.checkpoint import read_config, resolve_checkpoint
-    from moestream.experts.budget import plan_memory
-    from moestream.loader import default_device_budget, resolve_device, resolve_dtype
+    from moestream.engine.plan import plan_load
 
-    folder = resolve_checkpoint(_model_arg(args.model))
-    raw = read_config(folder)
-    spec = detect_arch(raw)
-    config = model_config_from_hf(raw, spec)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    context = min(args.max_context or config.max_position, config.max_position)
-    budget = args.gpu_memory if args.gpu_memory is not None else args.memory
-    if budget is None and args.capacity is None:
-        budget = default_device_budget(device)
-    plan = plan_memory(config, dtype, budget, args.capacity, max_context=context)
-    print(f"model             {folder} ({spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
-    print(f"device            {device} ({str(dtype).replace('torch.', '')}), context {context}")
-    print(plan.explain())
+    plan = plan_load(engine_config(args))
+    config = plan.config
+    print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
+    print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
+    print(plan.memory.explain())
     return 0
 
 
@@ -320,7 +313,7 @@ def cmd_perplexity(args) -> int:
     if args.decode:
         from moestream.runtime.perplexity import decode_perplexity
 
-        ppl, n = decode_perplexity(engine.generator, ids, window, args.max_tokens)
+        ppl, n = decode_perplexity(engine.runner, ids, window, args.max_tokens)
     else:
         ppl, n = sliding_window_perplexity(engine.logits, ids, window, engine.device)
     result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0,

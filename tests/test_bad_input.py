@@ -184,7 +184,7 @@ def test_multi_shard_checkpoint_gives_the_same_logits(tiny_qwen3, tmp_path):
     files = _write_shards(tiny_qwen3, folder)
     assert not (folder / "model.safetensors").exists() and all((folder / f).is_file() for f in files)
     single, sharded = _load(tiny_qwen3), _load(folder)
-    assert {info.path.name for info in sharded.loaded.index.tensors.values()} == set(files)
+    assert {info.path.name for info in sharded.bank.store.index.tensors.values()} == set(files)
     ids = torch.randint(2, 160, (2, 19), generator=torch.Generator().manual_seed(4))
     assert torch.equal(single.logits(ids), sharded.logits(ids))
     prompt = ids[0, :7].tolist()

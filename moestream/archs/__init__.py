@@ -26,6 +26,9 @@ def detect_arch(raw_config: dict[str, Any]) -> ArchSpec:
     )
 
 
+_CACHE_KINDS = {"gqa": "KV (per position)"}
+
+
 def describe_archs() -> list[dict[str, str]]:
     """One row per family for `moestream archs`."""
     rows = []
@@ -34,7 +37,7 @@ def describe_archs() -> list[dict[str, str]]:
         router = {"softmax_topk": "softmax → top-k (renorm per config)", "topk_softmax": "top-k → softmax"}[spec.router]
         shared = "yes, sigmoid-gated" if spec.shared_expert_gate else ("yes" if spec.shared_expert else "no")
         rows.append({"arch": spec.name, "model types": ", ".join(spec.model_types), "router": router,
-                     "attention": attention, "shared experts": shared})
+                     "attention": attention, "cache": _CACHE_KINDS[spec.mixer], "shared experts": shared})
     return rows
 
 

@@ -17,8 +17,10 @@ QKNorm = Literal["none", "per_head", "full"]
 class ArchSpec:
     """One model family.
 
-    `router`: softmax_topk = softmax over all experts, then top-k (renormalised when the config's
-    norm_topk_prob says so); topk_softmax = top-k on the logits, then softmax over those k (Mixtral).
+    `router`: a kind of `model.routers.ROUTERS`: softmax_topk = softmax over all experts, then top-k
+    (renormalised when the config's norm_topk_prob says so); topk_softmax = top-k on the logits,
+    then softmax over those k (Mixtral).
+    `mixer`: a kind of `model.attention.MIXERS` (the attention half of a layer and its cache kind).
     `qk_norm`: RMSNorm on queries and keys per head (Qwen3) or over the full projection (OLMoE).
     `keys`: for each ModelConfig field, the config.json keys that may hold it, first match wins.
     `defaults`: values used when config.json holds none of those keys (the transformers defaults).
@@ -27,6 +29,7 @@ class ArchSpec:
     name: str
     model_types: tuple[str, ...]
     router: RouterKind
+    mixer: str = "gqa"
     qk_norm: QKNorm = "none"
     moe_prefix: str = "mlp"
     router_name: str = "gate"

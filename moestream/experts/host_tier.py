@@ -1,94 +1,125 @@
 """The host tier: the bank copies missing experts from here.
 
-`PinnedHostTier` keeps every expert in pinned RAM (fastest: one async DMA per expert).
-`DiskHostTier` reads each miss from the checkpoint by byte range into a small ring of pinned
-staging buffers, so a read of the next expert overlaps the copy of the previous one.
-On the CPU the bank itself lives in RAM and misses are read from disk straight into the slot.
+`PinnedHostTier` keeps every expert in pinned RAM, already in the bank's format (fastest: one
+async DMA per tensor). `DiskHostTier` reads each miss from the checkpoint by byte range into a
+small ring of pinned staging buffers, so the read of the next expert overlaps the copy of the
+previous one. On the CPU the bank itself lives in RAM and misses are read straight into the slot.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 
 import torch
+from torch import Tensor
 
+from moestream.errors import InputError
+from moestream.experts.format import ExpertFormat
 from moestream.experts.store import ExpertStore
 
-
-def read_workers() -> int:
-    return max(2, min(16, (os.cpu_count() or 2)))
-
-
-def read_experts_into(store: ExpertStore, layer: int, experts: list[int], gate_up: torch.Tensor,
-                      down: torch.Tensor) -> None:
-    """Read experts[i] into gate_up[i], down[i] (CPU, store dtype) with parallel preads."""
-    def one(i: int) -> None:
-        store.read_into(layer, experts[i], gate_up[i], down[i])
-
-    with ThreadPoolExecutor(read_workers()) as pool:
-        list(pool.map(one, range(len(experts))))
+HOST_TIERS = ("auto", "pinned", "disk")
 
 
 class PinnedHostTier:
     name = "pinned"
 
-    def __init__(self, store: ExpertStore, dtype: torch.dtype, pin: bool = True):
-        self.store, self.dtype = store, dtype
-        E = store.config.num_experts
-        self.gate_up: dict[int, torch.Tensor] = {}
-        self.down: dict[int, torch.Tensor] = {}
-        experts = list(range(E))
+    def __init__(self, store: ExpertStore, fmt: ExpertFormat, pin: bool = True):
+        self.store, self.format = store, fmt
+        experts = list(range(store.num_experts))
+        self.layers: dict[int, dict[str, Tensor]] = {}
         for layer in store.moe_layers:
-            gu = torch.empty((E, *store.gate_up_shape), dtype=dtype, pin_memory=pin)
-            dn = torch.empty((E, *store.down_shape), dtype=dtype, pin_memory=pin)
-            if dtype == store.dtype:
-                read_experts_into(store, layer, experts, gu, dn)
-            else:
-                raw_gu = torch.empty((E, *store.gate_up_shape), dtype=store.dtype)
-                raw_dn = torch.empty((E, *store.down_shape), dtype=store.dtype)
-                read_experts_into(store, layer, experts, raw_gu, raw_dn)
-                gu.copy_(raw_gu)
-                dn.copy_(raw_dn)
-            self.gate_up[layer], self.down[layer] = gu, dn
+            stack = fmt.empty(store.shape, store.num_experts, pin=pin)
+            store.read_many(layer, experts, fmt, stack)
+            self.layers[layer] = stack
 
-    def copy_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
-        gate_up.copy_(self.gate_up[layer][expert], non_blocking=True)
-        down.copy_(self.down[layer][expert], non_blocking=True)
-        return gate_up.nbytes + down.nbytes
+    def copy_into(self, layer: int, expert: int, dest: Mapping[str, Tensor]) -> int:
+        copied = 0
+        for name, t in dest.items():
+            t.copy_(self.layers[layer][name][expert], non_blocking=True)
+            copied += t.nbytes
+        return copied
+
+    def load(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> None:
+        """Bulk copy of experts[i] into row i of the stacked `dest` (a bank's first fill)."""
+        idx = torch.tensor(experts)
+        for name, t in dest.items():
+            t[:len(experts)].copy_(self.layers[layer][name][idx])
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.gate_up.values()) + sum(t.nbytes for t in self.down.values())
+        return sum(t.nbytes for stack in self.layers.values() for t in stack.values())
 
 
 class DiskHostTier:
     name = "disk"
 
-    def __init__(self, store: ExpertStore, device: torch.device, ring: int = 4):
-        self.store, self.device = store, device
+    def __init__(self, store: ExpertStore, fmt: ExpertFormat, device: torch.device, ring: int = 4):
+        self.store, self.format, self.device = store, fmt, device
         pin = device.type == "cuda"
-        self.ring = [store.new_buffers(pin=pin) for _ in range(ring if pin else 1)]
+        self.ring = [fmt.empty(store.shape, pin=pin) for _ in range(ring if pin else 1)]
         self.events: list[torch.cuda.Event | None] = [None] * len(self.ring)
         self.next = 0
 
-    def copy_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
-        direct = gate_up.device.type == "cpu" and gate_up.dtype == self.store.dtype
-        if direct:  # CPU bank: read straight into the slot
-            self.store.read_into(layer, expert, gate_up, down)
-            return gate_up.nbytes + down.nbytes
+    def copy_into(self, layer: int, expert: int, dest: Mapping[str, Tensor]) -> int:
+        nbytes = sum(t.nbytes for t in dest.values())
+        if all(t.device.type == "cpu" for t in dest.values()):   # CPU bank: read straight into the slot
+            self.store.read_into(layer, expert, self.format, dest)
+            return nbytes
         i = self.next
         self.next = (i + 1) % len(self.ring)
         if self.events[i] is not None:
             self.events[i].synchronize()  # the DMA that last used this buffer has finished
-        buf_gu, buf_dn = self.ring[i]
-        self.store.read_into(layer, expert, buf_gu, buf_dn)
-        gate_up.copy_(buf_gu, non_blocking=True)
-        down.copy_(buf_dn, non_blocking=True)
-        if gate_up.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[i] = ev
-        return gate_up.nbytes + down.nbytes
+        buf = self.ring[i]
+        self.store.read_into(layer, expert, self.format, buf)
+        for name, t in dest.items():
+            t.copy_(buf[name], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events[i] = ev
+        return nbytes
+
+    def load(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> None:
+        read_stack(self.store, self.format, layer, experts, dest)
 
     def nbytes(self) -> int:
         return 0
+
+
+def read_stack(store: ExpertStore, fmt: ExpertFormat, layer: int, experts: list[int],
+               dest: Mapping[str, Tensor]) -> None:
+    """Read experts[i] into row i of the stacked `dest` with parallel preads (straight into CPU
+    tensors; through one pinned buffer and a copy for device tensors)."""
+    if all(t.device.type == "cpu" for t in dest.values()):
+        store.read_many(layer, experts, fmt, {name: t[:len(experts)] for name, t in dest.items()})
+        return
+    buf = fmt.empty(store.shape, len(experts), pin=True)
+    store.read_many(layer, experts, fmt, buf)
+    for name, t in dest.items():
+        t[:len(experts)].copy_(buf[name])
+
+
+def make_host_tier(kind: str, store: ExpertStore, fmt: ExpertFormat, device: torch.device,
+                   host_memory: int | None) -> PinnedHostTier | DiskHostTier:
+    """auto: pinned RAM when every expert fits `host_memory` (default 60% of available RAM), else disk.
+    On the CPU the bank is RAM already: misses are read from disk into the slot."""
+    if kind not in HOST_TIERS:
+        raise InputError(f"host tier {kind!r} is unknown; use one of {', '.join(HOST_TIERS)}.")
+    if device.type == "cpu":
+        return DiskHostTier(store, fmt, device)
+    if kind == "auto":
+        total = fmt.nbytes(store.shape) * store.num_experts * len(store.moe_layers)
+        limit = host_memory if host_memory is not None else int(0.6 * available_ram())
+        kind = "pinned" if total <= limit else "disk"
+    if kind == "pinned":
+        return PinnedHostTier(store, fmt)
+    return DiskHostTier(store, fmt, device)
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30

@@ -39,6 +39,29 @@ class ResidencyPolicy:
         freq[:] = frequencies
         last[:] = self.clock
 
+    def state(self, layers: list[int]) -> dict:
+        """JSON-ready statistics, pins and clock of these layers (a prepacked snapshot keeps them)."""
+        out = {}
+        for layer in layers:
+            freq, last = self.freq.get(layer), self.last_use.get(layer)
+            out[str(layer)] = {"freq": freq.tolist() if freq is not None else None,
+                               "last_use": last.tolist() if last is not None else None,
+                               "pinned": sorted(self.pinned.get(layer, ()))}
+        return {"residency": self.name, "clock": self.clock, "layers": out}
+
+    def load_state(self, state: dict, layers: list[int]) -> None:
+        """Restore what `state` saved (validated by the caller); pins are replaced, not merged."""
+        self.clock = state.get("clock", 0)
+        self.pinned.clear()
+        for layer in layers:
+            s = state["layers"][str(layer)]
+            if s.get("freq") is not None:
+                self.freq[layer] = np.asarray(s["freq"], dtype=np.float64)
+            if s.get("last_use") is not None:
+                self.last_use[layer] = np.asarray(s["last_use"], dtype=np.float64)
+            if s.get("pinned"):
+                self.pinned[layer] = set(s["pinned"])
+
     def advance(self, tokens: int) -> None:
         self.clock += tokens
 

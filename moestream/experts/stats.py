@@ -50,6 +50,12 @@ class BankStats:
             s = self.layers[i] = LayerStats()
         return s
 
+    def record(self, layer: int, **counts: int | float) -> None:
+        """Add one layer call's counters (any LayerStats fields) in one call."""
+        s = self.layer(layer)
+        for name, value in counts.items():
+            setattr(s, name, getattr(s, name) + value)
+
     def total(self) -> LayerStats:
         t = LayerStats()
         for s in self.layers.values():

@@ -7,12 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
+from moestream.model.cache import KVCache
 from moestream.model.context import ForwardContext
 from moestream.model.norms import RMSNorm
 from moestream.model.rotary import apply_rotary
 
 
 class Attention(nn.Module):
+    """A mixer: `prefix` is its name in the checkpoint, `make_cache` / `cache_bytes` its cache kind."""
+
+    prefix = "self_attn"
+
     def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
         super().__init__()
         self.layer = layer
@@ -31,6 +36,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv_dim, config.rms_norm_eps)
         self.clip_qkv = config.clip_qkv
 
+    @staticmethod
+    def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
+        return rows * max_len * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
+
+    @staticmethod
+    def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, L, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -46,9 +59,15 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
         k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
         if ctx.cache is not None:
-            ctx.cache.write(self.layer, ctx.write_rows, ctx.positions, k.transpose(1, 2), v)
-            k, v = ctx.cache.read(self.layer, ctx.cache_rows, ctx.kv_len)
+            cache: KVCache = ctx.cache[self.layer]
+            cache.write(ctx.write_rows, ctx.positions, k.transpose(1, 2), v)
+            k, v = cache.read(ctx.cache_rows, ctx.kv_len)
         else:
             v = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
+
+
+# Mixer kinds an ArchSpec may name (`ArchSpec.mixer`): the token-mixing half of a decoder layer.
+# MLA, sliding-window/sink attention and gated DeltaNet add their classes here.
+MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.runtime.kv_cache import KVCache
+from moestream.model.cache import ModelCache
 
 
 @dataclass
@@ -19,7 +19,7 @@ class ForwardContext:
     cos: torch.Tensor                       # (B, 1, L, D) in compute dtype
     sin: torch.Tensor
     mask: torch.Tensor | None               # (B, 1, L, S) bool, True = attend
-    cache: KVCache | None = None
+    cache: ModelCache | None = None
     cache_rows: slice | None = None         # rows of the cache this batch uses
     write_rows: torch.Tensor | None = None  # (B, L) cache row of every token
     kv_len: int = 0                         # cache positions attended to (host-known)
@@ -46,9 +46,9 @@ def no_cache_context(table, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return ForwardContext(positions, cos, sin, mask.unsqueeze(1))
 
 
-def prefill_context(table, cache: KVCache, row: int, start: int, length: int, dtype: torch.dtype) -> ForwardContext:
+def prefill_context(table, cache: ModelCache, row: int, start: int, length: int, dtype: torch.dtype) -> ForwardContext:
     """One chunk of one sequence's prompt, at cache positions start..start+length-1 of `row`."""
-    device = cache.data.device
+    device = cache.device
     positions = torch.arange(start, start + length, device=device)[None]
     kv_len = start + length
     mask = torch.arange(kv_len, device=device)[None, :] <= positions[0][:, None]
@@ -57,7 +57,7 @@ def prefill_context(table, cache: KVCache, row: int, start: int, length: int, dt
     return ForwardContext(positions, cos, sin, mask[None, None], cache, slice(row, row + 1), rows, kv_len)
 
 
-def decode_context(table, cache: KVCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> ForwardContext:
+def decode_context(table, cache: ModelCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> ForwardContext:
     """One new token for each of the first B rows; positions (B,) live on the device."""
     B = positions.shape[0]
     device = positions.device

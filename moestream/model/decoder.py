@@ -1,4 +1,8 @@
-"""The decoder stack shared by every family; parameter names match the checkpoint's names."""
+"""The decoder stack shared by every family; parameter names match the checkpoint's names.
+
+A layer is a mixer (the ArchSpec names its kind in `MIXERS`: GQA attention today) and a
+feed-forward part (an MoE block, or a dense SwiGLU for the layers config.json keeps dense).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,20 @@ import torch
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.attention import Attention
+from moestream.model.attention import MIXERS
+from moestream.model.cache import ModelCache
 from moestream.model.context import ForwardContext
 from moestream.model.mlp import SwiGLU
-from moestream.model.moe import MoEBlock
+from moestream.model.moe import MoEBlock, RoutedExperts
 from moestream.model.norms import RMSNorm
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
         super().__init__()
-        self.self_attn = Attention(config, spec, layer)
+        mixer = MIXERS[spec.mixer]
+        self._mixer_name = mixer.prefix
+        self.add_module(mixer.prefix, mixer(config, spec, layer))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe_layers[layer]:
@@ -27,11 +34,15 @@ class DecoderLayer(nn.Module):
             self.add_module("mlp", SwiGLU(config.hidden_size, config.dense_intermediate))
 
     @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self._mixer_name)
+
+    @property
     def ffn(self) -> nn.Module:
         return getattr(self, self._ffn_name)
 
     def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mixer(self.input_layernorm(x), ctx)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.attend(x, ctx)
@@ -54,10 +65,19 @@ class MoECausalLM(nn.Module):
         self.config = config
         self.model = Backbone(config, spec)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.bank = None  # the ExpertBank, attached by the loader (not a submodule: it owns no parameters)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
+
+    def attach_experts(self, experts: RoutedExperts) -> None:
+        """Every MoE block reaches its routed experts through `experts` from now on."""
+        for block in self.moe_blocks():
+            block.experts = experts
+
+    def new_cache(self, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> ModelCache:
+        """One cache per layer, of the kind its mixer needs."""
+        layers = [layer.mixer.make_cache(self.config, rows, max_len, dtype, device) for layer in self.model.layers]
+        return ModelCache(layers, rows, max_len, device)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))
@@ -69,3 +89,8 @@ class MoECausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(x)
+
+
+def cache_bytes(config: ModelConfig, spec: ArchSpec, rows: int, max_len: int, dtype: torch.dtype) -> int:
+    """What `MoECausalLM.new_cache` allocates, from the config alone (the memory plan)."""
+    return sum(MIXERS[spec.mixer].cache_bytes(config, rows, max_len, dtype) for _ in range(config.num_layers))

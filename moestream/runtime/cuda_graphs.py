@@ -3,8 +3,9 @@
 A batch-B decode step has static shapes except the attended cache length, so one graph is
 captured per length bucket (powers of two from 256): attention then reads at most twice the
 live context. Static input buffers take each step's tokens and positions; the graph reads
-them on the device. Only banks that read nothing back during a step can be captured
-(ExpertBank.graph_safe: fully resident, or the skip policy).
+them on the device. Only banks that read nothing back during a step can be captured whole
+(ExpertBank.graph_safe: fully resident, or the skip policy); a fetch-policy bank decodes as graph
+segments split at each router (`SegmentedDecode`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.experts.bank import ExpertBank
+from moestream.model.cache import ModelCache
 from moestream.model.context import decode_context
 from moestream.model.decoder import MoECausalLM
 from moestream.model.moe import MoEBlock
-from moestream.runtime.kv_cache import KVCache
 
 
 def length_bucket(kv_len: int, max_len: int, smallest: int = 256) -> int:
@@ -27,9 +29,9 @@ def length_bucket(kv_len: int, max_len: int, smallest: int = 256) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: MoECausalLM, rotary, cache: KVCache, batch: int, dtype: torch.dtype):
+    def __init__(self, model: MoECausalLM, rotary, cache: ModelCache, batch: int, dtype: torch.dtype):
         self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
-        device = cache.data.device
+        device = cache.device
         self.batch = batch
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
@@ -98,14 +100,14 @@ class SegmentedDecode:
     the predicted misses start copying right after the sync, behind the current layer's compute.
     """
 
-    def __init__(self, model: MoECausalLM, rotary, cache: KVCache, batch: int, dtype: torch.dtype,
-                 use_graphs: bool = True):
-        self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
+    def __init__(self, model: MoECausalLM, bank: ExpertBank, rotary, cache: ModelCache, batch: int,
+                 dtype: torch.dtype, use_graphs: bool = True):
+        self.model, self.bank, self.rotary, self.cache, self.dtype = model, bank, rotary, cache, dtype
         self.use_graphs = use_graphs
-        self.prefetch = model.bank.prefetch_enabled
+        self.prefetch = bank.prefetch_enabled
         self.layers = list(model.model.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlock)]
-        device = cache.data.device
+        device = cache.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, _Carry]]] = {}
@@ -131,23 +133,18 @@ class SegmentedDecode:
         weights, ids = self.layers[moe].ffn.route(h)
         predicted = None
         if self.prefetch and i + 1 < len(self.moe_layers):
-            nxt = self.layers[self.moe_layers[i + 1]].ffn
-            override = nxt.routing_override
-            if getattr(override, "prediction_accuracy", None) is not None:   # replayed routing and prediction
-                predicted = override.predict(nxt.layer, h)
-            else:
-                predicted = nxt.router(h).topk(nxt.top_k, dim=-1).indices
+            predicted = self.layers[self.moe_layers[i + 1]].ffn.router.predict(h)
         return _Carry(ctx, x, h, ids, weights, predicted)
 
     def _make_resident(self, i: int, carry: _Carry) -> None:
         """The one sync of a layer: read its routing (and the next layer's prediction), fetch, prefetch."""
-        bank = self.model.bank
+        bank = self.bank
         if carry.predicted is None:
             actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
         else:
             both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
             actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
-        wait = "device" if self.cache.data.device.type == "cuda" else "host"
+        wait = "device" if self.cache.device.type == "cuda" else "host"
         bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
         if predicted is not None:
             bank.prefetch(self.moe_layers[i + 1], predicted)

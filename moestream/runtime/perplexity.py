@@ -38,7 +38,7 @@ def sliding_window_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], 
     return math.exp(total_nll / scored), scored
 
 
-def decode_perplexity(generator, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
+def decode_perplexity(runner, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
     """(perplexity, scored tokens) with every scored token produced by a decode step.
 
     Each window of W tokens gives its first W/2 as an exact prompt and scores the next W/2 one
@@ -54,7 +54,7 @@ def decode_perplexity(generator, ids: list[int], window: int, max_scored: int | 
             targets = targets[:max_scored - scored]
         if not targets:
             break
-        logp = generator.teacher_forced(context, targets)
+        logp = runner.teacher_forced(context, targets)
         total_nll -= float(logp.sum())
         scored += len(targets)
         if max_scored is not None and scored >= max_scored:

@@ -65,6 +65,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Next token ids (B,) for a batch whose rows have their own parameters and generators.
+
+    All-greedy batches take one argmax; otherwise every sampled row draws from its own
+    generator (a request's seed reproduces its tokens whatever else is in the batch)."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy
+    rows = [greedy[i:i + 1] if p.greedy else sample(logits[i:i + 1], p, g)
+            for i, (p, g) in enumerate(zip(params, generators))]
+    return torch.cat(rows)
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     if params.greedy:
         return None

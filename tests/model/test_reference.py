@@ -43,5 +43,5 @@ def test_prefill_in_chunks_equals_one_pass(tiny_qwen3):
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
     prompt = torch.randint(2, 160, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     whole = engine.generate(prompt, max_tokens=8, ignore_eos=True)
-    engine.generator.prefill_chunk = 7
+    engine.runner.prefill_chunk = 7
     assert engine.generate(prompt, max_tokens=8, ignore_eos=True) == whole

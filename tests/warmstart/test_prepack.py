@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 import moestream
-from moestream.experts import prepack
-from moestream.experts.prepack import load_snapshot, save_snapshot, snapshot_key
+from moestream.warmstart import prepack
+from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
 
 PROMPTS = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 23, 31)]
 
@@ -21,7 +21,7 @@ def fresh(folder, capacity=4, dtype="float32", **kw):
 
 def bank_state(bank):
     """Everything a snapshot restores, as plain comparable values."""
-    return {layer: (list(lb.owner), dict(lb.where), lb.slot_map.tolist(), lb.gate_up.clone(), lb.down.clone(),
+    return {layer: (list(lb.owner), dict(lb.where), lb.slot_map.tolist(), lb.tensors["gate_up"].clone(), lb.tensors["down"].clone(),
                     bank.policy.freq[layer].tolist() if layer in bank.policy.freq else None,
                     bank.policy.last_use[layer].tolist() if layer in bank.policy.last_use else None,
                     sorted(bank.policy.pinned.get(layer, ())))
@@ -190,7 +190,7 @@ def test_other_dtype(ckpt, warmed):
 
 def test_other_engine_version(ckpt, warmed, monkeypatch):
     bank = fresh(ckpt).bank
-    monkeypatch.setattr(moestream, "__version__", "99.0.0")
+    monkeypatch.setattr(moestream.version, "__version__", "99.0.0")
     assert_refused(bank, warmed[1], snapshot_key(bank, ckpt), "engine_version", "99.0.0")
 
 

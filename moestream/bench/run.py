@@ -7,13 +7,13 @@ counters are split at the first token, so decode figures exclude the prompt's st
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from moestream.bench.routing import TraceRouting, UniformRouting
 from moestream.engine import Engine
-from moestream.experts.budget import format_bytes
+from moestream.sizes import format_bytes
 
 
 @dataclass
@@ -56,34 +56,13 @@ class BenchResult:
         return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
-class UniformRouting:
-    """Benchmark-only routing: k distinct experts per token drawn uniformly on the device.
-
-    The router's own probabilities are kept at the drawn ids and renormalised, so the expert
-    weights stay realistic while the choice is the worst case for a bank (no reuse beyond chance).
-    Random-weight checkpoints do not give that by themselves: their hidden states are so alike
-    that the router picks nearly the same experts for every token.
-    """
-
-    label = "uniform (synthetic)"   # what a bench result's `routing` field says
-
-    def __init__(self, top_k: int):
-        self.top_k = top_k
-
-    def __call__(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.rand(logits.shape, device=logits.device).topk(self.top_k, dim=-1).indices
-        weights = logits.float().softmax(-1).gather(-1, ids)
-        return weights / weights.sum(-1, keepdim=True), ids
-
-
-def set_routing(engine: Engine, routing) -> None:
-    for block in engine.model.moe_blocks():
-        block.routing_override = routing
-
-
 def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float = 0.0, seed: int = 0,
-              warmup_tokens: int = 4, temperature: float = 0.0) -> BenchResult:
-    """temperature > 0 samples (seeded): random-weight models then decode diverse tokens instead of
+              warmup_tokens: int = 4, temperature: float = 0.0,
+              routing: UniformRouting | TraceRouting | None = None) -> BenchResult:
+    """`routing`: the benchmark routing swapped in with `use_routing` (None: the model's own); a
+    replayed trace restarts at its first token for the timed run.
+
+    temperature > 0 samples (seeded): random-weight models then decode diverse tokens instead of
     repeating one, so their routing stays near-uniform (greedy decoding of random weights tends to
     settle on one token and route it to the same experts every step, a best case for the bank)."""
     vocab = engine.config.vocab_size
@@ -93,16 +72,14 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     # same prompt length: prefill kernels compile outside the timing; decode graphs captured ahead
     engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)
     before_graphs = torch.cuda.memory_allocated(engine.device) if engine.device.type == "cuda" else 0
-    engine.generator.prepare(1, prompt_tokens + gen_tokens, prompt_tokens)
+    engine.runner.prepare(1, prompt_tokens + gen_tokens, prompt_tokens)
     graph_bytes = (torch.cuda.memory_allocated(engine.device) - before_graphs) if engine.device.type == "cuda" else 0
     engine.reset_stats()
-    override = engine.model.moe_blocks()[0].routing_override
-    if hasattr(override, "reset"):   # a replayed trace starts the timed run at its first token
-        override.reset()
+    if routing is not None:
+        routing.reset()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too
     first_stats = None
-    t0 = time.perf_counter()
     for i, _ in enumerate(engine.stream_tokens(prompt, max_tokens=gen_tokens, ignore_eos=True,
                                                temperature=temperature, seed=seed)):
         if i == 0:
@@ -115,7 +92,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     decode_pairs = (total.hits - at_first.hits) + (total.misses - at_first.misses)
     decode_steps = max(1, m.generated_tokens - 1)
     peak = torch.cuda.max_memory_allocated(engine.device) if engine.device.type == "cuda" else m.peak_memory_bytes
-    plan = engine.loaded.plan
+    plan = engine.plan.memory
     return BenchResult(
         device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""), capacity=engine.bank.capacity,
         num_experts=engine.config.num_experts, miss_policy=engine.bank.miss_policy,
@@ -126,4 +103,4 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,
         prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget,
         graph_pool_bytes=int(graph_bytes),
-        routing="model" if override is None else getattr(override, "label", "uniform (synthetic)"))
+        routing="model" if routing is None else routing.label)

@@ -3,9 +3,11 @@
 A snapshot is a directory with two files:
 
   bank-<sha256 prefix>.safetensors   per MoE layer `layer.L.slot_owner` (int32 (S,), slot → expert,
-                                     -1 free), `layer.L.gate_up` (S, 2I, H) and `layer.L.down` (S, H, I)
-  bank.json                          the key (what must match to reuse it), the tensor file's name,
-                                     size and SHA-256, and the residency policy's statistics and pins
+                                     -1 free) and `layer.L.<name>` for every tensor of the bank's expert
+                                     format (dense: gate_up (S, 2I, H) and down (S, H, I))
+  bank.json                          the key (what must match to reuse it, the expert format and its
+                                     layout included), the tensor file's name, size and SHA-256, and
+                                     the residency policy's statistics and pins
 
 Commit protocol: the tensor file is written under a temporary name, fsync'd and renamed to a
 name that contains its checksum; only then is bank.json written the same way and renamed over
@@ -33,23 +35,25 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-import moestream
 from moestream.experts.bank import ExpertBank
-from moestream.experts.host_tier import read_workers
+from moestream.experts.store import read_workers
+from moestream.fileio import write_atomic
+from moestream import version
 
-FORMAT_VERSION = 2   # 2: block digest (parallel SHA-256 of 64 MiB blocks) instead of one serial SHA-256
+# 2: block digest (parallel SHA-256 of 64 MiB blocks) instead of one serial SHA-256
+# 3: slot tensors named by the expert format; the key holds the format's layout
+FORMAT_VERSION = 3
 JSON_NAME = "bank.json"
-_TMP_PREFIX = ".bank-tmp-"
+TMP_PREFIX = ".bank-tmp-"   # temporaries of a save; the next save sweeps what a killed writer left
 _DIGEST_BLOCK = 64 << 20
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int32: "I32", torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8"}
@@ -82,14 +86,14 @@ def snapshot_key(bank: ExpertBank, checkpoint_folder: str | Path | None = None) 
     folder = Path(checkpoint_folder) if checkpoint_folder is not None else Path(store.index.folder)
     return {
         "format": FORMAT_VERSION,   # compared first: the other fields may mean something else in another format
-        "engine_version": moestream.__version__,
+        "engine_version": version.__version__,
         "arch": store.spec.name,
         "checkpoint": _checkpoint_identity(folder),
         "num_experts": bank.num_experts,
         "capacity": bank.capacity,
         "moe_layers": sorted(bank.layers),
-        "dtype": str(bank.dtype).removeprefix("torch."),
-        "shapes": {"gate_up": list(store.gate_up_shape), "down": list(store.down_shape)},
+        "dtype": str(bank.format.dtype).removeprefix("torch."),
+        "expert_format": bank.format.describe(store.shape),
     }
 
 
@@ -114,16 +118,6 @@ def _show(value) -> str:
 
 
 # ---- writing -------------------------------------------------------------------------------
-def _fsync_dir(directory: Path) -> None:
-    """Make the renames durable (POSIX); silently skipped where a directory cannot be opened."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 @contextlib.contextmanager
 def _save_lock(directory: Path) -> Iterator[None]:
     """One saver per directory at a time; the OS drops the lock when a saver dies."""
@@ -141,12 +135,12 @@ def _save_lock(directory: Path) -> Iterator[None]:
 
 
 def _tensors(bank: ExpertBank) -> Iterator[tuple[str, torch.Tensor]]:
-    """Name → CPU tensor, one at a time; slot owners first so every later offset stays 4-aligned."""
+    """Name → tensor, one at a time; slot owners first so every later offset stays 4-aligned."""
     for layer in sorted(bank.layers):
         yield f"layer.{layer}.slot_owner", torch.tensor(bank.layers[layer].owner, dtype=torch.int32)
     for layer in sorted(bank.layers):
-        yield f"layer.{layer}.gate_up", bank.layers[layer].gate_up
-        yield f"layer.{layer}.down", bank.layers[layer].down
+        for name, t in bank.layers[layer].tensors.items():
+            yield f"layer.{layer}.{name}", t
 
 
 def _write_safetensors(bank: ExpertBank, f: BinaryIO) -> str:
@@ -185,42 +179,6 @@ def _chunked_sha256(fd: int, size: int) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def _policy_state(bank: ExpertBank) -> dict:
-    policy = bank.policy
-    layers = {}
-    for layer in sorted(bank.layers):
-        freq, last = policy.freq.get(layer), policy.last_use.get(layer)
-        layers[str(layer)] = {
-            "freq": freq.tolist() if freq is not None else None,
-            "last_use": last.tolist() if last is not None else None,
-            "pinned": sorted(policy.pinned.get(layer, ())),
-        }
-    return {"residency": policy.name, "clock": policy.clock, "layers": layers}
-
-
-def _write_atomic(directory: Path, name: str | Callable[[Any], str],
-                  fill: Callable[[BinaryIO], Any]) -> tuple[Path, Any]:
-    """Write via a temporary in `directory` (fsync'd) and rename; `fill(f)` writes and returns a value.
-
-    `name` may be a callable of fill's result (the tensor file is named after its checksum).
-    """
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            result = fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)   # mkstemp makes 0600; a snapshot is as readable as the checkpoint
-        final = directory / (name(result) if callable(name) else name)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-    return final, result
-
-
 def save_snapshot(bank: ExpertBank, directory: str | Path, key: Key) -> Path:
     """Save the bank's slots, slot owners and policy state; return the path of bank.json.
 
@@ -228,16 +186,15 @@ def save_snapshot(bank: ExpertBank, directory: str | Path, key: Key) -> Path:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    if bank.device.type == "cuda":
-        torch.cuda.synchronize(bank.device)   # copies on the bank's copy stream must have landed
+    bank.synchronize()   # copies on the bank's copy stream must have landed
     with _save_lock(directory):
-        tensor_path, sha = _write_atomic(directory, lambda sha: f"bank-{sha[:16]}.safetensors",
-                                         lambda f: _write_safetensors(bank, f))
+        tensor_path, sha = write_atomic(lambda sha: directory / f"bank-{sha[:16]}.safetensors",
+                                        lambda f: _write_safetensors(bank, f), directory=directory, prefix=TMP_PREFIX)
         meta = {"key": key, "file": tensor_path.name, "size": tensor_path.stat().st_size, "sha256": sha,
-                "policy": _policy_state(bank)}
+                "policy": bank.policy.state(sorted(bank.layers))}
         text = json.dumps(meta, indent=1).encode()
-        json_path, _ = _write_atomic(directory, JSON_NAME, lambda f: f.write(text))   # the commit point
-        for stale in list(directory.glob("bank-*.safetensors")) + list(directory.glob(_TMP_PREFIX + "*")):
+        json_path, _ = write_atomic(directory / JSON_NAME, lambda f: f.write(text), prefix=TMP_PREFIX)   # the commit point
+        for stale in list(directory.glob("bank-*.safetensors")) + list(directory.glob(TMP_PREFIX + "*")):
             if stale.name != tensor_path.name:
                 with contextlib.suppress(OSError):
                     stale.unlink()
@@ -348,7 +305,7 @@ def load_snapshot(bank: ExpertBank, directory: str | Path, key: Key, verify: boo
             names = set(f.keys())
             owners: dict[int, np.ndarray] = {}
             for layer, lb in bank.layers.items():
-                for part, want in (("gate_up", lb.gate_up), ("down", lb.down)):
+                for part, want in lb.tensors.items():
                     name = f"layer.{layer}.{part}"
                     if name not in names:
                         return False, f"tensor {name} is missing from {path.name}"
@@ -368,48 +325,18 @@ def load_snapshot(bank: ExpertBank, directory: str | Path, key: Key, verify: boo
                     return False, f"layer {layer}: a pinned expert is not in the snapshot's slots"
             # Commit, layer by layer: both tensors are read before the layer changes, so an I/O
             # error here (the file changed since it was checked) leaves every layer whole, old or new.
-            if bank.device.type == "cuda":
-                torch.cuda.synchronize(bank.device)   # no earlier copy-stream copy may land over ours
+            bank.synchronize()   # no earlier copy-stream copy may land over ours
             for layer, lb in bank.layers.items():
-                gate_up, down = f.get_tensor(f"layer.{layer}.gate_up"), f.get_tensor(f"layer.{layer}.down")
-                lb.gate_up.copy_(gate_up)
-                lb.down.copy_(down)
-                _set_owners(bank, layer, owners[layer].tolist())
-                del gate_up, down
+                saved = {part: f.get_tensor(f"layer.{layer}.{part}") for part in lb.tensors}
+                bank.slots.restore(layer, owners[layer].tolist(), saved)
+                del saved
     except (OSError, RuntimeError, ValueError, SafetensorError) as exc:   # a damaged header or short data
         return False, f"tensor file {path.name} is unreadable ({type(exc).__name__}: {exc})"
     explicit = {layer: sorted(p) for layer, p in bank.policy.pinned.items() if p}
-    _restore_policy(bank, meta["policy"])
+    bank.policy.load_state(meta["policy"], sorted(bank.layers))
     if explicit:   # pins given for this run replace the snapshot's; pin() loads any not resident
         bank.policy.pinned.clear()
         for layer, experts in explicit.items():
             bank.pin(layer, experts)
-    if bank.device.type == "cuda":
-        torch.cuda.synchronize(bank.device)
+    bank.synchronize()
     return True, f"loaded {path.name} ({size / 2**20:.1f} MiB)"
-
-
-def _set_owners(bank: ExpertBank, layer: int, owner: list[int]) -> None:
-    """Rebuild the host mirrors and the device slot map of one layer from slot → expert."""
-    lb = bank.layers[layer]
-    lb.owner[:] = owner
-    lb.where.clear()
-    lb.where.update({e: s for s, e in enumerate(owner) if e >= 0})
-    slot_map = torch.full((bank.num_experts,), -1, dtype=torch.int32)
-    for e, s in lb.where.items():
-        slot_map[e] = s
-    lb.slot_map.copy_(slot_map)
-
-
-def _restore_policy(bank: ExpertBank, state: dict) -> None:
-    policy = bank.policy
-    policy.clock = state.get("clock", 0)
-    policy.pinned.clear()
-    for layer in bank.layers:
-        s = state["layers"][str(layer)]
-        if s.get("freq") is not None:
-            policy.freq[layer] = np.asarray(s["freq"], dtype=np.float64)
-        if s.get("last_use") is not None:
-            policy.last_use[layer] = np.asarray(s["last_use"], dtype=np.float64)
-        if s.get("pinned"):
-            policy.pinned[layer] = set(s["pinned"])

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 import moestream
-from moestream.bench import set_routing
+from moestream.bench import TraceRouting, use_routing
 from moestream.cli import main as cli_main
 from moestream.errors import InputError
-from moestream.experts.profile import Profile, apply_profile, record_profile
-from moestream.experts.trace import (
-    RoutingTrace,
-    TraceRouting,
-    record_profile_and_trace,
-    record_trace,
-)
+from moestream.model.routers import ObservedRouter
+from moestream.warmstart.profile import Profile, apply_profile, record_profile
+from moestream.warmstart.trace import RoutingTrace, record_profile_and_trace, record_trace
 
 PROMPTS = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 19, 11)]
 OTHER = [torch.randint(2, 160, (len(p),), generator=torch.Generator().manual_seed(100 + i)).tolist()
@@ -40,7 +36,7 @@ class Observer:
     def __init__(self, engine):
         self.ids = {b.layer: [] for b in engine.model.moe_blocks()}
         for b in engine.model.moe_blocks():
-            b.routing_observer = lambda layer, ids: self.ids[layer].append(ids.clone())
+            b.swap_router(ObservedRouter(b.router, lambda ids, layer=b.layer: self.ids[layer].append(ids.clone())))
 
     def stacked(self) -> np.ndarray:
         return torch.stack([torch.cat(v) for v in self.ids.values()], dim=1).numpy()
@@ -70,7 +66,7 @@ def test_profile_round_trip_and_fractions(engine, recorded, tmp_path):
     assert Profile.load(path, engine.config) == profile
     # the separate recorder agrees with the combined one, and observers are detached afterwards
     assert record_profile(engine, PROMPTS, max_tokens=3) == profile
-    assert all(b.routing_observer is None for b in engine.model.moe_blocks())
+    assert not any(isinstance(b.router, ObservedRouter) for b in engine.model.moe_blocks())
 
 
 def test_profile_counts_match_the_trace(recorded):
@@ -199,14 +195,15 @@ def test_trace_replay_gives_exactly_the_recorded_ids(tiny_qwen3, recorded, tmp_p
 
     engine = _load(tiny_qwen3, capacity=3)
     reference = engine.generate(PROMPTS, max_tokens=4, ignore_eos=True)
-    set_routing(engine, TraceRouting.for_engine(loaded, engine))
+    routing = TraceRouting.for_engine(loaded, engine)
+    use_routing(engine, routing)
     seen = Observer(engine)
     # other prompts of the same lengths: the routing is still the recorded one, token by token
     for p in OTHER:
         engine.generate(p, max_tokens=4, ignore_eos=True)
     assert np.array_equal(seen.stacked(), trace.ids)
     # same prompts from the start of the trace: same routing and weights, so the same tokens
-    engine.model.moe_blocks()[0].routing_override.reset()
+    routing.reset()
     assert engine.generate(PROMPTS, max_tokens=4, ignore_eos=True) == reference
 
 

@@ -17,6 +17,7 @@ import torch
 from moestream.model.context import no_cache_context
 from moestream.model.decoder import MoECausalLM
 from moestream.model.rotary import rotary_table
+from moestream.model.routers import ObservedRouter
 
 DEFAULT_PROMPT = (
     "You are a helpful assistant. Explain what this Python function does, then improve it.\n\n"
@@ -37,22 +38,31 @@ def read_back(counts: torch.Tensor) -> np.ndarray:
     return counts.cpu().numpy()
 
 
+class NoRoutedExperts:
+    """The routed experts of a router-only pass: none run, every routed output is zero."""
+
+    def forward(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden)
+
+    dispatch = forward
+
+
 @torch.inference_mode()
 def discover_routing(model: MoECausalLM, prompt_ids: list[int], device: torch.device, dtype: torch.dtype) -> Discovery:
     t0 = time.perf_counter()
     blocks = model.moe_blocks()
     seen: list[torch.Tensor] = []
-    for block in blocks:
-        block.routing_observer = lambda layer, ids: seen.append(ids)
-        block.skip_routed = True
+    routers = [block.swap_router(ObservedRouter(block.router, seen.append)) for block in blocks]
+    experts = [block.experts for block in blocks]
+    model.attach_experts(NoRoutedExperts())
     try:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         ctx = no_cache_context(rotary_table(model.config, len(prompt_ids), device), ids, None, dtype)
         model(ids, ctx, last_only=True)
     finally:
-        for block in blocks:
-            block.routing_observer = None
-            block.skip_routed = False
+        for block, router, routed in zip(blocks, routers, experts):
+            block.swap_router(router)
+            block.experts = routed
     E = model.config.num_experts
     counts = torch.zeros(len(blocks), E, dtype=torch.float32, device=device)
     for row, routed in enumerate(seen):

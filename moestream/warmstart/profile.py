@@ -11,8 +11,8 @@ Recording attaches a routing observer to every MoE block; counts accumulate on t
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from moestream.errors import InputError
+from moestream.fileio import write_json_atomic
+from moestream.model.routers import ObservedRouter
 
 PROFILE_FORMAT = "moestream-profile"
 PROFILE_VERSION = 1
@@ -31,19 +33,6 @@ SEED_TOKENS = 128.0
 
 
 # ---- shared helpers (traces use them too) -------------------------------------------------
-def write_json_atomic(path: str | Path, data) -> None:
-    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"cannot write {path} ({exc.strerror}); check that the folder exists and is writable.") from None
-
-
 def read_json(path: str | Path, what: str, how_to_make: str) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -60,7 +49,7 @@ def read_json(path: str | Path, what: str, how_to_make: str) -> dict:
 def model_fingerprint(engine) -> dict:
     c = engine.config
     return {"arch": c.arch, "num_layers": c.num_layers, "num_experts": c.num_experts, "top_k": c.top_k,
-            "checkpoint": engine.loaded.folder.name}
+            "checkpoint": engine.folder.name}
 
 
 def encode_prompts(engine, prompts: Sequence[str | list[int]]) -> list[list[int]]:
@@ -71,33 +60,17 @@ def encode_prompts(engine, prompts: Sequence[str | list[int]]) -> list[list[int]
 
 @contextmanager
 def observing(engine, observer: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
-    """Attach `observer` to every MoE block (chained after any observer already there) and run
-    eagerly: decode graphs captured without the observer would not call it, and capturing with
-    it would count the capture's warm-up steps. Graphs and observers are restored afterwards."""
+    """Route every MoE block through an ObservedRouter that calls `observer(layer, ids)` (nested
+    inside any observer already there) and run eagerly meanwhile: decode graphs captured without
+    it would not call it, and capturing with it would count the capture's warm-up steps."""
     blocks = engine.model.moe_blocks()
-    previous = [b.routing_observer for b in blocks]
-    gen = engine.generator
-    saved = (gen.cuda_graphs, gen._graphs, gen._segmented)
-    gen.cuda_graphs, gen._graphs, gen._segmented = False, {}, {}
-
-    def chained(prev):
-        if prev is None:
-            return observer
-
-        def both(layer, ids):
-            prev(layer, ids)
-            observer(layer, ids)
-        return both
-
-    for b, prev in zip(blocks, previous):
-        b.routing_observer = chained(prev)
+    previous = [b.swap_router(ObservedRouter(b.router, functools.partial(observer, b.layer))) for b in blocks]
     try:
-        yield
+        with engine.runner.eager():
+            yield
     finally:
-        for b, prev in zip(blocks, previous):
-            b.routing_observer = prev
-        # graphs of a cache reallocated meanwhile are recaptured on use (the generator checks)
-        gen.cuda_graphs, gen._graphs, gen._segmented = saved
+        for b, router in zip(blocks, previous):
+            b.swap_router(router)
 
 
 def run_prompts(engine, prompts: list[list[int]], max_tokens: int) -> None:
@@ -256,22 +229,7 @@ def record_profile(engine, prompts: Sequence[str | list[int]], max_tokens: int =
 
 # ---- seeding the bank ---------------------------------------------------------------------
 def _bank_of(engine_or_bank):
-    return getattr(engine_or_bank, "bank", None) if hasattr(engine_or_bank, "loaded") else engine_or_bank
-
-
-def swap_in(bank, layer: int, wanted: list[int]) -> int:
-    """Make `wanted` (at most capacity experts) resident in `layer`, evicting others chosen by the
-    policy (never pinned or wanted ones); returns how many experts were copied in."""
-    lb = bank.layers[layer]
-    missing = [e for e in wanted if e not in lb.where]
-    if not missing:
-        return 0
-    resident = [e for e in lb.owner if e >= 0]
-    if len(resident) < bank.capacity:
-        raise RuntimeError("the bank has free slots; fill it before swapping experts in")
-    victims = bank.policy.victims(layer, resident, len(missing), set(wanted))
-    bank._install(layer, missing, victims)
-    return len(missing)
+    return getattr(engine_or_bank, "bank", engine_or_bank)
 
 
 def profile_seed(profile: Profile, seed_tokens: float = SEED_TOKENS) -> dict[int, np.ndarray]:
@@ -296,30 +254,25 @@ def apply_profile(engine_or_bank, profile: Profile, seed_tokens: float = SEED_TO
         bank.policy.seed(layer, seed[layer])
     if bank.fully_resident or not refill:
         return 0
-    if any(e < 0 for lb in bank.layers.values() for e in lb.owner):   # a bank not filled yet
+    if not bank.slots.is_filled():
         bank.fill()   # pinned first, then the policy's ranking: the profile's, just seeded
         return sum(bank.capacity for _ in bank.layers)
     copied = 0
     for layer in bank.layers:
         pinned = sorted(bank.policy.pinned.get(layer, ()))
         rest = [e for e in profile.ranking(layer) if e not in set(pinned)]
-        copied += swap_in(bank, layer, (pinned + rest)[: bank.capacity])
+        copied += bank.swap_in(layer, (pinned + rest)[: bank.capacity])
     return copied
 
 
-def prepare_profile(model, profile, pin_top_k: int | None = None, pin_threshold: float | None = None,
+def prepare_profile(profile, config, pin_top_k: int | None = None, pin_threshold: float | None = None,
                     pinned: dict[int, list[int]] | None = None) -> tuple[Profile | None, dict[int, list[int]] | None]:
-    """Before loading: read and check a profile against the checkpoint's config (no weights read)
-    and merge its pins with explicit ones. Returns (profile or None, pins for BankOptions)."""
+    """Before loading: read and check a profile (a path or a Profile) against the model's config
+    (no weights read) and merge its pins with explicit ones. Returns (profile or None, pins)."""
     if profile is None:
         if pin_top_k is not None or pin_threshold is not None:
             raise InputError("--pin-top-k and --pin-threshold need a profile; pass --profile PROFILE.json.")
         return None, pinned
-    from moestream.archs import detect_arch, model_config_from_hf
-    from moestream.checkpoint import read_config, resolve_checkpoint
-
-    raw = read_config(resolve_checkpoint(model))
-    config = model_config_from_hf(raw, detect_arch(raw))
     if isinstance(profile, Profile):
         profile.check_fits(config)
     else:

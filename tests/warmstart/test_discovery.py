@@ -3,8 +3,9 @@
 import numpy as np
 import torch
 
-import moestream.experts.discovery as discovery_module
-from moestream.loader import BankOptions, load_model
+import moestream
+import moestream.warmstart.discovery as discovery_module
+from moestream.model.routers import ObservedRouter
 
 PROMPT = torch.randint(2, 160, (48,), generator=torch.Generator().manual_seed(7)).tolist()
 
@@ -13,8 +14,7 @@ def test_discovery_reads_back_once_and_seeds_the_bank(tiny_qwen3, monkeypatch):
     calls = []
     real = discovery_module.read_back
     monkeypatch.setattr(discovery_module, "read_back", lambda t: calls.append(1) or real(t))
-    loaded = load_model(tiny_qwen3, torch.device("cpu"), torch.float32,
-                        BankOptions(capacity=3, discovery_ids=PROMPT))
+    loaded = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, discovery=PROMPT)
     assert len(calls) == 1
     found = loaded.discovery
     assert found is not None and found.tokens == len(PROMPT) and found.seconds >= 0
@@ -25,13 +25,13 @@ def test_discovery_reads_back_once_and_seeds_the_bank(tiny_qwen3, monkeypatch):
 
 
 def test_discovery_frequencies_match_the_full_models_routing(tiny_qwen3):
-    loaded = load_model(tiny_qwen3, torch.device("cpu"), torch.float32,
-                        BankOptions(capacity=3, discovery_ids=PROMPT))
+    loaded = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, discovery=PROMPT)
     # the same prompt through the full model, watching the routers
-    full = load_model(tiny_qwen3, torch.device("cpu"), torch.float32)
+    full = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
     counts = {}
     for block in full.model.moe_blocks():
-        block.routing_observer = lambda layer, ids: counts.setdefault(layer, []).append(ids.reshape(-1))
+        block.swap_router(ObservedRouter(block.router, lambda ids, layer=block.layer:
+                                         counts.setdefault(layer, []).append(ids.reshape(-1))))
     from moestream.model.context import no_cache_context
     from moestream.model.rotary import rotary_table
 
@@ -44,5 +44,5 @@ def test_discovery_frequencies_match_the_full_models_routing(tiny_qwen3):
 
 
 def test_no_discovery_when_every_expert_fits(tiny_qwen3):
-    loaded = load_model(tiny_qwen3, torch.device("cpu"), torch.float32, BankOptions(discovery_ids=PROMPT))
+    loaded = moestream.load(tiny_qwen3, device="cpu", dtype="float32", discovery=PROMPT)
     assert loaded.discovery is None

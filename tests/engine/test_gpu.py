@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moestream
-from moestream.experts.budget import plan_memory
+from moestream.engine.plan import plan_memory
 from tiny_models import ARCHS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

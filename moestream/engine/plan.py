@@ -1,48 +1,33 @@
-"""One function decides how many bank slots fit a memory budget; `check` and the loader share it.
+"""The plan: what a checkpoint and a configuration will take, decided before any weight is read.
 
-Everything the engine takes on the device counts: the always-resident weights, the KV cache for
-the context, the activation workspace of a prefill chunk, the bank, its slot maps and the
-transient staging area that long prompts stream missing experts through.
+`plan_load` resolves the checkpoint, detects the arch, reads config.json, picks the device, dtype,
+context and expert format, and sizes the bank with `plan_memory`; `moestream check` prints it and
+the build path follows it. `plan_memory` is the one function that turns a budget into a capacity
+(or checks a given capacity): everything the engine takes on the device counts, namely the
+always-resident weights, the cache for the context, the activation workspace of a prefill chunk,
+the bank, its slot maps and the transient staging area long prompts stream missing experts through.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from moestream.archs.spec import ModelConfig
-from moestream.errors import BudgetError, InputError
-from moestream.runtime.kv_cache import KVCache
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_config_from_hf
+from moestream.checkpoint import read_config, resolve_checkpoint
+from moestream.engine.config import DTYPES, EngineConfig
+from moestream.errors import BudgetError, DeviceError, InputError
+from moestream.experts.format import ExpertFormat, ExpertShape, dense_format
+from moestream.model.decoder import cache_bytes
+from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
 # cuBLAS/cuDNN workspaces (one per stream: compute and copy), CUDA-graph pools of the decode
 # steps, allocator rounding and small tensors (routing, sampling). Measured on an H100: the
 # rest of the plan was 70 MB short of torch.cuda.max_memory_allocated with a 64 MiB slack,
 # and 200 MB short with 256 MiB once a fetch bank captured its decode segments.
 SLACK_BYTES = 384 * 2**20
-
-
-def parse_bytes(text: str | int) -> int:
-    """'16GiB', '16GB', '16G', '512MiB', '1.5gib' or a plain byte count."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise InputError(f"memory size {text!r} does not parse; write it like 16GiB, 12000MB or 8G.")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _elt(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -58,12 +43,12 @@ def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
             params += config.num_experts * H + 3 * H * config.shared_intermediate + (H if config.shared_intermediate else 0)
         else:
             params += 3 * H * config.dense_intermediate
-    return params * _elt(dtype)
+    return params * dtype_size(dtype)
 
 
 def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int) -> int:
     """Peak activations: a prefill chunk through one layer (the largest live set) plus the logits."""
-    e = _elt(dtype)
+    e = dtype_size(dtype)
     T = max(prefill_chunk, batch)
     H, I, k = config.hidden_size, config.moe_intermediate, config.top_k
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -110,6 +95,10 @@ class MemoryPlan:
         return self.fixed_bytes + self.top_k * self.moe_layers * self.slot_bytes + staging * self.slot_bytes
 
     @property
+    def fully_resident(self) -> bool:
+        return self.capacity >= self.num_experts
+
+    @property
     def expert_fraction(self) -> float:
         return self.capacity / self.num_experts if self.num_experts else 1.0
 
@@ -134,17 +123,18 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
 
 
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
-                max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512) -> MemoryPlan:
+                max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
+                expert_format: ExpertFormat | None = None, spec: ArchSpec | None = None) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum."""
     E, k, L = config.num_experts, config.top_k, config.num_moe_layers
     budget_bytes = parse_bytes(budget) if budget is not None else None
     if capacity is not None and not k <= capacity <= E:
         raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
                           f"and has only {E}; pick a capacity in that range.")
-    slot = config.expert_numel() * _elt(dtype)
+    fmt = expert_format or dense_format(dtype)
+    slot = fmt.nbytes(ExpertShape(config.hidden_size, config.moe_intermediate))
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype),
-                kv_bytes=KVCache.nbytes_for(config.num_layers, batch, max_context, config.num_kv_heads,
-                                            config.head_dim, dtype),
+                kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 slot_bytes=slot, moe_layers=L, num_experts=E, top_k=k)
     if capacity is None and budget_bytes is None:
@@ -168,3 +158,70 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
         raise BudgetError(f"capacity {capacity} needs {format_bytes(plan.total_bytes)}, more than the budget of "
                           f"{format_bytes(budget_bytes)}; lower --capacity or raise the budget.")
     return plan
+
+
+# ---- the whole plan of a load ----------------------------------------------------------------
+def resolve_device(device: str | torch.device) -> torch.device:
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError("--device cuda was asked for but no CUDA GPU is available; use --device cpu or auto.")
+    if name.startswith("mps"):
+        raise DeviceError("the mps device is not supported yet; use --device cpu.")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto.") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise InputError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}.") from None
+
+
+def default_device_budget(device: torch.device) -> int | None:
+    """With no budget given on CUDA: free device memory less a 1 GiB headroom for the CUDA context and allocator."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free - 2**30)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    folder: Path
+    spec: ArchSpec
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context: int                 # positions per sequence
+    expert_format: ExpertFormat
+    memory: MemoryPlan
+    host_memory: int | None      # bytes of pinned host RAM the expert store may take (None: 60% of available)
+
+
+def plan_load(cfg: EngineConfig) -> LoadPlan:
+    """Everything a load decides from config.json and the configuration alone (no weights read)."""
+    cfg.validate()
+    folder = resolve_checkpoint(cfg.model)
+    raw = read_config(folder)
+    spec = detect_arch(raw)
+    config = model_config_from_hf(raw, spec)
+    device = resolve_device(cfg.runtime.device)
+    dtype = resolve_dtype(cfg.runtime.dtype, device)
+    context = min(cfg.runtime.max_context or config.max_position, config.max_position)
+    fmt = dense_format(dtype)
+    bank = cfg.bank
+    budget = bank.gpu_memory if bank.gpu_memory is not None else (
+        None if bank.capacity is not None else default_device_budget(device))
+    memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
+                         prefill_chunk=cfg.runtime.prefill_chunk, expert_format=fmt, spec=spec)
+    host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
+    return LoadPlan(folder, spec, config, device, dtype, context, fmt, memory, host_memory)

@@ -1,12 +1,9 @@
-"""Routing traces (benchmark-only): the expert ids a model chose, per token and MoE layer, replayed later.
+"""Routing traces: the expert ids a model chose, per token and MoE layer, saved for replay.
 
 `record_trace` runs prompts with a routing observer and keeps the k routed ids of every token at
-every MoE layer. `TraceRouting` is a `routing_override` that makes a model route by a trace
-instead of by its router: benchmarks then see real routing statistics on any checkpoint of the
-same expert count and top-k (random weights included). Results that used it are labelled.
-
-Replay stays on the device (trace tensor, token cursor and its advance are device ops), so it
-works inside a captured CUDA graph.
+every MoE layer. Benchmarks replay a trace on any checkpoint of the same expert count and top-k
+(`moestream.bench.routing.TraceRouting`), so real routing statistics can be measured on random
+weights; results that used one are labelled.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import numpy as np
 import torch
 
 from moestream.errors import InputError
-from moestream.experts.profile import (
+from moestream.warmstart.profile import (
     Profile,
     encode_prompts,
     model_fingerprint,
@@ -123,68 +120,3 @@ def record_profile_and_trace(engine, prompts: Sequence[str | list[int]], max_tok
         run_prompts(engine, ids, max_tokens)
     return (counter.profile(engine, len(ids)) if counter is not None else None,
             recorder.trace(engine) if recorder is not None else None)
-
-
-class TraceRouting:
-    """routing_override replaying a trace: (layer, router logits (T, E)) -> (weights (T, k) fp32, ids (T, k)).
-
-    The i-th MoE layer of the target model (`moe_layers`: their absolute indices, or an int n for
-    a model whose layers 0..n-1 are all MoE) replays trace layer i mod the trace's layer count.
-    Tokens t of a forward take trace rows (cursor + t) mod N; the cursor advances by T after the
-    target's last MoE layer. Weights are the router's own softmax probabilities at the replayed
-    ids, renormalised. Everything per call is device arithmetic: safe inside CUDA-graph capture.
-    """
-
-    def __init__(self, trace: RoutingTrace, device: torch.device | str, moe_layers: int | Sequence[int],
-                 num_experts: int | None = None, top_k: int | None = None):
-        if num_experts is not None and num_experts != trace.num_experts:
-            raise InputError(f"routing trace {trace.name} has {trace.num_experts} experts per layer but this model has "
-                             f"{num_experts}; record a trace on a model with the same experts.")
-        if top_k is not None and top_k != trace.top_k:
-            raise InputError(f"routing trace {trace.name} routes top-{trace.top_k} but this model routes top-{top_k}; "
-                             "record a trace on a model with the same top-k.")
-        layers = list(range(moe_layers)) if isinstance(moe_layers, int) else sorted(int(x) for x in moe_layers)
-        if not layers:
-            raise InputError("the model has no MoE layers to replay a routing trace on.")
-        L = len(trace.layers)
-        self.trace_layer = {layer: i % L for i, layer in enumerate(layers)}
-        self.last_layer = layers[-1]
-        self.num_experts, self.top_k, self.tokens = trace.num_experts, trace.top_k, trace.tokens
-        ids = torch.as_tensor(trace.ids, dtype=torch.long)
-        self.per_layer = [ids[:, i].contiguous().to(device) for i in range(L)]   # (N, k) each
-        self.cursor = torch.zeros((), dtype=torch.long, device=device)
-        self.label = f"trace replay ({trace.name})"
-        self.prediction_accuracy: float | None = None
-
-    def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        """Next-layer prediction under replay (benchmark-only): the target model's own router says
-        nothing about replayed routing, so the prediction is drawn from the replayed ids of `layer`
-        at this forward's rows, each id kept with probability `prediction_accuracy` (measured on
-        the model the trace came from) and otherwise replaced by a uniformly random expert.
-        None means the plain router prediction (set the accuracy to model prefetch)."""
-        T = h.shape[0]
-        rows = (self.cursor + torch.arange(T, device=h.device)) % self.tokens
-        ids = self.per_layer[self.trace_layer[layer]].index_select(0, rows)
-        keep = torch.rand(ids.shape, device=h.device) < self.prediction_accuracy
-        return torch.where(keep, ids, torch.randint_like(ids, self.num_experts))
-
-    @classmethod
-    def for_engine(cls, trace: RoutingTrace, engine) -> TraceRouting:
-        return cls(trace, engine.device, [b.layer for b in engine.model.moe_blocks()],
-                   num_experts=engine.config.num_experts, top_k=engine.config.top_k)
-
-    def reset(self) -> None:
-        """Start again at the trace's first token (a device op: fine between graph replays)."""
-        self.cursor.zero_()
-
-    def __call__(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, E = logits.shape
-        if E != self.num_experts:
-            raise InputError(f"the routing trace has {self.num_experts} experts per layer but this router has {E}.")
-        rows = (self.cursor + torch.arange(T, device=logits.device)) % self.tokens
-        ids = self.per_layer[self.trace_layer[layer]].index_select(0, rows)
-        weights = logits.float().softmax(-1).gather(-1, ids)
-        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-        if layer == self.last_layer:
-            self.cursor.add_(T).remainder_(self.tokens)
-        return weights, ids

@@ -8,7 +8,8 @@ import torch
 import moestream
 from moestream.cli import main as cli_main
 from moestream.errors import BudgetError, CheckpointError
-from moestream.experts.budget import parse_bytes, plan_memory
+from moestream.engine.plan import plan_memory
+from moestream.sizes import parse_bytes
 
 PROMPTS = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 29)]
 
@@ -24,7 +25,7 @@ def reference_tokens(tiny_qwen3):
 @pytest.mark.parametrize("capacity", range(2, 9))
 def test_fetch_is_exact_at_every_capacity(tiny_qwen3, reference_tokens, residency, capacity):
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=capacity, residency=residency)
-    engine.generator.prefill_chunk = 8   # several prompt chunks: the staged path runs too
+    engine.runner.prefill_chunk = 8   # several prompt chunks: the staged path runs too
     assert engine.generate(PROMPTS[1], max_tokens=20, ignore_eos=True) == reference_tokens["single"]
     assert engine.generate(PROMPTS, max_tokens=20, ignore_eos=True) == reference_tokens["batch"]
     stats = engine.stats()
@@ -151,17 +152,17 @@ def test_prefetch_keeps_fetch_exact_and_scores_its_predictions(tiny_qwen3, refer
 
 
 def test_prefetch_switches_itself_off_when_predictions_miss(tiny_qwen3):
-    from moestream.bench import UniformRouting, set_routing
-    from moestream.experts.bank import PREFETCH_WARMUP_CALLS
+    from moestream.bench import UniformRouting, use_routing
+    from moestream.experts.prefetch import PREFETCH_WARMUP_CALLS
 
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, prefetch=True)
-    set_routing(engine, UniformRouting(engine.config.top_k))   # the router cannot predict random routing
+    use_routing(engine, UniformRouting(engine.config.top_k))   # the router cannot predict random routing
     engine.generate(PROMPTS[0], max_tokens=200, ignore_eos=True)
     layer = engine.stats()["layers"]["2"]
     assert layer["prediction_accuracy"] < 0.5
     # only the first calls (before the accuracy is judged) and rare lucky streaks copy anything
     assert layer["prefetched"] < 0.5 * layer["predicted_total"]
-    assert engine.bank._recent_accuracy[2][1] > PREFETCH_WARMUP_CALLS
+    assert engine.bank.prefetcher.accuracy(2)[1] > PREFETCH_WARMUP_CALLS
 
 
 def test_decode_perplexity_is_exact_for_fetch_and_shows_skip(tiny_qwen3):
@@ -169,10 +170,10 @@ def test_decode_perplexity_is_exact_for_fetch_and_shows_skip(tiny_qwen3):
 
     ids = torch.randint(2, 160, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     full = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-    reference, scored = decode_perplexity(full.generator, ids, window=32)
+    reference, scored = decode_perplexity(full.runner, ids, window=32)
     assert scored == len(ids) - 1
     fetch = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3)
-    assert decode_perplexity(fetch.generator, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
+    assert decode_perplexity(fetch.runner, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
     skip = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, miss_policy="skip")
-    assert decode_perplexity(skip.generator, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
-    assert decode_perplexity(full.generator, ids, window=32, max_scored=10)[1] == 10
+    assert decode_perplexity(skip.runner, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
+    assert decode_perplexity(full.runner, ids, window=32, max_scored=10)[1] == 10

@@ -1,0 +1,119 @@
+"""Benchmark routing: the expert choice swapped for a synthetic or a replayed one (labelled in results).
+
+Random-weight checkpoints do not route near-uniformly: their hidden states are so alike that
+the routers pick nearly the same experts for every token, a best case for a bank. Benchmarks
+therefore choose the routing: `UniformRouting` (k distinct experts per token drawn uniformly on
+the device, the worst case for a bank) or `TraceRouting` (a recorded trace of a trained model's
+routing, replayed token by token). `use_routing` swaps every MoE block's router for a
+`ChosenRouter` around it: the model's own logits still give the weights at the chosen ids, and
+nothing in the model checks for an override on its hot path.
+
+Both are device arithmetic only (no read-back), so they work inside captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from moestream.errors import InputError
+from moestream.model.routers import ChosenRouter
+from moestream.warmstart.trace import RoutingTrace
+
+
+class UniformRouting:
+    """k distinct experts per token drawn uniformly; the router's own probabilities kept at the drawn
+    ids and renormalised, so the expert weights stay realistic while the choice is the worst case."""
+
+    label = "uniform (synthetic)"   # what a bench result's `routing` field says
+    prediction_accuracy = None
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+
+    def __call__(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.rand(logits.shape, device=logits.device).topk(self.top_k, dim=-1).indices
+        weights = logits.float().softmax(-1).gather(-1, ids)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+    def reset(self) -> None:
+        pass
+
+
+class TraceRouting:
+    """Replays a trace: (layer, router logits (T, E)) -> (weights (T, k) fp32, ids (T, k)).
+
+    The i-th MoE layer of the target model (`moe_layers`: their absolute indices, or an int n for
+    a model whose layers 0..n-1 are all MoE) replays trace layer i mod the trace's layer count.
+    Tokens t of a forward take trace rows (cursor + t) mod N; the cursor advances by T after the
+    target's last MoE layer. Weights are the router's own softmax probabilities at the replayed
+    ids, renormalised. Everything per call is device arithmetic: safe inside CUDA-graph capture.
+    """
+
+    def __init__(self, trace: RoutingTrace, device: torch.device | str, moe_layers: int | Sequence[int],
+                 num_experts: int | None = None, top_k: int | None = None):
+        if num_experts is not None and num_experts != trace.num_experts:
+            raise InputError(f"routing trace {trace.name} has {trace.num_experts} experts per layer but this model has "
+                             f"{num_experts}; record a trace on a model with the same experts.")
+        if top_k is not None and top_k != trace.top_k:
+            raise InputError(f"routing trace {trace.name} routes top-{trace.top_k} but this model routes top-{top_k}; "
+                             "record a trace on a model with the same top-k.")
+        layers = list(range(moe_layers)) if isinstance(moe_layers, int) else sorted(int(x) for x in moe_layers)
+        if not layers:
+            raise InputError("the model has no MoE layers to replay a routing trace on.")
+        L = len(trace.layers)
+        self.trace_layer = {layer: i % L for i, layer in enumerate(layers)}
+        self.last_layer = layers[-1]
+        self.num_experts, self.top_k, self.tokens = trace.num_experts, trace.top_k, trace.tokens
+        ids = torch.as_tensor(trace.ids, dtype=torch.long)
+        self.per_layer = [ids[:, i].contiguous().to(device) for i in range(L)]   # (N, k) each
+        self.cursor = torch.zeros((), dtype=torch.long, device=device)
+        self.label = f"trace replay ({trace.name})"
+        self.prediction_accuracy: float | None = None
+
+    def predict(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Next-layer prediction under replay (benchmark-only): the target model's own router says
+        nothing about replayed routing, so the prediction is drawn from the replayed ids of `layer`
+        at this forward's rows, each id kept with probability `prediction_accuracy` (measured on
+        the model the trace came from) and otherwise replaced by a uniformly random expert.
+        None means the plain router prediction (set the accuracy to model prefetch)."""
+        T = h.shape[0]
+        rows = (self.cursor + torch.arange(T, device=h.device)) % self.tokens
+        ids = self.per_layer[self.trace_layer[layer]].index_select(0, rows)
+        keep = torch.rand(ids.shape, device=h.device) < self.prediction_accuracy
+        return torch.where(keep, ids, torch.randint_like(ids, self.num_experts))
+
+    @classmethod
+    def for_engine(cls, trace: RoutingTrace, engine) -> TraceRouting:
+        return cls(trace, engine.device, [b.layer for b in engine.model.moe_blocks()],
+                   num_experts=engine.config.num_experts, top_k=engine.config.top_k)
+
+    def reset(self) -> None:
+        """Start again at the trace's first token (a device op: fine between graph replays)."""
+        self.cursor.zero_()
+
+    def __call__(self, layer: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, E = logits.shape
+        if E != self.num_experts:
+            raise InputError(f"the routing trace has {self.num_experts} experts per layer but this router has {E}.")
+        rows = (self.cursor + torch.arange(T, device=logits.device)) % self.tokens
+        ids = self.per_layer[self.trace_layer[layer]].index_select(0, rows)
+        weights = logits.float().softmax(-1).gather(-1, ids)
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if layer == self.last_layer:
+            self.cursor.add_(T).remainder_(self.tokens)
+        return weights, ids
+
+
+def use_routing(engine, routing: UniformRouting | TraceRouting) -> None:
+    """Make every MoE block of `engine` choose its experts by `routing` (benchmark-only). A routing
+    swapped in earlier is replaced, not stacked. With a replayed prediction accuracy set, next-layer
+    prefetch predicts from the trace too."""
+    for block in engine.model.moe_blocks():
+        router = block.router
+        inner = router.inner if isinstance(router, ChosenRouter) else router
+        predict = (functools.partial(routing.predict, block.layer)
+                   if routing.prediction_accuracy is not None else None)
+        block.swap_router(ChosenRouter(inner, functools.partial(routing, block.layer), predict))

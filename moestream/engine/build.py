@@ -1,0 +1,154 @@
+"""The one build path: checkpoint → store → bank → model → runtime → engine, following a LoadPlan.
+
+Order matters for a warm start: the bank's slots are allocated empty, then either restored from a
+prepacked snapshot, or filled with the experts a profile or a router-only discovery pass ranks
+first (pins before anything else); only then does the model get its routed experts, the engine
+warm up, and a snapshot get saved for the next start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moestream.archs import ModelConfig
+from moestream.checkpoint import TensorIndex
+from moestream.engine.config import EngineConfig
+from moestream.engine.plan import LoadPlan, plan_load
+from moestream.errors import CheckpointError, InputError
+from moestream.experts.bank import ExpertBank
+from moestream.experts.host_tier import make_host_tier
+from moestream.experts.store import ExpertStore
+from moestream.model.decoder import MoECausalLM
+from moestream.runtime.model_runner import ModelRunner
+from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
+from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
+from moestream.warmstart.profile import apply_profile, prepare_profile, profile_seed
+
+
+@dataclass
+class PrepackStatus:
+    folder: Path
+    loaded: bool      # the bank came from the snapshot
+    reason: str       # why it did not (rebuilt and to be saved after warm-up)
+    seconds: float
+    key: dict
+
+
+def load_tokenizer(folder: Path):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((folder / n).exists() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
+    """The module tree on the meta device, then every dense parameter read by its checkpoint name."""
+    with torch.device("meta"):
+        model = MoECausalLM(plan.config, plan.spec)
+    _load_dense_weights(model, index, plan.config, plan.device, plan.dtype)
+    return model.eval()
+
+
+def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelConfig, device: torch.device,
+                        dtype: torch.dtype) -> None:
+    """Every parameter of the module tree is named as on disk: read each by name, check its shape."""
+    modules = dict(model.named_modules())
+    for name, param in list(model.named_parameters()):
+        source = name
+        if name == "lm_head.weight" and (config.tie_embeddings or name not in index):
+            if not config.tie_embeddings and name not in index:
+                raise CheckpointError(f"tensor 'lm_head.weight' is missing from the checkpoint in {index.folder}; the download is incomplete.")
+            source = "model.embed_tokens.weight"
+        tensor = index.read(source, expected_shape=tuple(param.shape))
+        owner, _, attr = name.rpartition(".")
+        setattr(modules[owner], attr, torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+
+
+def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: dict[int, list[int]] | None) -> ExpertBank:
+    memory = plan.memory
+    tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, plan.expert_format,
+                                                             plan.device, plan.host_memory)
+    return ExpertBank(store, plan.expert_format, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
+                      residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
+                      prefetch=cfg.bank.prefetch)
+
+
+def discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:
+    if discovery is False or discovery is None:
+        return None
+    if discovery is True:
+        return tokenizer(DEFAULT_PROMPT).input_ids if tokenizer is not None else None
+    if isinstance(discovery, str):
+        if tokenizer is None:
+            raise InputError("a discovery prompt given as text needs tokenizer files; pass token ids instead.")
+        return tokenizer(discovery).input_ids
+    return [int(t) for t in discovery]
+
+
+def _try_prepack(bank: ExpertBank, folder: Path, directory: str | Path) -> PrepackStatus:
+    """Restore the bank from a matching snapshot; any mismatch or damage means a rebuild, not an error."""
+    t0 = time.perf_counter()
+    directory = Path(directory).expanduser()
+    key = snapshot_key(bank, folder)
+    ok, reason = load_snapshot(bank, directory, key)
+    return PrepackStatus(directory, ok, reason, time.perf_counter() - t0, key)
+
+
+def save_prepack(bank: ExpertBank, status: PrepackStatus | None) -> str | None:
+    """Save the warmed bank when the start did not come from a snapshot; best effort (returns the
+    failure as a sentence rather than stopping a running engine)."""
+    if status is None or status.loaded:
+        return None
+    try:
+        status.folder.mkdir(parents=True, exist_ok=True)
+        save_snapshot(bank, status.folder, status.key)
+    except OSError as exc:
+        return f"could not save the prepacked bank to {status.folder} ({exc.strerror or exc}); the next start rebuilds it."
+    return None
+
+
+def build(cfg: EngineConfig):
+    """Load a checkpoint as `cfg` says and return a ready Engine (warmed up and snapshot saved when asked)."""
+    from moestream.engine.engine import Engine
+
+    plan = plan_load(cfg)
+    warm = cfg.warm_start
+    profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
+    tokenizer = load_tokenizer(plan.folder)
+    index = TensorIndex(plan.folder)
+    store = ExpertStore(index, plan.config, plan.spec)   # checks every expert tensor's shape before any load
+    model = build_model(plan, index)
+    bank = build_bank(plan, cfg, store, pinned)
+    prepack = _try_prepack(bank, plan.folder, warm.prepack) if warm.prepack else None
+    restored = prepack is not None and prepack.loaded
+    discovery: Discovery | None = None
+    if not restored:
+        if profile is not None:
+            seed = profile_seed(profile)   # the first fill then holds the profile's top experts
+        else:
+            ids = discovery_ids(warm.discovery, tokenizer) if not plan.memory.fully_resident else None
+            if ids:
+                discovery = discover_routing(model, ids, plan.device, plan.dtype)
+            seed = ({layer: f * discovery.tokens for layer, f in discovery.frequencies.items()}   # as counts
+                    if discovery is not None else {})
+        for layer, frequencies in seed.items():
+            bank.policy.seed(layer, frequencies)
+        bank.fill()
+    model.attach_experts(bank)
+    runner = ModelRunner(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
+                         cfg.runtime.cuda_graphs)
+    engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
+                    discovery=discovery, prepack=prepack)
+    if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
+        apply_profile(bank, profile, refill=False)
+    engine.reset_stats()   # filling and seeding are part of loading
+    if warm.warmup_tokens > 0:
+        engine.warm_up(warm.warmup_tokens, bank_is_warm=restored)
+    engine.prepack_error = save_prepack(bank, prepack)
+    return engine

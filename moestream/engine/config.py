@@ -1,0 +1,109 @@
+"""One configuration for a loaded engine, in three sections, checked once before anything loads.
+
+`EngineConfig` is what `moestream.load(...)` and every CLI command build (from keywords or flags)
+and what the build path reads: the runtime (device, dtype, context, batching), the bank (a budget
+or a capacity, host tier, policies) and the warm start (discovery, profile, pins, snapshot,
+warm-up). Values travel from here to the plan and the bank in one pass; nothing is repacked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moestream.errors import InputError
+from moestream.experts.bank import MISS_POLICIES
+from moestream.experts.host_tier import HOST_TIERS
+from moestream.experts.residency import POLICIES
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"                  # cpu | cuda | cuda:N | auto
+    dtype: str | torch.dtype = "auto"     # auto = bf16 on CUDA, fp32 on CPU
+    max_context: int | None = None        # KV positions per sequence (default: the model's maximum)
+    prefill_chunk: int = 512              # prompt tokens per forward
+    max_batch: int = 64                   # sequences decoded together; more wait their turn
+    cuda_graphs: bool = True
+
+    def validate(self) -> None:
+        if self.max_context is not None and self.max_context < 2:
+            raise InputError(f"max_context must be at least 2, got {self.max_context}.")
+        if self.prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}.")
+        if self.max_batch < 1:
+            raise InputError(f"max_batch must be at least 1, got {self.max_batch}.")
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InputError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(DTYPES)}.")
+
+
+@dataclass
+class BankConfig:
+    gpu_memory: int | str | None = None   # everything the engine may take on the device (RAM on CPU)
+    capacity: int | None = None           # slots per layer; instead of a budget
+    host_memory: int | str | None = None  # pinned host RAM for experts off the device; beyond it, disk
+    host_tier: str = "auto"               # auto | pinned | disk
+    miss_policy: str = "fetch"            # fetch (exact) | skip (approximate)
+    residency: str = "lcp"                # lcp | lru
+    prefetch: bool = False                # next-layer prediction copies ahead (fetch); see BENCHMARKS.md
+    pinned: dict[int, list[int]] | None = None   # experts kept resident for good, per MoE layer
+
+    def validate(self) -> None:
+        for name, value, valid in (("miss policy", self.miss_policy, MISS_POLICIES),
+                                   ("residency policy", self.residency, tuple(POLICIES)),
+                                   ("host tier", self.host_tier, HOST_TIERS)):
+            if value not in valid:
+                raise InputError(f"{name} {value!r} is unknown; use one of {', '.join(valid)}.")
+
+
+@dataclass
+class WarmStartConfig:
+    discovery: bool | str | list[int] = True   # router-only pass over a prompt seeds a bounded bank
+    profile: Any = None                         # a Profile or the path of one (`moestream profile`)
+    pin_top_k: int | None = None                # with a profile: pin its K most used experts per layer
+    pin_threshold: float | None = None          # with a profile: pin experts above this share of tokens
+    prepack: str | Path | None = None           # folder of a warmed-bank snapshot: loaded or saved
+    warmup_tokens: int = 0                      # tokens generated before the first request
+
+    def validate(self) -> None:
+        if self.warmup_tokens < 0:
+            raise InputError(f"warmup_tokens must be 0 or more, got {self.warmup_tokens}.")
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    bank: BankConfig = field(default_factory=BankConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+
+    def validate(self) -> EngineConfig:
+        self.runtime.validate()
+        self.bank.validate()
+        self.warm_start.validate()
+        return self
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, **kwargs: Any) -> EngineConfig:
+        """The flat keywords of `moestream.load` sorted into their sections (`memory` is an alias of
+        `gpu_memory` that names no device)."""
+        if kwargs.get("memory") is not None:
+            if kwargs.get("gpu_memory") is not None:
+                raise InputError("give either gpu_memory or memory (they are the same budget), not both.")
+            kwargs["gpu_memory"] = kwargs["memory"]
+        kwargs.pop("memory", None)
+        sections = {section: {} for section in ("runtime", "bank", "warm_start")}
+        owners = {f.name: section for section, kind in (("runtime", RuntimeConfig), ("bank", BankConfig),
+                                                          ("warm_start", WarmStartConfig)) for f in fields(kind)}
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise InputError(f"unknown option {key!r}; the options are {', '.join(sorted(owners))}.")
+            sections[owners[key]][key] = value
+        return cls(model, RuntimeConfig(**sections["runtime"]), BankConfig(**sections["bank"]),
+                   WarmStartConfig(**sections["warm_start"])).validate()

@@ -1,0 +1,280 @@
+"""The Engine: a loaded model, its tokenizer and runtime, with logits / generate / stream as the public API.
+
+Generation is a loop over `step()`: requests become `Sequence`s that the scheduler admits into
+cache rows; each step prefills the newly admitted ones (their first token) and decodes every
+sequence that was already running, one token each, in one batch. `generate` and `stream` add
+their sequences and step until those finish; several readers may share one engine (each reads
+its own sequences' outboxes, whoever stepped), so two interleaved streams stay independent.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from moestream.engine.config import EngineConfig
+from moestream.engine.plan import LoadPlan
+from moestream.errors import InputError
+from moestream.experts.bank import ExpertBank
+from moestream.model.decoder import MoECausalLM
+from moestream.runtime.model_runner import ModelRunner
+from moestream.runtime.sampling import SamplingParams, make_generator, sample_rows
+from moestream.runtime.scheduler import Scheduler
+from moestream.runtime.sequence import Sequence
+from moestream.warmstart.discovery import DEFAULT_PROMPT as DEFAULT_DISCOVERY_PROMPT
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RunMetrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    peak_memory_bytes: int = 0
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "ttft_s": self.ttft_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+                "decode_tok_s": self.decode_tok_s, "peak_memory_bytes": self.peak_memory_bytes}
+
+
+class Engine:
+    def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
+                 max_batch: int = 64, discovery=None, prepack=None):
+        self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
+        self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
+        self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
+        self.scheduler = Scheduler(max_batch)
+        self.discovery, self.prepack = discovery, prepack   # how the bank started (reported by the CLI)
+        self.prepack_error: str | None = None
+        self.last_metrics = RunMetrics()
+        self.eos_ids = set(self.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+
+    @property
+    def memory_plan(self):
+        return self.plan.memory
+
+    # ---- bank statistics ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total."""
+        self.bank.sync_stats()
+        return self.bank.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self.bank.sync_stats()
+        self.bank.stats.reset()
+
+    def warm_up(self, tokens: int = 8, bank_is_warm: bool = False) -> None:
+        """Hybrid warm-up: a few generated tokens of a short prompt compile kernels, capture decode
+        graphs and swap in that domain's missing experts before the first real request.
+
+        A bank restored from a snapshot is already warm: then a 4-token prompt only compiles and
+        captures, instead of streaming a prompt's worth of missing experts through the bank."""
+        prompt = (self.encode(DEFAULT_DISCOVERY_PROMPT) if self.tokenizer is not None
+                  else list(range(1, min(32, self.config.vocab_size))))
+        if bank_is_warm:
+            prompt = prompt[:4]
+        self.generate(prompt, max_tokens=tokens, ignore_eos=True)
+        self.reset_stats()
+
+    # ---- inputs -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError("this checkpoint has no tokenizer files, so text prompts cannot be encoded; pass token ids instead.")
+            if chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise InputError("this tokenizer has no chat template; run without --chat.")
+                return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                               add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False))
+            ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InputError("the prompt is empty; give at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1}).")
+        if len(ids) >= self.max_context:
+            raise InputError(f"the prompt has {len(ids)} tokens but the context holds {self.max_context}; shorten the prompt or raise --max-context.")
+        return ids
+
+    # ---- full forward -------------------------------------------------------------------
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, seq, vocab) logits of a full forward without cache; padding marked by attention_mask."""
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        if input_ids.shape[1] > self.max_context:
+            raise InputError(f"the input has {input_ids.shape[1]} tokens but the context holds {self.max_context}; shorten it or raise max_context.")
+        return self.runner.logits(input_ids, attention_mask)
+
+    # ---- requests and steps -------------------------------------------------------------
+    def add_request(self, ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one encoded prompt; it joins the running batch at the next step with room."""
+        seq = Sequence(ids, params, frozenset(self.eos_ids), self.tokenizer, self.max_context,
+                       make_generator(params, self.device))
+        self.scheduler.add(seq)
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences (prefill, first token each), then decode every sequence that was
+        already running by one token, in one batch. Returns the sequences that got a token."""
+        sched, runner = self.scheduler, self.runner
+        self._retire()   # cancelled since the last step
+        decoding = list(sched.running)
+        admitted = sched.admit()
+        if admitted:
+            runner.ensure_rows(len(sched.running))
+            first = torch.cat([runner.prefill(seq.row, seq.prompt) for seq in admitted])
+            self._append(admitted, first)
+        if decoding:
+            tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
+            positions = torch.tensor([s.length - 1 for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
+            kv_len = max(s.length for s in decoding)
+            self._append(decoding, runner.decode(tokens, positions, kv_len))
+        self._retire()
+        return admitted + decoding
+
+    def _retire(self) -> None:
+        for src, dst, length in self.scheduler.retire():
+            self.runner.move_row(src, dst, length)
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for seq, token in zip(seqs, tokens):
+            seq.append(token)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence: it leaves the batch at the next step and its row is freed."""
+        seq.finish("cancelled")
+
+    def _run(self, seqs: list[Sequence], metrics: RunMetrics) -> Iterator[tuple[Sequence, int | None, str]]:
+        """Step until `seqs` finish, yielding (sequence, token or None, text delta) as they arrive."""
+        t0 = time.perf_counter()
+        t_first = None
+        try:
+            while True:
+                pending = [s for s in seqs if not s.finished or s.outbox]
+                if not pending:
+                    break
+                if not any(s.outbox for s in seqs):
+                    self.step()
+                if t_first is None and all(s.sampled for s in seqs):
+                    t_first = time.perf_counter()
+                    metrics.ttft_s = metrics.prefill_s = t_first - t0
+                for seq in seqs:
+                    while seq.outbox:
+                        token, delta = seq.outbox.popleft()
+                        yield seq, token, delta
+        finally:
+            for seq in seqs:   # a reader that stopped early (Ctrl-C, break) frees its rows
+                if not seq.finished:
+                    self.cancel(seq)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if t_first is not None:
+                metrics.decode_s = time.perf_counter() - t_first
+            metrics.generated_tokens = max((s.sampled for s in seqs), default=0)
+            metrics.peak_memory_bytes = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                                         else _peak_rss_bytes())
+            self.last_metrics = metrics
+
+    def _start(self, prompts: list[Prompt], chat: bool, **kw) -> tuple[list[Sequence], RunMetrics]:
+        params = _params(**kw)
+        ids = [self.encode(p, chat) for p in prompts]
+        seqs = [self.add_request(p, params) for p in ids]
+        return seqs, RunMetrics(prompt_tokens=sum(len(p) for p in ids))
+
+    # ---- generation ---------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt], max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 stop: str | list[str] | None = None, chat: bool = False, ignore_eos: bool = False):
+        """str for a text prompt, list[int] for token ids; a list of prompts gives a list of results."""
+        batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts = list(prompt) if batch else [prompt]
+        seqs, metrics = self._start(prompts, chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
+        texts = {seq.id: "" for seq in seqs}
+        for seq, _, delta in self._run(seqs, metrics):
+            texts[seq.id] += delta
+        results = [texts[s.id] if isinstance(p, str) else list(s.tokens) for s, p in zip(seqs, prompts)]
+        return results if batch else results[0]
+
+    def stream(self, prompt: Prompt, max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: str | list[str] | None = None, chat: bool = False, ignore_eos: bool = False) -> Iterator[str]:
+        """Incremental text of one prompt, piece by piece (never a broken character)."""
+        if self.tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer files, so text cannot be streamed; use generate() with token ids.")
+        seqs, metrics = self._start([prompt], chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
+        for _, _, delta in self._run(seqs, metrics):
+            if delta:
+                yield delta
+
+    def stream_tokens(self, prompt: Prompt, **kw) -> Iterator[int]:
+        """Token ids of one prompt as they are generated (works without a tokenizer)."""
+        seqs, metrics = self._start([prompt], False, **kw)
+        for _, token, _ in self._run(seqs, metrics):
+            if token is not None:
+                yield token
+
+
+def _params(**kw) -> SamplingParams:
+    stop = kw.pop("stop", None)
+    if isinstance(stop, str):
+        stop = [stop]
+    params = SamplingParams(stop=list(stop or []), **kw)
+    params.validate()
+    return params
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def load(model: str | EngineConfig, config: EngineConfig | None = None, **kwargs) -> Engine:
+    """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
+
+    Keywords (or an EngineConfig, whose sections they fill): device, dtype, max_context,
+    prefill_chunk, max_batch; `gpu_memory` (alias `memory`, which names no device) bounds
+    everything the engine takes on the device, `capacity` fixes the bank slots per layer instead;
+    experts beyond the bank stay in pinned host RAM (`host_memory` bounds it, `host_tier` chooses)
+    or on disk; miss_policy, residency, prefetch, pinned.
+
+    `profile` (a path or a Profile, from `moestream profile`) seeds the bank with the experts that
+    its prompts used most; `pin_top_k` / `pin_threshold` also pin its top experts per layer.
+    With a bounded bank and no profile, `discovery` (True: a built-in prompt; or your text or
+    token ids) runs a router-only pass first so the bank starts with the experts it used.
+    `prepack` names a folder for a snapshot of the warmed bank: loaded when it matches, else
+    built, warmed with `warmup_tokens` generated tokens, and saved. `warmup_tokens` > 0 also
+    compiles kernels and captures decode graphs before the first request.
+    """
+    from moestream.engine.build import build
+
+    if isinstance(model, EngineConfig):
+        config, model = model, model.model
+    if config is None:
+        config = EngineConfig.from_kwargs(model, **kwargs)
+    elif kwargs:
+        raise InputError("give either an EngineConfig or keyword options, not both.")
+    return build(config)

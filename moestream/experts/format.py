@@ -1,0 +1,146 @@
+"""Expert formats: how one routed expert is stored, in the bank's slots, the host tier and snapshots.
+
+A format names the tensors of one expert (name, shape, dtype), so every place that holds experts
+(store reads, host tier, bank slots, prepacked snapshots, the memory plan) allocates and counts
+them from the format instead of assuming a `(gate_up, down)` pair of one dtype. It also says how
+to turn one expert's projection weights as read from a checkpoint into its tensors (`encode`), and
+which dispatch runs over a layer's slots (`dispatch`: the fused kernel on CUDA, its plain-torch
+reference elsewhere).
+
+The dense formats (bf16 / fp16 / fp32) are the first ones: `gate_up (2I, H)` with the gate rows
+first and `down (H, I)`, as transformers v5 and vLLM stack them. Quantized formats (weights +
+scales + biases) add entries to `FORMATS` with more tensors; nothing else changes shape.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moestream.errors import InputError
+from moestream.sizes import dtype_size
+
+# (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H)
+Dispatch = Callable[[Tensor, Mapping[str, Tensor], Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """The sizes every format is laid out from: the model's hidden size and an expert's width."""
+
+    hidden: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = dtype_size(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ExpertFormat(ABC):
+    """One way of storing an expert. Subclasses are small and stateless (one instance per name)."""
+
+    name: str
+    dtype: torch.dtype   # what the expert computes in (its weights' dtype, or what they dequantize to)
+
+    @abstractmethod
+    def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        """The tensors of one expert, in a fixed order (slots stack each with a leading slot axis)."""
+
+    def nbytes(self, shape: ExpertShape) -> int:
+        """Bytes of one expert: everything a slot holds (weights, scales, biases)."""
+        return sum(t.nbytes for t in self.tensors(shape))
+
+    def empty(self, shape: ExpertShape, count: int | None = None, device: torch.device | str = "cpu",
+              pin: bool = False) -> dict[str, Tensor]:
+        """Uninitialised tensors for one expert (count None) or `count` stacked experts."""
+        lead = () if count is None else (count,)
+        return {t.name: torch.empty((*lead, *t.shape), dtype=t.dtype, device=device, pin_memory=pin)
+                for t in self.tensors(shape)}
+
+    @abstractmethod
+    def raw_views(self, expert: Mapping[str, Tensor], source_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Views of one expert's tensors where the checkpoint's gate, up and down weights can be read
+        in place (same bytes, no conversion), or None when they must go through `encode`."""
+
+    @abstractmethod
+    def encode(self, gate: Tensor, up: Tensor, down: Tensor, out: Mapping[str, Tensor]) -> None:
+        """Write one expert, given as its gate (I, H), up (I, H) and down (H, I) weights, into `out`."""
+
+    @abstractmethod
+    def dispatch(self, device: torch.device) -> Dispatch:
+        """The MoE dispatch over this format's slots on `device` (fused kernel or reference)."""
+
+    def describe(self, shape: ExpertShape) -> dict:
+        """JSON-ready layout (snapshots compare it to know a saved bank fits)."""
+        return {"format": self.name,
+                "tensors": {t.name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self.tensors(shape)}}
+
+
+class DenseFormat(ExpertFormat):
+    """Unquantized experts: `gate_up (2I, H)` (gate rows first) and `down (H, I)` in one float dtype."""
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        self.name, self.dtype = name, dtype
+
+    def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        H, I = shape.hidden, shape.intermediate
+        return (TensorSpec("gate_up", (2 * I, H), self.dtype), TensorSpec("down", (H, I), self.dtype))
+
+    def raw_views(self, expert, source_dtype):
+        if source_dtype != self.dtype:
+            return None
+        gate_up = expert["gate_up"]
+        I = gate_up.shape[-2] // 2
+        return gate_up[..., :I, :], gate_up[..., I:, :], expert["down"]
+
+    def encode(self, gate, up, down, out):
+        I = gate.shape[0]
+        out["gate_up"][:I].copy_(gate)
+        out["gate_up"][I:].copy_(up)
+        out["down"].copy_(down)
+
+    def dispatch(self, device: torch.device) -> Dispatch:
+        from moestream import kernels
+
+        kernel = kernels.fused_moe if device.type == "cuda" and kernels.fused_moe_available() else kernels.moe_reference
+
+        def run(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
+            return kernel(hidden, slots["gate_up"], slots["down"], slot_ids, weights)
+        return run
+
+    def __repr__(self) -> str:
+        return f"DenseFormat({self.name})"
+
+
+FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (DenseFormat("bf16", torch.bfloat16),
+                                                         DenseFormat("fp16", torch.float16),
+                                                         DenseFormat("fp32", torch.float32))}
+
+
+def dense_format(dtype: torch.dtype) -> ExpertFormat:
+    """The unquantized format of a compute dtype (what the bank uses unless told otherwise)."""
+    for fmt in FORMATS.values():
+        if isinstance(fmt, DenseFormat) and fmt.dtype == dtype:
+            return fmt
+    raise InputError(f"experts cannot be kept as {dtype}; use one of {', '.join(FORMATS)}.")
+
+
+def get_format(name: str) -> ExpertFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise InputError(f"expert format {name!r} is unknown; use one of {', '.join(FORMATS)}.") from None

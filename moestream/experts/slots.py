@@ -1,0 +1,121 @@
+"""Bank slots: per MoE layer, the stacked slot tensors of the expert format, the device slot map
+and its host mirror. `SlotTable` is the one writer of all of it.
+
+Per layer: `tensors` holds one stacked tensor per format tensor (dense: gate_up (S, 2I, H) and
+down (S, H, I)) for S = capacity slots; `slot_map` (E,) int32 on the device maps an expert id to
+its slot (-1 when not resident), which dispatch reads with one device-side gather; `owner`
+(slot → expert) and `where` (expert → slot) mirror it on the host, so a miss is decided without
+reading the device. Fill, installs on a miss, prefetch, snapshot restore and profile seeding all
+go through the methods below, so the three views never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from moestream.experts.format import ExpertFormat, ExpertShape
+from moestream.experts.transfer import Transfers
+
+
+@dataclass
+class LayerSlots:
+    tensors: dict[str, Tensor]   # format tensor name → (S, ...) stacked slots
+    slot_map: Tensor             # (E,) int32 on the device
+    owner: list[int]             # host mirror: slot → expert id, -1 when free
+    where: dict[int, int]        # host mirror: expert id → slot
+
+    def views(self, slot: int) -> dict[str, Tensor]:
+        return {name: t[slot] for name, t in self.tensors.items()}
+
+    def resident(self) -> list[int]:
+        return [e for e in self.owner if e >= 0]
+
+
+@dataclass
+class Installed:
+    """What one install did (for the bank's statistics)."""
+
+    bytes_copied: int = 0
+    evictions: int = 0
+    wait_s: float = 0.0
+    done: torch.cuda.Event | None = None   # the copies' event when the caller did not wait
+
+
+class SlotTable:
+    def __init__(self, layers: list[int], capacity: int, num_experts: int, fmt: ExpertFormat, shape: ExpertShape,
+                 device: torch.device):
+        self.capacity, self.num_experts, self.format, self.device = capacity, num_experts, fmt, device
+        self.layers: dict[int, LayerSlots] = {
+            layer: LayerSlots(fmt.empty(shape, capacity, device=device),
+                              torch.full((num_experts,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
+            for layer in layers}
+
+    def __getitem__(self, layer: int) -> LayerSlots:
+        return self.layers[layer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layers)
+
+    def is_filled(self) -> bool:
+        return all(e >= 0 for ls in self.layers.values() for e in ls.owner)
+
+    def slot_ids(self, layer: int, expert_ids: Tensor) -> Tensor:
+        """Routed expert ids → slots, on the device (one gather, no sync)."""
+        return self.layers[layer].slot_map[expert_ids]
+
+    # ---- writers ------------------------------------------------------------------------
+    def fill(self, layer: int, experts: list[int], load: Callable[[list[int], Mapping[str, Tensor]], None]) -> None:
+        """Load `experts` into slots 0..n-1 (the rest stay free) with `load(experts, stacked dest)`."""
+        ls = self.layers[layer]
+        load(experts, ls.tensors)
+        self.set_owners(layer, experts + [-1] * (self.capacity - len(experts)))
+
+    def restore(self, layer: int, owner: list[int], tensors: Mapping[str, Tensor]) -> None:
+        """Copy a snapshot's slot tensors into this layer's (addresses kept: CUDA graphs may hold them)."""
+        ls = self.layers[layer]
+        for name, t in ls.tensors.items():
+            t.copy_(tensors[name])
+        self.set_owners(layer, owner)
+
+    def set_owners(self, layer: int, owner: list[int]) -> None:
+        """Rebuild the host mirrors and the device slot map of one layer from slot → expert."""
+        ls = self.layers[layer]
+        ls.owner[:] = owner
+        ls.where.clear()
+        ls.where.update({e: s for s, e in enumerate(owner) if e >= 0})
+        slot_map = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        if ls.where:
+            slot_map[torch.tensor(list(ls.where))] = torch.tensor(list(ls.where.values()), dtype=torch.int32)
+        ls.slot_map.copy_(slot_map)
+
+    def install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers,
+                wait: str = "host") -> Installed:
+        """Copy `experts` over the slots of `victims` (resident experts) and update both maps.
+
+        wait: "host" blocks until the copies land; "device" makes the compute stream wait for them
+        (the host runs on); "none" hands the copies' event back (prefetch).
+        """
+        ls = self.layers[layer]
+        slots = [ls.where.pop(v) for v in victims]
+        t0 = time.perf_counter()
+        copied, done = transfers.copy(layer, experts, [ls.views(s) for s in slots])
+        transfers.wait(done, wait)
+        waited = time.perf_counter() - t0   # host time on this install: reads (disk tier), queueing, waiting
+        for e, s in zip(experts, slots):
+            ls.owner[s] = e
+            ls.where[e] = s
+        self._update_map(ls, victims + experts, [-1] * len(victims) + slots)
+        return Installed(copied, len(victims), waited, done if wait == "none" else None)
+
+    def _update_map(self, ls: LayerSlots, experts: list[int], values: list[int]) -> None:
+        pin = self.device.type == "cuda"
+        index = torch.tensor(experts, dtype=torch.long)
+        value = torch.tensor(values, dtype=torch.int32)
+        if pin:
+            index, value = index.pin_memory(), value.pin_memory()
+        ls.slot_map.index_put_((index.to(self.device, non_blocking=True),), value.to(self.device, non_blocking=True))

@@ -1,0 +1,81 @@
+"""Per-sequence caches: one entry per layer, of the kind that layer's mixer needs.
+
+A `ModelCache` holds, for a fixed number of batch rows, one layer cache per decoder layer; each
+mixer class says which kind it needs (`make_cache`) and what it costs (`cache_bytes`), so the
+memory plan and the runtime never assume one KV layout. Kinds today:
+
+  KVCache   GQA keys and values, preallocated (rows, max_len, kv_heads, head_dim); slot j of row b
+            holds position j of the sequence in row b, so sequences of different lengths share a
+            batch and a row is written in place.
+
+The shape admits the kinds still to come beside it: an MLA latent cache (compressed kv + rope
+key per position), a sliding-window ring (window positions, written modulo), and a recurrent
+state for linear attention (conv state + state matrix per row, fixed size). Every kind can copy
+one row to another (`move_row`: the scheduler keeps running sequences in the first rows), which
+is also what prefix reuse and per-sequence snapshots will build on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+
+
+class LayerCache(ABC):
+    """One layer's cache for `rows` sequences."""
+
+    kind: str
+
+    @abstractmethod
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy what row `src` holds for its first `length` positions into row `dst`."""
+
+    @abstractmethod
+    def copy_rows_from(self, other: "LayerCache", rows: int) -> None:
+        """Take over the first `rows` rows of a smaller cache of the same kind (the cache grew)."""
+
+
+class KVCache(LayerCache):
+    kind = "kv"
+
+    def __init__(self, rows: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.k = torch.zeros(rows, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """rows, positions: (B, L) long; k, v: (B, L, kv_heads, head_dim)."""
+        self.k[rows, positions] = k
+        self.v[rows, positions] = v
+
+    def read(self, rows: slice, kv_len: int) -> tuple[Tensor, Tensor]:
+        """Views (B, kv_heads, kv_len, head_dim) over the first kv_len positions of `rows`."""
+        return self.k[rows, :kv_len].transpose(1, 2), self.v[rows, :kv_len].transpose(1, 2)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.k[dst, :length].copy_(self.k[src, :length])
+        self.v[dst, :length].copy_(self.v[src, :length])
+
+    def copy_rows_from(self, other: LayerCache, rows: int) -> None:
+        self.k[:rows].copy_(other.k[:rows])
+        self.v[:rows].copy_(other.v[:rows])
+
+
+class ModelCache:
+    """The caches of every layer for `rows` sequences of at most `max_len` positions."""
+
+    def __init__(self, layers: list[LayerCache], rows: int, max_len: int, device: torch.device):
+        self.layers, self.rows, self.max_len, self.device = layers, rows, max_len, device
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for layer in self.layers:
+            layer.move_row(src, dst, length)

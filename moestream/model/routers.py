@@ -1,0 +1,111 @@
+"""Routers: from a token's hidden state to its k experts and their weights, one class per kind.
+
+A router owns its parameters under the names the checkpoint uses (`weight`, and for later kinds
+`bias` or `e_score_correction_bias`), so the MoE block registers it as `gate` / `router` and the
+loader maps names one to one. `ROUTERS` is the registry an ArchSpec's `router` names; a new kind
+(sigmoid scores + correction bias + group-limited top-k + routed scaling) is one more class.
+
+Every router returns (weights (T, k) fp32, ids (T, k)). `logits` and `predict` are separate so
+that benchmarks can swap the expert *choice* while keeping the model's own probabilities, and so
+that next-layer prefetch can ask for a cheap prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moestream.archs.spec import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.top_k = config.top_k
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Router logits (T, E) for hidden states (T, H)."""
+        return F.linear(h, self.weight)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.select(self.logits(h))
+
+    def predict(self, h: Tensor) -> Tensor:
+        """The k experts this router would pick for h (next-layer prefetch): ids (T, k)."""
+        return self.logits(h).topk(self.top_k, dim=-1).indices
+
+
+class SoftmaxTopK(Router):
+    """Softmax over all experts, then the k largest; renormalised to sum 1 when the config says so."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.renormalise = config.norm_topk_prob
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        weights, ids = torch.topk(logits.float().softmax(dim=-1), self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class TopKSoftmax(Router):
+    """The k largest logits, then a softmax over those k (Mixtral)."""
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        values, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+        return values.softmax(dim=-1), ids
+
+
+ROUTERS: dict[str, type[Router]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax}
+
+
+class ChosenRouter(nn.Module):
+    """Keeps a router's logits but lets `choose(logits) -> (weights, ids)` pick the experts.
+
+    Benchmarks swap it in (uniform synthetic routing, trace replay) with `MoEBlock.swap_router`;
+    the model then runs unchanged. `predict` falls back to the wrapped router unless `choose`
+    brings its own (replayed prediction).
+    """
+
+    def __init__(self, inner: Router, choose: Callable[[Tensor], tuple[Tensor, Tensor]],
+                 predict: Callable[[Tensor], Tensor] | None = None):
+        super().__init__()
+        self.inner, self.choose, self._predict = inner, choose, predict
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.inner.logits(h)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.choose(self.inner.logits(h))
+
+    def predict(self, h: Tensor) -> Tensor:
+        return self._predict(h) if self._predict is not None else self.inner.predict(h)
+
+
+class ObservedRouter(nn.Module):
+    """Routes as the wrapped router does and hands every choice (ids (T, k), on the device) to
+    `observe` (profiles, traces, discovery). The observer must not read ids back during a
+    captured step."""
+
+    def __init__(self, inner: nn.Module, observe: Callable[[Tensor], None]):
+        super().__init__()
+        self.inner, self.observe = inner, observe
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.inner.logits(h)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        weights, ids = self.inner(h)
+        self.observe(ids)
+        return weights, ids
+
+    def predict(self, h: Tensor) -> Tensor:
+        return self.inner.predict(h)

@@ -1,0 +1,151 @@
+"""The model runner: runs the model on one device for the scheduler's sequences.
+
+It owns the rotary table, the cache (rows = running sequences) and the CUDA graphs, one set per
+decode batch size, kept while the batch changes size and recaptured only when the cache itself
+is reallocated (a larger batch than ever before). Every model call goes through `forward`, which
+tells the bank what kind of step it is and how many tokens went through.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from moestream.experts.bank import ExpertBank
+from moestream.model.cache import ModelCache
+from moestream.model.context import decode_context, no_cache_context, prefill_context
+from moestream.model.decoder import MoECausalLM
+from moestream.model.rotary import rotary_table
+from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
+
+
+class ModelRunner:
+    def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
+                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True):
+        self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
+        self.cache: ModelCache | None = None
+        self._rotary = None
+        self._graphs: dict[int, DecodeGraphs | SegmentedDecode] = {}
+
+    def rotary_table(self):
+        if self._rotary is None:
+            self._rotary = rotary_table(self.model.config, self.max_context, self.device)
+        return self._rotary
+
+    # ---- the cache ----------------------------------------------------------------------
+    def ensure_rows(self, rows: int) -> ModelCache:
+        """A cache with at least `rows` rows; growing it keeps what the first rows hold."""
+        old = self.cache
+        if old is not None and old.rows >= rows:
+            return old
+        self.cache = None
+        self._graphs.clear()   # captured against the old cache's tensors
+        new = self.model.new_cache(rows, self.max_context, self.dtype, self.device)
+        if old is not None:
+            for src, dst in zip(old.layers, new.layers):
+                dst.copy_rows_from(src, old.rows)
+        self.cache = new
+        return new
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.cache.move_row(src, dst, length)
+
+    # ---- model calls --------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, ctx, last_only: bool = False, decoding: bool = False) -> torch.Tensor:
+        """One model call, with the bank told what kind of step it is and how many tokens went through."""
+        self.bank.begin_step(decoding)
+        logits = self.model(input_ids, ctx, last_only=last_only)
+        self.bank.after_step(input_ids.numel())
+        return logits
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, seq, vocab) logits of a full forward without cache; padding marked by attention_mask."""
+        ctx = no_cache_context(self.rotary_table(), input_ids, attention_mask, self.dtype)
+        return self.forward(input_ids, ctx)
+
+    @torch.inference_mode()
+    def prefill(self, row: int, prompt: list[int]) -> torch.Tensor:
+        """Run one prompt through the model chunk by chunk into cache row `row`; last position's logits (1, V)."""
+        table = self.rotary_table()
+        ids = torch.tensor(prompt, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = None
+        for start in range(0, len(prompt), self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk][None]
+            ctx = prefill_context(table, self.cache, row, start, chunk.shape[1], self.dtype)
+            logits = self.forward(chunk, ctx, last_only=True)
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Logits (B, V) of one decode step of cache rows 0..B-1: token b at position positions[b]."""
+        B = tokens.shape[0]
+        runner = self._decoder(B)
+        if runner is None:
+            ctx = decode_context(self.rotary_table(), self.cache, positions, kv_len, self.dtype)
+            return self.forward(tokens[:, None], ctx, decoding=True)[:, -1]
+        self.bank.begin_step(True)
+        logits = runner(tokens, positions, kv_len)
+        self.bank.after_step(B)
+        return logits
+
+    def _decoder(self, batch: int) -> DecodeGraphs | SegmentedDecode | None:
+        """The captured decode of this batch size: whole-step graphs when the bank reads nothing back,
+        graph segments split at each router for a fetch bank (eager segments on the CPU), else None."""
+        runner = self._graphs.get(batch)
+        if runner is not None and runner.cache is self.cache:
+            return runner
+        if self.cuda_graphs and self.bank.graph_safe:
+            runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, batch, self.dtype)
+        elif self.bank.can_segment(batch):
+            runner = SegmentedDecode(self.model, self.bank, self.rotary_table(), self.cache, batch, self.dtype,
+                                     use_graphs=self.cuda_graphs)
+        else:
+            return None
+        self._graphs[batch] = runner
+        return runner
+
+    @torch.inference_mode()
+    def prepare(self, batch: int, length: int, prompt_length: int = 1) -> None:
+        """Allocate the cache and capture the decode graphs a run of this size will need, ahead of time.
+
+        Call between runs only: capturing writes the cache at the static buffers' positions.
+        """
+        self.ensure_rows(batch)
+        runner = self._decoder(batch)
+        if runner is not None and self.cuda_graphs:
+            runner.capture_upto(min(length, self.max_context), prompt_length + 1)
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Run every step eagerly inside (routers swapped for observers would not be seen by graphs
+        captured before, and capturing with them would count the capture's warm-up steps)."""
+        saved = (self.cuda_graphs, self._graphs)
+        self.cuda_graphs, self._graphs = False, {}
+        try:
+            yield
+        finally:
+            self.cuda_graphs, self._graphs = saved   # graphs of a reallocated cache are recaptured on use
+
+    @torch.inference_mode()
+    def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:
+        """Log-probabilities (len(targets),) of `targets` after `context`, scored one decode step at a
+        time in cache row 0 (the engine must be idle): the path generation takes, so decode-only
+        approximations (the skip policy) count."""
+        self.ensure_rows(1)
+        logits = self.prefill(0, context)
+        positions = torch.tensor([len(context)], dtype=torch.long, device=self.device)
+        wanted = torch.tensor(targets, dtype=torch.long, device=self.device)
+        scores = []
+        for step, token in enumerate(wanted):
+            scores.append(logits.float().log_softmax(-1)[0, token])
+            if step + 1 < len(targets):
+                logits = self.decode(token.view(1), positions, len(context) + step + 1)
+                positions = positions + 1
+        return torch.stack(scores)

@@ -1,0 +1,32 @@
+"""Byte sizes as users write them ('16GiB', '12000MB') and as the engine prints them."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moestream.errors import InputError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'16GiB', '16GB', '16G', '512MiB', '1.5gib' or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise InputError(f"memory size {text!r} does not parse; write it like 16GiB, 12000MB or 8G.")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of a torch dtype."""
+    return torch.empty((), dtype=dtype).element_size()
