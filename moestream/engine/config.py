@@ -48,16 +48,17 @@ class BankConfig:
     gpu_memory: int | str | None = None   # everything the engine may take on the device (RAM on CPU)
     capacity: int | None = None           # slots per layer; instead of a budget
     host_memory: int | str | None = None  # pinned host RAM for experts off the device; beyond it, disk
-    host_tier: str = "auto"               # auto | pinned | disk
+    host_tier: Any = "auto"               # auto | pinned | disk, or a host tier of this checkpoint to share
     miss_policy: str = "fetch"            # fetch (exact) | skip (approximate)
     residency: str = "lcp"                # lcp | lru
     prefetch: bool = False                # next-layer prediction copies ahead (fetch); see BENCHMARKS.md
     pinned: dict[int, list[int]] | None = None   # experts kept resident for good, per MoE layer
 
     def validate(self) -> None:
-        for name, value, valid in (("miss policy", self.miss_policy, MISS_POLICIES),
-                                   ("residency policy", self.residency, tuple(POLICIES)),
-                                   ("host tier", self.host_tier, HOST_TIERS)):
+        checks = [("miss policy", self.miss_policy, MISS_POLICIES), ("residency policy", self.residency, tuple(POLICIES))]
+        if isinstance(self.host_tier, str):
+            checks.append(("host tier", self.host_tier, HOST_TIERS))
+        for name, value, valid in checks:
             if value not in valid:
                 raise InputError(f"{name} {value!r} is unknown; use one of {', '.join(valid)}.")
 

@@ -97,10 +97,13 @@ def read_stack(store: ExpertStore, fmt: ExpertFormat, layer: int, experts: list[
         t[:len(experts)].copy_(buf[name])
 
 
-def make_host_tier(kind: str, store: ExpertStore, fmt: ExpertFormat, device: torch.device,
+def make_host_tier(kind, store: ExpertStore, fmt: ExpertFormat, device: torch.device,
                    host_memory: int | None) -> PinnedHostTier | DiskHostTier:
     """auto: pinned RAM when every expert fits `host_memory` (default 60% of available RAM), else disk.
-    On the CPU the bank is RAM already: misses are read from disk into the slot."""
+    On the CPU the bank is RAM already: misses are read from disk into the slot. An existing tier
+    (of the same checkpoint and format) is shared as it is: benchmarks load several banks over one."""
+    if not isinstance(kind, str):
+        return kind
     if kind not in HOST_TIERS:
         raise InputError(f"host tier {kind!r} is unknown; use one of {', '.join(HOST_TIERS)}.")
     if device.type == "cpu":

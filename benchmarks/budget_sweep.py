@@ -1,101 +1,38 @@
-"""One GPU session's measurements, in one process where it can: see BENCHMARKS.md for results.
+"""Decode at memory budgets: moestream with banks holding 100/50/25/15% of the experts, the rest in pinned host RAM.
 
-    python benchmarks/gpu_suite.py --phase foundation --ckpt /tmp/q3 --layers 24 --out $OUT
-    python benchmarks/gpu_suite.py --phase budgets    --ckpt /tmp/q3 --layers 24 --out $OUT
+    python benchmarks/budget_sweep.py --ckpt /tmp/q3 --out $OUT [--fractions 1 0.5 0.25 0.15]
+        [--routing model|uniform|trace --trace benchmarks/traces/demo_heldout_trace.json]
+        [--prefetch on|off|both] [--pin-profile P --pin-top-k K] [--hf-offload]
 
-foundation: random Qwen3-30B-A3B-shaped checkpoint, moestream resident bf16 batch-1 decode vs HF
-            transformers (grouped_mm) on the same weights.
-budgets:    moestream at budgets holding 100/50/25/15% of the expert bytes (one pinned host tier
-            shared between them), HF + accelerate offload at the 25% budget, the measured
-            pinned host→device bandwidth and the transfer roofline.
-Routing: random weights (near-uniform routing, a worst case for caching).
+Each budget is what `plan_memory` says its capacity needs; one pinned host tier is filled once and
+shared by every budget's bank. Also measured: the pinned host→device bandwidth, from which each
+row's transfer roofline (bandwidth ÷ bytes missed per token) follows. `--hf-offload` adds HF
+transformers + accelerate offload at the 25% budget as the peer. Results: `$OUT/budget_sweep.json`.
+Routing is stated per row: the model's own, uniform (synthetic worst case) or a replayed trace.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import ensure_checkpoint, hf_peer, log, pinned_bandwidth, write_result  # noqa: E402
 
 import moestream  # noqa: E402
-from moestream.bench import UniformRouting, run_bench, set_routing  # noqa: E402
-from moestream.experts.trace import RoutingTrace, TraceRouting  # noqa: E402
-from moestream.experts.budget import format_bytes, plan_memory  # noqa: E402
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def make_checkpoint(ckpt: Path, layers: int) -> None:
-    if (ckpt / "model.safetensors.index.json").exists():
-        return
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", "qwen3-30b-a3b",
-                    "--layers", str(layers), "--dtype", "bf16", "--out", str(ckpt), "--device", "cuda"], check=True)
-    log(f"checkpoint written in {time.perf_counter() - t0:.1f} s")
-
-
-def pinned_bandwidth() -> dict:
-    n = 1 << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    for _ in range(2):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    h2d = 5 * n / (time.perf_counter() - t0)
-    # one expert at a time, as the bank copies them (9.4 MB each for this shape)
-    chunk = 3 * 768 * 2048 * 2
-    t0 = time.perf_counter()
-    for i in range(100):
-        off = (i * chunk) % (n - chunk)
-        dev[off:off + chunk].copy_(host[off:off + chunk], non_blocking=True)
-    torch.cuda.synchronize()
-    per_expert = 100 * chunk / (time.perf_counter() - t0)
-    del host, dev
-    return {"pinned_h2d_GBps": h2d / 1e9, "pinned_h2d_per_expert_GBps": per_expert / 1e9}
-
-
-def hf(ckpt: Path, mode: str, out: Path, extra: list[str], timeout: int) -> dict | None:
-    path = out / f"hf_{mode}.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/hf_baseline.py"), str(ckpt), "--mode", mode, "--json", str(path), *extra]
-    log("$", " ".join(cmd))
-    try:
-        subprocess.run(cmd, check=True, timeout=timeout)
-        return json.loads(path.read_text())
-    except Exception as exc:  # the peer failing must not lose our own numbers
-        log(f"HF {mode} failed: {exc}")
-        return None
-
-
-def foundation(args) -> dict:
-    t0 = time.perf_counter()
-    engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=None, max_context=4096)
-    load_s = time.perf_counter() - t0
-    res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature)
-    log(res.table())
-    ours = res.as_dict()
-    del engine
-    torch.cuda.empty_cache()
-    peer = hf(args.ckpt, "resident", args.out, ["--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", "32"], 400)
-    return {"moestream_resident": ours, "hf_resident": peer}
+from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
+from moestream.engine.plan import plan_memory  # noqa: E402
+from moestream.experts.host_tier import PinnedHostTier  # noqa: E402
+from moestream.sizes import format_bytes  # noqa: E402
+from moestream.warmstart.trace import RoutingTrace  # noqa: E402
 
 
 def budgets(args) -> dict:
-    from moestream.experts.host_tier import PinnedHostTier
-
     results = {"bandwidth": pinned_bandwidth()}
     log(results["bandwidth"])
     bw = results["bandwidth"]["pinned_h2d_GBps"] * 1e9
@@ -107,7 +44,7 @@ def budgets(args) -> dict:
                                max_context=4096) if tier is None else None
         if tier is None:
             t1 = time.perf_counter()
-            tier = PinnedHostTier(probe.bank.store, torch.bfloat16)
+            tier = PinnedHostTier(probe.bank.store, probe.bank.format)
             log(f"pinned host tier: {format_bytes(tier.nbytes())} in {time.perf_counter() - t1:.1f} s")
             config = probe.config
             del probe
@@ -122,13 +59,16 @@ def budgets(args) -> dict:
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
                                 prefetch=prefetch)
         load_s = time.perf_counter() - t0
+        routing = None
         if args.routing == "uniform":
-            set_routing(engine, UniformRouting(config.top_k))
+            routing = UniformRouting(config.top_k)
         elif args.routing == "trace":
-            replay = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
-            replay.prediction_accuracy = args.trace_prediction_accuracy
-            set_routing(engine, replay)
-        res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature).as_dict()
+            routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
+            routing.prediction_accuracy = args.trace_prediction_accuracy
+        if routing is not None:
+            use_routing(engine, routing)
+        res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
+                        routing=routing).as_dict()
         res["expert_fraction"] = frac
         res["prefetch"] = prefetch
         res["pin_top_k"] = args.pin_top_k
@@ -149,7 +89,7 @@ def budgets(args) -> dict:
     if args.hf_offload:
         frac = 0.25
         budget = results[f"moestream_{int(frac * 100)}"]["budget_bytes"]
-        results["hf_offload_25"] = hf(args.ckpt, "offload", args.out,
+        results["hf_offload_25"] = hf_peer(args.ckpt, "offload", args.out,
                                       ["--gpu-memory", f"{budget // 2**20}MiB", "--prompt-tokens", "32", "--gen-tokens", "3"], 420)
     return results
 
@@ -167,19 +107,19 @@ def _pins_from_profile(path: Path, top_k: int, config) -> dict[int, list[int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["foundation", "budgets"], required=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--hf-offload", action="store_true")
-    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")
-    ap.add_argument("--prefetch", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--prefetch", choices=["on", "off", "both"], default="off")
     ap.add_argument("--pin-profile", type=Path, default=None, help="profile whose top experts get pinned (layers mapped modulo)")
     ap.add_argument("--pin-top-k", type=int, default=0)
     ap.add_argument("--trace-prediction-accuracy", type=float, default=None,
@@ -189,12 +129,10 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log(torch.cuda.get_device_name(), torch.__version__)
-    make_checkpoint(args.ckpt, args.layers)
-    result = foundation(args) if args.phase == "foundation" else budgets(args)
-    result["machine"] = torch.cuda.get_device_name()
-    result["date"] = time.strftime("%Y-%m-%d")
+    ensure_checkpoint(args.ckpt, args.shape, args.layers)
+    result = budgets(args)
     result["layers"] = args.layers
-    (args.out / f"suite_{args.phase}.json").write_text(json.dumps(result, indent=2))
+    write_result(args.out, "budget_sweep", result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ figure of merit for prefill; `roof us` = those bytes at 3.35 TB/s (H100 SXM HBM3
 sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`.
 
 Usage:
-    python benchmarks/bench_fused_moe.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
+    python benchmarks/fused_moe_kernel.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
                                          [--tune] [--tune-decode]
 """
 
@@ -207,7 +207,7 @@ def main() -> None:
                         help="sweep decode tiles at T=1 and T=8 (cold graph timing)")
     args = parser.parse_args()
     if not fused_moe_available():
-        sys.exit("bench_fused_moe needs a CUDA device and Triton")
+        sys.exit("fused_moe_kernel.py needs a CUDA device and Triton")
     from moestream.kernels.fused_moe import DECODE_MAX_PAIRS, fused_moe_with_config
 
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k

@@ -1,0 +1,71 @@
+"""What the GPU benchmarks share: the random full-size checkpoint, the pinned host→device bandwidth
+(the transfer roofline) and running the HF transformers peer as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def ensure_checkpoint(ckpt: Path, shape: str = "qwen3-30b-a3b", layers: int = 24) -> None:
+    """Write the random checkpoint of `shape` with `layers` layers unless it is there already."""
+    if (ckpt / "model.safetensors.index.json").exists() or (ckpt / "model.safetensors").exists():
+        return
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
+                    "--layers", str(layers), "--dtype", "bf16", "--out", str(ckpt), "--device", "cuda"], check=True)
+    log(f"checkpoint written in {time.perf_counter() - t0:.1f} s")
+
+
+def pinned_bandwidth(expert_bytes: int = 3 * 768 * 2048 * 2) -> dict:
+    """Pinned host→device copy bandwidth: 1 GiB copies, and one expert of `expert_bytes` at a time."""
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    for _ in range(2):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = 5 * n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(100):
+        off = (i * expert_bytes) % (n - expert_bytes)
+        dev[off:off + expert_bytes].copy_(host[off:off + expert_bytes], non_blocking=True)
+    torch.cuda.synchronize()
+    per_expert = 100 * expert_bytes / (time.perf_counter() - t0)
+    del host, dev
+    return {"pinned_h2d_GBps": h2d / 1e9, "pinned_h2d_per_expert_GBps": per_expert / 1e9}
+
+
+def hf_peer(ckpt: Path, mode: str, out: Path, extra: list[str], timeout: int) -> dict | None:
+    """benchmarks/hf_baseline.py in its own process (its memory is gone when it returns); None if it fails."""
+    path = out / f"hf_{mode}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/hf_baseline.py"), str(ckpt), "--mode", mode, "--json", str(path), *extra]
+    log("$", " ".join(cmd))
+    try:
+        subprocess.run(cmd, check=True, timeout=timeout)
+        return json.loads(path.read_text())
+    except Exception as exc:  # the peer failing must not lose our own numbers
+        log(f"HF {mode} failed: {exc}")
+        return None
+
+
+def write_result(out: Path, name: str, result: dict) -> None:
+    result["machine"] = torch.cuda.get_device_name()
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["torch"] = torch.__version__
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
