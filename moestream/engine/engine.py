@@ -13,6 +13,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -213,8 +214,9 @@ class Engine:
         seqs, metrics = self._start(prompts, chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
         texts = {seq.id: "" for seq in seqs}
-        for seq, _, delta in self._run(seqs, metrics):
-            texts[seq.id] += delta
+        with closing(self._run(seqs, metrics)) as events:
+            for seq, _, delta in events:
+                texts[seq.id] += delta
         results = [texts[s.id] if isinstance(p, str) else list(s.tokens) for s, p in zip(seqs, prompts)]
         return results if batch else results[0]
 
@@ -226,16 +228,18 @@ class Engine:
             raise InputError("this checkpoint has no tokenizer files, so text cannot be streamed; use generate() with token ids.")
         seqs, metrics = self._start([prompt], chat, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, min_p=min_p, seed=seed, stop=stop, ignore_eos=ignore_eos)
-        for _, _, delta in self._run(seqs, metrics):
-            if delta:
-                yield delta
+        with closing(self._run(seqs, metrics)) as events:   # a reader that stops early frees its rows now
+            for _, _, delta in events:
+                if delta:
+                    yield delta
 
     def stream_tokens(self, prompt: Prompt, **kw) -> Iterator[int]:
         """Token ids of one prompt as they are generated (works without a tokenizer)."""
         seqs, metrics = self._start([prompt], False, **kw)
-        for _, token, _ in self._run(seqs, metrics):
-            if token is not None:
-                yield token
+        with closing(self._run(seqs, metrics)) as events:
+            for _, token, _ in events:
+                if token is not None:
+                    yield token
 
 
 def _params(**kw) -> SamplingParams:

@@ -104,8 +104,8 @@ class DenseFormat(ExpertFormat):
         if source_dtype != self.dtype:
             return None
         gate_up = expert["gate_up"]
-        I = gate_up.shape[-2] // 2
-        return gate_up[..., :I, :], gate_up[..., I:, :], expert["down"]
+        I = gate_up.shape[0] // 2
+        return gate_up[:I], gate_up[I:], expert["down"]
 
     def encode(self, gate, up, down, out):
         I = gate.shape[0]

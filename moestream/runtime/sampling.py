@@ -70,11 +70,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
     All-greedy batches take one argmax; otherwise every sampled row draws from its own
     generator (a request's seed reproduces its tokens whatever else is in the batch)."""
-    greedy = logits.argmax(dim=-1)
+    if len(params) == 1:
+        return sample(logits, params[0], generators[0])
     if all(p.greedy for p in params):
-        return greedy
-    rows = [greedy[i:i + 1] if p.greedy else sample(logits[i:i + 1], p, g)
-            for i, (p, g) in enumerate(zip(params, generators))]
+        return logits.argmax(dim=-1)
+    rows = [sample(logits[i:i + 1], p, g) for i, (p, g) in enumerate(zip(params, generators))]
     return torch.cat(rows)
 
 
