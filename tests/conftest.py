@@ -1,6 +1,6 @@
 import pytest
 
-from tiny_models import ARCHS, make_tiny_checkpoint
+from tiny_models import ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +13,11 @@ def tiny_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_checkpoints):
     return tiny_checkpoints["qwen3_moe"][0]
+
+
+@pytest.fixture(scope="session")
+def tiny_quant(tmp_path_factory):
+    """A tiny qwen3_moe checkpoint whose widths fit every quantization group size of 32 and 64."""
+    folder = tmp_path_factory.mktemp("tiny_quant") / "qwen3_moe"
+    make_quant_tiny_checkpoint(folder)
+    return folder

@@ -47,3 +47,22 @@ def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.Pr
 
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+
+
+def quant_tiny_config() -> transformers.PretrainedConfig:
+    """A tiny qwen3_moe whose widths (hidden 128, expert 64) every group size of 32 and 64 divides."""
+    return transformers.Qwen3MoeConfig(vocab_size=160, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=32, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=3,
+                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                       max_position_embeddings=256, eos_token_id=1)
+
+
+def make_quant_tiny_checkpoint(out: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(quant_tiny_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return model

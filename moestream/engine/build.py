@@ -72,9 +72,9 @@ def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelCon
 
 def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: dict[int, list[int]] | None) -> ExpertBank:
     memory = plan.memory
-    tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, plan.expert_format,
+    tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, plan.expert_formats,
                                                              plan.device, plan.host_memory)
-    return ExpertBank(store, plan.expert_format, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
+    return ExpertBank(store, plan.expert_formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
                       prefetch=cfg.bank.prefetch)
 

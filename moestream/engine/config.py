@@ -18,6 +18,7 @@ from moestream.errors import InputError
 from moestream.experts.bank import MISS_POLICIES
 from moestream.experts.host_tier import HOST_TIERS
 from moestream.experts.residency import POLICIES
+from moestream.quant.recipe import QuantRecipe
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -83,11 +84,13 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     bank: BankConfig = field(default_factory=BankConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    quant: QuantRecipe = field(default_factory=QuantRecipe)   # precision per tensor class (quantize on load)
 
     def validate(self) -> EngineConfig:
         self.runtime.validate()
         self.bank.validate()
         self.warm_start.validate()
+        self.quant.validate()
         return self
 
     @classmethod
@@ -99,12 +102,13 @@ class EngineConfig:
                 raise InputError("give either gpu_memory or memory (they are the same budget), not both.")
             kwargs["gpu_memory"] = kwargs["memory"]
         kwargs.pop("memory", None)
-        sections = {section: {} for section in ("runtime", "bank", "warm_start")}
+        sections = {section: {} for section in ("runtime", "bank", "warm_start", "quant")}
         owners = {f.name: section for section, kind in (("runtime", RuntimeConfig), ("bank", BankConfig),
-                                                          ("warm_start", WarmStartConfig)) for f in fields(kind)}
+                                                          ("warm_start", WarmStartConfig), ("quant", QuantRecipe))
+                  for f in fields(kind)}
         for key, value in kwargs.items():
             if key not in owners:
                 raise InputError(f"unknown option {key!r}; the options are {', '.join(sorted(owners))}.")
             sections[owners[key]][key] = value
         return cls(model, RuntimeConfig(**sections["runtime"]), BankConfig(**sections["bank"]),
-                   WarmStartConfig(**sections["warm_start"])).validate()
+                   WarmStartConfig(**sections["warm_start"]), QuantRecipe(**sections["quant"])).validate()

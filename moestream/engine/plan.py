@@ -19,8 +19,10 @@ from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_con
 from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
-from moestream.experts.format import ExpertFormat, ExpertShape, dense_format
+from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
 from moestream.model.decoder import cache_bytes
+from moestream.quant import QuantSpec
+from moestream.quant.recipe import QuantRecipe
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
 # cuBLAS/cuDNN workspaces (one per stream: compute and copy), CUDA-graph pools of the decode
@@ -30,20 +32,29 @@ from moestream.sizes import dtype_size, format_bytes, parse_bytes
 SLACK_BYTES = 384 * 2**20
 
 
-def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Every always-resident tensor: embeddings, LM head, attention, norms, routers, shared and dense MLPs."""
-    H, V = config.hidden_size, config.vocab_size
+def _linear_bytes(n: int, k: int, spec: QuantSpec | None, dtype: torch.dtype) -> int:
+    return spec.nbytes(n, k) if spec is not None else n * k * dtype_size(dtype)
+
+
+def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype, recipe: QuantRecipe | None = None) -> int:
+    """Every always-resident tensor: embeddings, LM head, attention, norms, routers, shared and dense MLPs,
+    each class at its recipe's precision (routers and norms always in the compute dtype)."""
+    recipe = recipe or QuantRecipe()
+    H, V, L = config.hidden_size, config.vocab_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = H * q + 2 * H * kv + q * H + 2 * H
-    per_layer += (q + 2 * kv) * config.qkv_bias + H * config.o_bias
-    per_layer += q + kv  # q/k norms: exact for full-width norms, an upper bound for per-head ones
-    params = per_layer * config.num_layers + V * H * (1 if config.tie_embeddings else 2) + H
-    for is_moe in config.moe_layers:
-        if is_moe:
-            params += config.num_experts * H + 3 * H * config.shared_intermediate + (H if config.shared_intermediate else 0)
-        else:
-            params += 3 * H * config.dense_intermediate
-    return params * dtype_size(dtype)
+    e = dtype_size(dtype)
+    emb = recipe.spec("embeddings")
+    total = _linear_bytes(V, H, emb, dtype) * (1 if config.tie_embeddings else 2) + H * e
+    for layer in range(L):
+        att = recipe.spec("attention", layer, L)
+        total += sum(_linear_bytes(n, k, att, dtype) for n, k in ((q, H), (kv, H), (kv, H), (H, q)))
+        total += ((q + 2 * kv) * config.qkv_bias + H * config.o_bias + 2 * H + q + kv) * e   # biases, norms
+        shared = recipe.spec("shared", layer, L)
+        width = config.shared_intermediate if config.moe_layers[layer] else config.dense_intermediate
+        total += sum(_linear_bytes(n, k, shared, dtype) for n, k in ((width, H), (width, H), (H, width)))
+        if config.moe_layers[layer]:
+            total += (config.num_experts * H + (H if config.shared_intermediate else 0)) * e   # router, shared gate
+    return total
 
 
 def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int) -> int:
@@ -65,12 +76,20 @@ class MemoryPlan:
     dense_bytes: int
     kv_bytes: int
     workspace_bytes: int
-    slot_bytes: int
-    moe_layers: int
+    layer_slot_bytes: tuple[int, ...]   # bytes of one slot (one expert in that layer's format), per MoE layer
+    staging_formats: int                # distinct expert formats: each has its own staging buffers
     num_experts: int
     top_k: int
     capacity: int
     staging_slots: int
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.layer_slot_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(self.layer_slot_bytes, default=0)
 
     @property
     def fixed_bytes(self) -> int:
@@ -79,11 +98,11 @@ class MemoryPlan:
 
     @property
     def bank_bytes(self) -> int:
-        return self.capacity * self.moe_layers * self.slot_bytes
+        return self.capacity * sum(self.layer_slot_bytes)
 
     @property
     def staging_bytes(self) -> int:
-        return self.staging_slots * self.slot_bytes
+        return self.staging_slots * self.slot_bytes * self.staging_formats
 
     @property
     def total_bytes(self) -> int:
@@ -92,7 +111,8 @@ class MemoryPlan:
     @property
     def minimum_bytes(self) -> int:
         staging = staging_slots_for(self.top_k, self.num_experts, self.top_k)
-        return self.fixed_bytes + self.top_k * self.moe_layers * self.slot_bytes + staging * self.slot_bytes
+        return (self.fixed_bytes + self.top_k * sum(self.layer_slot_bytes)
+                + staging * self.slot_bytes * self.staging_formats)
 
     @property
     def fully_resident(self) -> bool:
@@ -107,7 +127,8 @@ class MemoryPlan:
                  f"dense weights     {format_bytes(self.dense_bytes)}",
                  f"KV cache          {format_bytes(self.kv_bytes)}",
                  f"workspace         {format_bytes(self.workspace_bytes + SLACK_BYTES)}",
-                 f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}",
+                 f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}"
+                 + (" (largest)" if len(set(self.layer_slot_bytes)) > 1 else ""),
                  f"staging           {format_bytes(self.staging_bytes)} ({self.staging_slots} slots)",
                  f"total             {format_bytes(self.total_bytes)}",
                  f"capacity          {self.capacity}/{self.num_experts} experts per layer ({self.expert_fraction:.0%})",
@@ -124,19 +145,24 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
 
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
-                expert_format: ExpertFormat | None = None, spec: ArchSpec | None = None) -> MemoryPlan:
-    """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum."""
-    E, k, L = config.num_experts, config.top_k, config.num_moe_layers
+                expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
+                recipe: QuantRecipe | None = None) -> MemoryPlan:
+    """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
+
+    `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
+    `recipe` the always-resident tensors."""
+    E, k = config.num_experts, config.top_k
     budget_bytes = parse_bytes(budget) if budget is not None else None
     if capacity is not None and not k <= capacity <= E:
         raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
                           f"and has only {E}; pick a capacity in that range.")
-    fmt = expert_format or dense_format(dtype)
-    slot = fmt.nbytes(ExpertShape(config.hidden_size, config.moe_intermediate))
-    base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype),
+    formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
+    shape = ExpertShape(config.hidden_size, config.moe_intermediate)
+    base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, recipe),
                 kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
-                slot_bytes=slot, moe_layers=L, num_experts=E, top_k=k)
+                layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
+                staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)
     if capacity is None and budget_bytes is None:
         capacity = E
     if capacity is None:
@@ -202,7 +228,8 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    expert_format: ExpertFormat
+    expert_formats: dict[int, ExpertFormat]   # per MoE layer
+    recipe: QuantRecipe          # the precision of every tensor class
     memory: MemoryPlan
     host_memory: int | None      # bytes of pinned host RAM the expert store may take (None: 60% of available)
 
@@ -217,11 +244,23 @@ def plan_load(cfg: EngineConfig) -> LoadPlan:
     device = resolve_device(cfg.runtime.device)
     dtype = resolve_dtype(cfg.runtime.dtype, device)
     context = min(cfg.runtime.max_context or config.max_position, config.max_position)
-    fmt = dense_format(dtype)
+    recipe = cfg.quant.validate(config.num_layers)
+    recipe.check_dtype(dtype)
+    formats = expert_formats(config, dtype, recipe)
     bank = cfg.bank
     budget = bank.gpu_memory if bank.gpu_memory is not None else (
         None if bank.capacity is not None else default_device_budget(device))
     memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
-                         prefill_chunk=cfg.runtime.prefill_chunk, expert_format=fmt, spec=spec)
+                         prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec, recipe=recipe)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
-    return LoadPlan(folder, spec, config, device, dtype, context, fmt, memory, host_memory)
+    return LoadPlan(folder, spec, config, device, dtype, context, formats, recipe, memory, host_memory)
+
+
+def expert_formats(config: ModelConfig, dtype: torch.dtype, recipe: QuantRecipe) -> dict[int, ExpertFormat]:
+    """The expert format of every MoE layer under `recipe` (dense in the compute dtype when not quantized)."""
+    out = {}
+    for layer, moe in enumerate(config.moe_layers):
+        if moe:
+            spec = recipe.spec("experts", layer, config.num_layers)
+            out[layer] = QuantizedFormat(spec, dtype) if spec is not None else dense_format(dtype)
+    return out

@@ -36,26 +36,28 @@ MISS_POLICIES = ("fetch", "skip")
 
 
 class ExpertBank:
-    def __init__(self, store: ExpertStore, fmt: ExpertFormat, device: torch.device, capacity: int, tier=None,
-                 miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
+    def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device, capacity: int,
+                 tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
                  pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16):
-        """`capacity` comes from the memory plan (already checked against the model); `tier` is the
-        host tier misses are copied from (None when every expert is resident)."""
+        """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
+        (already checked against the model); `tier` is the host tier misses are copied from (None
+        when every expert is resident)."""
         config = store.config
-        self.store, self.format, self.device = store, fmt, device
+        self.store, self.formats, self.device = store, formats, device
+        self.dtype = next(iter(formats.values())).dtype if formats else torch.float32
         self.num_experts, self.top_k, self.capacity = config.num_experts, config.top_k, capacity
         self.fully_resident = capacity == self.num_experts
         self.miss_policy = miss_policy
         self.policy: ResidencyPolicy = POLICIES[residency](self.num_experts)
         self.stats = BankStats()
-        self.slot_bytes = fmt.nbytes(store.shape)
         self.tier = tier
-        self._dispatch = fmt.dispatch(device)
-        self.slots = SlotTable(store.moe_layers, capacity, self.num_experts, fmt, store.shape, device)
+        by_name = {fmt.name: fmt.dispatch(device) for fmt in formats.values()}
+        self._dispatch = {layer: by_name[fmt.name] for layer, fmt in formats.items()}
+        self.slots = SlotTable(formats, capacity, self.num_experts, store.shape, device)
         self.transfers = Transfers(tier, device)
         self.prefetcher = Prefetcher(self.slots, self.transfers, self.policy) if prefetch and not self.fully_resident else None
         self.fetcher = None if self.fully_resident else Fetcher(
-            self.slots, self.transfers, self.policy, self.stats, self._dispatch, fmt, store.shape, self.top_k,
+            self.slots, self.transfers, self.policy, self.stats, self._dispatch, store.shape, self.top_k,
             staging_slots, self.prefetcher)
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
@@ -89,7 +91,7 @@ class ExpertBank:
         if self.tier is not None:
             self.tier.load(layer, experts, dest)
         else:
-            read_stack(self.store, self.format, layer, experts, dest)
+            read_stack(self.store, self.formats[layer], layer, experts, dest)
 
     def swap_in(self, layer: int, wanted: list[int]) -> int:
         """Make `wanted` (at most capacity experts) resident in `layer`, evicting others chosen by the
@@ -124,7 +126,7 @@ class ExpertBank:
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """Device-only dispatch through the current slot map: the caller guarantees residency."""
         ls = self.slots[layer]
-        return self._dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights)
+        return self._dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
 
     # ---- the runtime's hooks ------------------------------------------------------------
     @property

@@ -30,12 +30,15 @@ def staging_half(staging_slots: int, top_k: int) -> int:
 
 class Fetcher:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
-                 dispatch: Dispatch, fmt: ExpertFormat, shape: ExpertShape, top_k: int, staging_slots: int,
+                 dispatch: dict[int, Dispatch], shape: ExpertShape, top_k: int, staging_slots: int,
                  prefetcher: Prefetcher | None = None):
+        """`dispatch`: per MoE layer, the dispatch of that layer's expert format."""
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.prefetcher = dispatch, prefetcher
         half = staging_half(staging_slots, top_k)
-        self.staging = [fmt.empty(shape, half, device=slots.device) for _ in range(2)]
+        formats: dict[str, ExpertFormat] = {fmt.name: fmt for fmt in slots.formats.values()}
+        self.staging = {name: [fmt.empty(shape, half, device=slots.device) for _ in range(2)]
+                        for name, fmt in formats.items()}
         self._turn = 0
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
 
@@ -48,7 +51,7 @@ class Fetcher:
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing)
         self.ensure_resident(layer, flat)
-        return self.dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights)
+        return self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
 
     def ensure_resident(self, layer: int, routed: np.ndarray, wait: str = "host") -> None:
         """Host side of a fetch: count hits and misses, copy missing experts into evicted slots.
@@ -89,8 +92,9 @@ class Fetcher:
         self.policy.record(layer, experts, counts)
         missed = np.isin(experts, missing)
         ls = self.slots[layer]
-        out = self.dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights).float()
-        group = next(iter(self.staging[0].values())).shape[0]
+        dispatch, staging = self.dispatch[layer], self.staging[self.slots.formats[layer].name]
+        out = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights).float()
+        group = next(iter(staging[0].values())).shape[0]
         groups = [missing[i:i + group] for i in range(0, len(missing), group)]
         stage_maps = torch.full((len(groups), self.slots.num_experts), -1, dtype=torch.int32)
         for g, chunk in enumerate(groups):
@@ -100,12 +104,12 @@ class Fetcher:
         compute = torch.cuda.current_stream(self.slots.device) if self.slots.device.type == "cuda" else None
         for g, chunk in enumerate(groups):
             turn = self._turn
-            buf = self.staging[turn]
+            buf = staging[turn]
             copied, ready = self.transfers.copy(layer, chunk, [{n: t[i] for n, t in buf.items()} for i in range(len(chunk))],
                                                 after=self._staging_done[turn])
             copied_total += copied
             self.transfers.wait(ready, "device")
-            out += self.dispatch(hidden, buf, stage_maps[g][expert_ids], weights).float()
+            out += dispatch(hidden, buf, stage_maps[g][expert_ids], weights).float()
             if compute is not None:
                 done = torch.cuda.Event()
                 done.record()

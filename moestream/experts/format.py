@@ -7,9 +7,10 @@ to turn one expert's projection weights as read from a checkpoint into its tenso
 which dispatch runs over a layer's slots (`dispatch`: the fused kernel on CUDA, its plain-torch
 reference elsewhere).
 
-The dense formats (bf16 / fp16 / fp32) are the first ones: `gate_up (2I, H)` with the gate rows
-first and `down (H, I)`, as transformers v5 and vLLM stack them. Quantized formats (weights +
-scales + biases) add entries to `FORMATS` with more tensors; nothing else changes shape.
+The dense formats (bf16 / fp16 / fp32): `gate_up (2I, H)` with the gate rows first and
+`down (H, I)`, as transformers v5 and vLLM stack them. The quantized formats (affine int8/4/3/2,
+normal-float nf4/nf3, any group size of `moestream.quant`): each projection as `<proj>.qweight`
+(packed uint8), `<proj>.scales` and, for affine specs, `<proj>.biases`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from moestream.errors import InputError
+from moestream.quant import QuantSpec, quantize
 from moestream.sizes import dtype_size
 
 # (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H)
@@ -126,21 +128,62 @@ class DenseFormat(ExpertFormat):
         return f"DenseFormat({self.name})"
 
 
-FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (DenseFormat("bf16", torch.bfloat16),
-                                                         DenseFormat("fp16", torch.float16),
-                                                         DenseFormat("fp32", torch.float32))}
+class QuantizedFormat(ExpertFormat):
+    """Group-quantized experts: both projections packed per `spec`, computed in `dtype`.
+
+    The slot tensors are what a packed checkpoint stores and what the dequantizing kernels read;
+    `encode` quantizes full-precision weights into them (quantize-on-load and `moestream convert`).
+    """
+
+    PROJECTIONS = ("gate_up", "down")
+
+    def __init__(self, spec: QuantSpec, dtype: torch.dtype):
+        self.spec, self.dtype, self.name = spec, dtype, spec.name
+
+    def projection_shapes(self, shape: ExpertShape) -> dict[str, tuple[int, int]]:
+        return {"gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
+
+    def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        out = []
+        for proj, (n, k) in self.projection_shapes(shape).items():
+            self.spec.check_width(k, f"the {proj} input dimension")
+            groups = k // self.spec.group
+            out.append(TensorSpec(f"{proj}.qweight", (n, self.spec.packed_width(k)), torch.uint8))
+            out.append(TensorSpec(f"{proj}.scales", (n, groups), self.spec.scale_dtype))
+            if self.spec.has_bias:
+                out.append(TensorSpec(f"{proj}.biases", (n, groups), self.spec.scale_dtype))
+        return tuple(out)
+
+    def raw_views(self, expert, source_dtype):
+        return None   # checkpoint weights are full precision: always through encode
+
+    def encode(self, gate, up, down, out):
+        for proj, weight in (("gate_up", torch.cat([gate, up])), ("down", down)):
+            for part, t in quantize(weight, self.spec).parts().items():
+                out[f"{proj}.{part}"].copy_(t)
+
+    def dispatch(self, device: torch.device) -> Dispatch:
+        from moestream import kernels
+
+        spec = self.spec
+        if device.type == "cuda" and kernels.fused_moe_quant_available():
+            fused = kernels.fused_moe_quant
+            return lambda hidden, slots, slot_ids, weights: fused(hidden, slots, slot_ids, weights, spec)
+        return lambda hidden, slots, slot_ids, weights: kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec)
+
+    def describe(self, shape: ExpertShape) -> dict:
+        return {**super().describe(shape), "bits": self.spec.bits, "group": self.spec.group, "kind": self.spec.kind}
+
+    def __repr__(self) -> str:
+        return f"QuantizedFormat({self.name})"
+
+
+DENSE: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def dense_format(dtype: torch.dtype) -> ExpertFormat:
     """The unquantized format of a compute dtype (what the bank uses unless told otherwise)."""
-    for fmt in FORMATS.values():
-        if isinstance(fmt, DenseFormat) and fmt.dtype == dtype:
-            return fmt
-    raise InputError(f"experts cannot be kept as {dtype}; use one of {', '.join(FORMATS)}.")
-
-
-def get_format(name: str) -> ExpertFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise InputError(f"expert format {name!r} is unknown; use one of {', '.join(FORMATS)}.") from None
+    for name, dt in DENSE.items():
+        if dt == dtype:
+            return DenseFormat(name, dtype)
+    raise InputError(f"experts cannot be kept as {dtype}; use one of {', '.join(DENSE)}.")

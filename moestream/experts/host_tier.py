@@ -23,11 +23,11 @@ HOST_TIERS = ("auto", "pinned", "disk")
 class PinnedHostTier:
     name = "pinned"
 
-    def __init__(self, store: ExpertStore, fmt: ExpertFormat, pin: bool = True):
-        self.store, self.format = store, fmt
+    def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], pin: bool = True):
+        self.store, self.formats = store, formats
         experts = list(range(store.num_experts))
         self.layers: dict[int, dict[str, Tensor]] = {}
-        for layer in store.moe_layers:
+        for layer, fmt in formats.items():
             stack = fmt.empty(store.shape, store.num_experts, pin=pin)
             store.read_many(layer, experts, fmt, stack)
             self.layers[layer] = stack
@@ -52,24 +52,27 @@ class PinnedHostTier:
 class DiskHostTier:
     name = "disk"
 
-    def __init__(self, store: ExpertStore, fmt: ExpertFormat, device: torch.device, ring: int = 4):
-        self.store, self.format, self.device = store, fmt, device
+    def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device, ring: int = 4):
+        self.store, self.formats, self.device = store, formats, device
         pin = device.type == "cuda"
-        self.ring = [fmt.empty(store.shape, pin=pin) for _ in range(ring if pin else 1)]
-        self.events: list[torch.cuda.Event | None] = [None] * len(self.ring)
+        size = ring if pin else 1
+        by_name = {fmt.name: fmt for fmt in formats.values()}
+        self.rings = {name: [fmt.empty(store.shape, pin=pin) for _ in range(size)] for name, fmt in by_name.items()}
+        self.events: list[torch.cuda.Event | None] = [None] * size   # one ring position serves every format
         self.next = 0
 
     def copy_into(self, layer: int, expert: int, dest: Mapping[str, Tensor]) -> int:
         nbytes = sum(t.nbytes for t in dest.values())
+        fmt = self.formats[layer]
         if all(t.device.type == "cpu" for t in dest.values()):   # CPU bank: read straight into the slot
-            self.store.read_into(layer, expert, self.format, dest)
+            self.store.read_into(layer, expert, fmt, dest)
             return nbytes
         i = self.next
-        self.next = (i + 1) % len(self.ring)
+        self.next = (i + 1) % len(self.events)
         if self.events[i] is not None:
-            self.events[i].synchronize()  # the DMA that last used this buffer has finished
-        buf = self.ring[i]
-        self.store.read_into(layer, expert, self.format, buf)
+            self.events[i].synchronize()  # the DMA that last used this position has finished
+        buf = self.rings[fmt.name][i]
+        self.store.read_into(layer, expert, fmt, buf)
         for name, t in dest.items():
             t.copy_(buf[name], non_blocking=True)
         ev = torch.cuda.Event()
@@ -78,7 +81,7 @@ class DiskHostTier:
         return nbytes
 
     def load(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> None:
-        read_stack(self.store, self.format, layer, experts, dest)
+        read_stack(self.store, self.formats[layer], layer, experts, dest)
 
     def nbytes(self) -> int:
         return 0
@@ -97,7 +100,7 @@ def read_stack(store: ExpertStore, fmt: ExpertFormat, layer: int, experts: list[
         t[:len(experts)].copy_(buf[name])
 
 
-def make_host_tier(kind, store: ExpertStore, fmt: ExpertFormat, device: torch.device,
+def make_host_tier(kind, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device,
                    host_memory: int | None) -> PinnedHostTier | DiskHostTier:
     """auto: pinned RAM when every expert fits `host_memory` (default 60% of available RAM), else disk.
     On the CPU the bank is RAM already: misses are read from disk into the slot. An existing tier
@@ -107,14 +110,14 @@ def make_host_tier(kind, store: ExpertStore, fmt: ExpertFormat, device: torch.de
     if kind not in HOST_TIERS:
         raise InputError(f"host tier {kind!r} is unknown; use one of {', '.join(HOST_TIERS)}.")
     if device.type == "cpu":
-        return DiskHostTier(store, fmt, device)
+        return DiskHostTier(store, formats, device)
     if kind == "auto":
-        total = fmt.nbytes(store.shape) * store.num_experts * len(store.moe_layers)
+        total = sum(fmt.nbytes(store.shape) for fmt in formats.values()) * store.num_experts
         limit = host_memory if host_memory is not None else int(0.6 * available_ram())
         kind = "pinned" if total <= limit else "disk"
     if kind == "pinned":
-        return PinnedHostTier(store, fmt)
-    return DiskHostTier(store, fmt, device)
+        return PinnedHostTier(store, formats)
+    return DiskHostTier(store, formats, device)
 
 
 def available_ram() -> int:

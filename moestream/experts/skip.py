@@ -22,7 +22,7 @@ from moestream.experts.transfer import Transfers
 
 class SkipPolicy:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
-                 dispatch: Dispatch, refresh_every: int = 16):
+                 dispatch: dict[int, Dispatch], refresh_every: int = 16):
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.refresh_every = dispatch, refresh_every
         E, device = slots.num_experts, slots.device
@@ -42,7 +42,7 @@ class SkipPolicy:
         self.use_counts[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         n_present = present.sum()
         self.pair_counts[layer] += torch.stack((n_present, present.numel() - n_present))
-        return self.dispatch(hidden, ls.tensors, slots, (kept * scale).to(weights.dtype))
+        return self.dispatch[layer](hidden, ls.tensors, slots, (kept * scale).to(weights.dtype))
 
     def after_step(self, tokens: int) -> None:
         self._since_refresh += tokens

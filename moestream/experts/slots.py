@@ -47,13 +47,14 @@ class Installed:
 
 
 class SlotTable:
-    def __init__(self, layers: list[int], capacity: int, num_experts: int, fmt: ExpertFormat, shape: ExpertShape,
+    def __init__(self, formats: dict[int, ExpertFormat], capacity: int, num_experts: int, shape: ExpertShape,
                  device: torch.device):
-        self.capacity, self.num_experts, self.format, self.device = capacity, num_experts, fmt, device
+        """`formats`: the expert format of every MoE layer (layers may differ, e.g. the first and last at 8 bits)."""
+        self.capacity, self.num_experts, self.formats, self.device = capacity, num_experts, formats, device
         self.layers: dict[int, LayerSlots] = {
             layer: LayerSlots(fmt.empty(shape, capacity, device=device),
                               torch.full((num_experts,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
-            for layer in layers}
+            for layer, fmt in formats.items()}
 
     def __getitem__(self, layer: int) -> LayerSlots:
         return self.layers[layer]

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from typing import Callable
 
 from torch import Tensor
 
 from .moe_reference import moe_reference
+from .quant_linear_reference import quant_linear_reference
+from .quant_moe_reference import quant_moe_reference
 
-__all__ = ["moe_reference", "fused_moe", "fused_moe_available"]
+__all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "fused_moe", "fused_moe_available", "fused_moe_quant",
+           "fused_moe_quant_available"]
 
 _fused_impl: Callable[..., Tensor] | None = None
 
@@ -61,3 +65,24 @@ def fused_moe_available() -> bool:
     except Exception:  # a broken install (ImportError, missing libcuda, ...) means "no"
         return False
     return True
+
+
+def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec) -> Tensor:
+    """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`."""
+    module = importlib.import_module(f"{__name__}.fused_moe_quant")
+    return module.fused_moe_quant(hidden, slots, slot_ids, weights, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_moe_quant_available() -> bool:
+    """True when the dequantizing Triton kernels can run here (CUDA, Triton, and the module exists)."""
+    return fused_moe_available() and all(importlib.util.find_spec(f"{__name__}.{m}") is not None
+                                         for m in ("fused_moe_quant", "quant_linear"))
+
+
+def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=None) -> Tensor:
+    """x @ dequantize(weight)ᵀ (+ bias): the Triton kernel on CUDA when it exists, else the reference."""
+    if x.is_cuda and fused_moe_quant_available():
+        module = importlib.import_module(f"{__name__}.quant_linear")
+        return module.quant_linear(x, qweight, scales, biases, spec, bias)
+    return quant_linear_reference(x, qweight, scales, biases, spec, bias)

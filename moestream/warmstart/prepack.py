@@ -92,8 +92,8 @@ def snapshot_key(bank: ExpertBank, checkpoint_folder: str | Path | None = None) 
         "num_experts": bank.num_experts,
         "capacity": bank.capacity,
         "moe_layers": sorted(bank.layers),
-        "dtype": str(bank.format.dtype).removeprefix("torch."),
-        "expert_format": bank.format.describe(store.shape),
+        "dtype": str(bank.dtype).removeprefix("torch."),
+        "expert_formats": {str(layer): fmt.describe(store.shape) for layer, fmt in sorted(bank.formats.items())},
     }
 
 

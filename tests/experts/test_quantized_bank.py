@@ -1,0 +1,85 @@
+"""Quantized experts in the bank: exact offload in every format, quantize-on-load, budgets, snapshots."""
+
+import pytest
+import torch
+
+import moestream
+from moestream.engine.plan import plan_memory
+from moestream.errors import InputError
+from moestream.experts.format import ExpertShape, QuantizedFormat
+from moestream.quant import parse_quant
+
+PROMPTS = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 19)]
+FORMATS = ["int8", "int4", "int4-g32", "int3", "int2", "nf4", "nf3"]
+
+
+def _load(folder, **kw):
+    return moestream.load(folder, device="cpu", dtype="float32", **kw)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fetch_at_every_capacity_equals_full_residency(tiny_quant, fmt):
+    full = _load(tiny_quant, experts=fmt)
+    expected = full.generate(PROMPTS, max_tokens=12, ignore_eos=True)
+    for capacity in (2, 3, 5):
+        engine = _load(tiny_quant, experts=fmt, capacity=capacity)
+        engine.runner.prefill_chunk = 8   # long prompts take the staged path too
+        assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == expected, capacity
+        assert engine.stats()["misses"] > 0
+
+
+def test_quantized_slots_hold_the_formats_tensors(tiny_quant):
+    engine = _load(tiny_quant, experts="int4-g32", capacity=3)
+    slots = engine.bank.layers[0].tensors
+    assert set(slots) == {f"{p}.{t}" for p in ("gate_up", "down") for t in ("qweight", "scales", "biases")}
+    assert slots["gate_up.qweight"].shape == (3, 128, 64) and slots["gate_up.qweight"].dtype == torch.uint8
+    assert slots["down.scales"].shape == (3, 128, 2)
+    nf = _load(tiny_quant, experts="nf4", capacity=3).bank.layers[0].tensors
+    assert "gate_up.biases" not in nf
+
+
+def test_quantized_logits_stay_close_to_full_precision(tiny_quant):
+    ids = torch.randint(2, 160, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref = _load(tiny_quant).logits(ids)
+    for fmt, bound in (("int8", 0.02), ("int4", 0.2)):
+        out = _load(tiny_quant, experts=fmt).logits(ids)
+        assert (out - ref).norm() / ref.norm() < bound, fmt
+
+
+def test_the_plan_counts_quantized_slots_and_fits_more_experts(tiny_quant):
+    engine = _load(tiny_quant, capacity=2)
+    config = engine.config
+    shape = ExpertShape(config.hidden_size, config.moe_intermediate)
+    int4 = QuantizedFormat(parse_quant("int4"), torch.float32)
+    formats = {layer: int4 for layer in engine.bank.layers}
+    bf = plan_memory(config, torch.float32, capacity=4, max_context=256)
+    q4 = plan_memory(config, torch.float32, capacity=4, max_context=256, expert_formats=formats)
+    q4_bank = _load(tiny_quant, experts="int4", capacity=2).bank
+    assert q4.slot_bytes == int4.nbytes(shape) == sum(t.nbytes for t in q4_bank.layers[0].tensors.values()) // 2
+    assert q4.bank_bytes == 4 * 2 * int4.nbytes(shape) and q4.bank_bytes < bf.bank_bytes / 6
+    budget = bf.total_bytes   # what fp32 capacity 4 needs holds more int4 experts
+    assert plan_memory(config, torch.float32, budget=budget, max_context=256, expert_formats=formats).capacity > 4
+
+
+def test_per_layer_formats(tiny_quant):
+    engine = _load(tiny_quant, experts="int4", layer_formats={-1: "int8"}, capacity=3)
+    assert engine.bank.formats[0].name == "int4-g64" and engine.bank.formats[2].name == "int8-g64"
+    full = _load(tiny_quant, experts="int4", layer_formats={-1: "int8"})
+    assert engine.generate(PROMPTS[1], max_tokens=10, ignore_eos=True) == full.generate(PROMPTS[1], max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kw,match", [({"experts": "int5"}, "unknown"), ({"experts": "int4-g128"}, "does not divide"),
+                                      ({"experts": "bf16"}, "--dtype bf16")])
+def test_bad_expert_formats_are_refused(tiny_quant, kw, match):
+    with pytest.raises(InputError, match=match):
+        _load(tiny_quant, **kw)
+
+
+def test_prepack_snapshot_records_the_format(tiny_quant, tmp_path):
+    snap = tmp_path / "bank"
+    cold = _load(tiny_quant, experts="int4", capacity=3, prepack=snap, warmup_tokens=4)
+    assert not cold.prepack.loaded
+    warm = _load(tiny_quant, experts="int4", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    other = _load(tiny_quant, experts="int8", capacity=3, prepack=snap)
+    assert not other.prepack.loaded and "expert_formats" in other.prepack.reason
