@@ -92,6 +92,22 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) -> None:
+    """pread `out.nbytes` bytes at `offset` into the contiguous uint8 CPU tensor `out` (retrying short reads)."""
+    mv = memoryview(out.numpy())
+    done, size = 0, out.numel()
+    try:
+        while done < size:
+            n = os.preadv(fd, [mv[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+    except OSError as exc:
+        raise CheckpointError(f"reading {what} from {path} failed ({exc}); check the disk and the file.") from None
+    if done != size:
+        raise CheckpointError(f"{path} ended early while reading {what}; the file was truncated, re-download it.")
+
+
 class TensorIndex:
     """All tensors of a checkpoint folder, from one or many shards, with or without an index file.
 
@@ -145,24 +161,17 @@ class TensorIndex:
                     self._fds[path] = fd
         return fd
 
-    def read_into(self, info: TensorInfo, out: torch.Tensor) -> torch.Tensor:
-        """Read the raw bytes of `info` into the CPU tensor `out` (same dtype and numel)."""
+    def read_into(self, info: TensorInfo, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Read the raw bytes of `info` (from byte `start` of its data, as many as `out` holds) into
+        the contiguous CPU tensor `out`; without `start`, `out` must hold the whole tensor."""
         view = out.view(-1).view(torch.uint8)
-        if view.numel() != info.nbytes:
+        if (start == 0 and view.numel() != info.nbytes) or start + view.numel() > info.nbytes:
             raise ValueError(f"destination holds {view.numel()} bytes, {info.name} needs {info.nbytes}")
-        mv = memoryview(view.numpy())
-        done = 0
         try:
             fd = self._fd(info.path)
-            while done < info.nbytes:
-                n = os.preadv(fd, [mv[done:]], info.offset + done)
-                if n <= 0:
-                    break
-                done += n
         except OSError as exc:
-            raise CheckpointError(f"reading {info.name!r} from {info.path} failed ({exc}); check the disk and the file.") from None
-        if done != info.nbytes:
-            raise CheckpointError(f"{info.path} ended early while reading {info.name!r}; the file was truncated, re-download it.")
+            raise CheckpointError(f"cannot open {info.path} ({exc.strerror}); check that it exists and is readable.") from None
+        read_exactly(fd, view, info.offset + start, info.path, repr(info.name))
         return out
 
     def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:

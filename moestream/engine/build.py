@@ -14,15 +14,19 @@ from pathlib import Path
 
 import torch
 
-from moestream.archs import ModelConfig
 from moestream.checkpoint import TensorIndex
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan, plan_load
-from moestream.errors import CheckpointError, InputError
+from moestream.engine.weights import load_dense_weights
+from moestream.errors import InputError
 from moestream.experts.bank import ExpertBank
+from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
-from moestream.experts.store import ExpertStore
+from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
 from moestream.model.decoder import MoECausalLM
+from moestream.model.quant_linear import quantize_modules
+from moestream.quant import QuantSpec
+from moestream.quant.mlx import mlx_spec
 from moestream.runtime.model_runner import ModelRunner
 from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
 from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
@@ -48,33 +52,45 @@ def load_tokenizer(folder: Path):
 
 
 def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
-    """The module tree on the meta device, then every dense parameter read by its checkpoint name."""
+    """The module tree on the meta device, quantized modules swapped in, then every dense parameter
+    read by its checkpoint name."""
     with torch.device("meta"):
         model = MoECausalLM(plan.config, plan.spec)
-    _load_dense_weights(model, index, plan.config, plan.device, plan.dtype)
+    stored = _stored_precision(plan, index)
+    quantize_modules(model, stored if plan.kind == "mlx" else plan.precision)
+    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored)
     return model.eval()
 
 
-def _load_dense_weights(model: MoECausalLM, index: TensorIndex, config: ModelConfig, device: torch.device,
-                        dtype: torch.dtype) -> None:
-    """Every parameter of the module tree is named as on disk: read each by name, check its shape."""
-    modules = dict(model.named_modules())
-    for name, param in list(model.named_parameters()):
-        source = name
-        if name == "lm_head.weight" and (config.tie_embeddings or name not in index):
-            if not config.tie_embeddings and name not in index:
-                raise CheckpointError(f"tensor 'lm_head.weight' is missing from the checkpoint in {index.folder}; the download is incomplete.")
-            source = "model.embed_tokens.weight"
-        tensor = index.read(source, expected_shape=tuple(param.shape))
-        owner, _, attr = name.rpartition(".")
-        setattr(modules[owner], attr, torch.nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+def _stored_precision(plan: LoadPlan, index: TensorIndex):
+    """For an MLX checkpoint, how each module is stored (its `.scales` dtype and config entry); else nothing."""
+    if plan.mlx is None:
+        return lambda path: None
+
+    def stored(path: str) -> QuantSpec | None:
+        if f"{path}.scales" not in index:
+            return None
+        return mlx_spec(plan.mlx, path, index.info(f"{path}.scales").dtype)
+    return stored
+
+
+def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
+    """The expert store of the checkpoint's layout; checks every expert tensor before any load."""
+    if plan.kind == "packed":
+        return PackedExpertStore(index, plan.config, plan.spec, plan.layout)
+    if plan.kind == "mlx":
+        return MLXExpertStore(index, plan.config, plan.spec, plan.mlx)
+    return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
 def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: dict[int, list[int]] | None) -> ExpertBank:
     memory = plan.memory
-    tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, plan.expert_formats,
+    formats = plan.expert_formats
+    if store.native is not None:   # pre-quantized: the slots hold the stored format exactly
+        formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
+    tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
-    return ExpertBank(store, plan.expert_formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
+    return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
                       prefetch=cfg.bank.prefetch)
 
@@ -122,7 +138,7 @@ def build(cfg: EngineConfig):
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
     tokenizer = load_tokenizer(plan.folder)
     index = TensorIndex(plan.folder)
-    store = ExpertStore(index, plan.config, plan.spec)   # checks every expert tensor's shape before any load
+    store = open_store(plan, index)
     model = build_model(plan, index)
     bank = build_bank(plan, cfg, store, pinned)
     prepack = _try_prepack(bank, plan.folder, warm.prepack) if warm.prepack else None

@@ -10,6 +10,8 @@ the bank, its slot maps and the transient staging area long prompts stream missi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +22,12 @@ from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
-from moestream.model.decoder import cache_bytes
+from moestream.checkpoint.packed import PackedLayout
+from moestream.engine.weights import parameter_bytes
+from moestream.model.decoder import MoECausalLM, cache_bytes
+from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
+from moestream.quant.mlx import mlx_quantization, mlx_spec
 from moestream.quant.recipe import QuantRecipe
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
@@ -32,29 +38,18 @@ from moestream.sizes import dtype_size, format_bytes, parse_bytes
 SLACK_BYTES = 384 * 2**20
 
 
-def _linear_bytes(n: int, k: int, spec: QuantSpec | None, dtype: torch.dtype) -> int:
-    return spec.nbytes(n, k) if spec is not None else n * k * dtype_size(dtype)
+Precision = Callable[[str], QuantSpec | None]   # dense module path → its quantization (None: full precision)
 
 
-def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype, recipe: QuantRecipe | None = None) -> int:
-    """Every always-resident tensor: embeddings, LM head, attention, norms, routers, shared and dense MLPs,
-    each class at its recipe's precision (routers and norms always in the compute dtype)."""
-    recipe = recipe or QuantRecipe()
-    H, V, L = config.hidden_size, config.vocab_size, config.num_layers
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    e = dtype_size(dtype)
-    emb = recipe.spec("embeddings")
-    total = _linear_bytes(V, H, emb, dtype) * (1 if config.tie_embeddings else 2) + H * e
-    for layer in range(L):
-        att = recipe.spec("attention", layer, L)
-        total += sum(_linear_bytes(n, k, att, dtype) for n, k in ((q, H), (kv, H), (kv, H), (H, q)))
-        total += ((q + 2 * kv) * config.qkv_bias + H * config.o_bias + 2 * H + q + kv) * e   # biases, norms
-        shared = recipe.spec("shared", layer, L)
-        width = config.shared_intermediate if config.moe_layers[layer] else config.dense_intermediate
-        total += sum(_linear_bytes(n, k, shared, dtype) for n, k in ((width, H), (width, H), (H, width)))
-        if config.moe_layers[layer]:
-            total += (config.num_experts * H + (H if config.shared_intermediate else 0)) * e   # router, shared gate
-    return total
+def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype, precision: Precision | None = None,
+                       spec: ArchSpec | None = None) -> int:
+    """Every always-resident tensor, counted on the module tree itself (built on the meta device):
+    embeddings, LM head, attention, norms, routers, shared and dense MLPs, each at its precision."""
+    with torch.device("meta"):
+        model = MoECausalLM(config, spec or ARCHS[config.arch])
+    if precision is not None:
+        quantize_modules(model, precision)
+    return parameter_bytes(model, dtype)
 
 
 def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int) -> int:
@@ -146,11 +141,11 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
-                recipe: QuantRecipe | None = None) -> MemoryPlan:
+                precision: Precision | None = None) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
-    `recipe` the always-resident tensors."""
+    `precision` the always-resident tensors."""
     E, k = config.num_experts, config.top_k
     budget_bytes = parse_bytes(budget) if budget is not None else None
     if capacity is not None and not k <= capacity <= E:
@@ -158,7 +153,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                           f"and has only {E}; pick a capacity in that range.")
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     shape = ExpertShape(config.hidden_size, config.moe_intermediate)
-    base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, recipe),
+    base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
@@ -228,10 +223,14 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
+    kind: str                    # "hf" (full precision), "packed" (moestream convert) or "mlx" (MLX-quantized)
+    recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
+    precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
-    recipe: QuantRecipe          # the precision of every tensor class
     memory: MemoryPlan
     host_memory: int | None      # bytes of pinned host RAM the expert store may take (None: 60% of available)
+    layout: PackedLayout | None = None        # a packed checkpoint's layout.json
+    mlx: dict | None = None                   # an MLX checkpoint's quantization block
 
 
 def plan_load(cfg: EngineConfig) -> LoadPlan:
@@ -244,16 +243,44 @@ def plan_load(cfg: EngineConfig) -> LoadPlan:
     device = resolve_device(cfg.runtime.device)
     dtype = resolve_dtype(cfg.runtime.dtype, device)
     context = min(cfg.runtime.max_context or config.max_position, config.max_position)
-    recipe = cfg.quant.validate(config.num_layers)
-    recipe.check_dtype(dtype)
-    formats = expert_formats(config, dtype, recipe)
+    asked = cfg.quant.validate(config.num_layers)
+    asked.check_dtype(dtype)
+    layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
+    mlx = mlx_quantization(raw)
+    kind = "packed" if layout is not None else "mlx" if mlx is not None else "hf"
+    if kind != "hf" and (asked.quantized or asked.layer_formats):
+        stored = "a packed (moestream convert)" if layout is not None else "an MLX-quantized"
+        raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
+                         "--attention, --embeddings and --layer-format.")
+    L = config.num_layers
+    if layout is not None:
+        recipe = QuantRecipe.from_dict(layout.recipe)
+        precision = functools.partial(_recipe_precision, recipe, L)
+        formats = {layer: QuantizedFormat(rec.spec, dtype) for layer, rec in layout.layers.items()}
+    elif mlx is not None:
+        recipe = QuantRecipe()
+        scale_dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), torch.bfloat16)
+        precision = functools.partial(mlx_spec, mlx, scale_dtype=scale_dtype)
+        formats = {layer: QuantizedFormat(mlx_spec(mlx, f"model.layers.{layer}.{spec.moe_prefix}.switch_mlp.gate_proj",
+                                                   scale_dtype), dtype)
+                   for layer, moe in enumerate(config.moe_layers) if moe}
+    else:
+        recipe = asked
+        precision = functools.partial(_recipe_precision, recipe, L)
+        formats = expert_formats(config, dtype, recipe)
     bank = cfg.bank
     budget = bank.gpu_memory if bank.gpu_memory is not None else (
         None if bank.capacity is not None else default_device_budget(device))
     memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
-                         prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec, recipe=recipe)
+                         prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec,
+                         precision=precision)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
-    return LoadPlan(folder, spec, config, device, dtype, context, formats, recipe, memory, host_memory)
+    return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
+                    host_memory, layout, mlx)
+
+
+def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:
+    return recipe.spec_for(path, num_layers)
 
 
 def expert_formats(config: ModelConfig, dtype: torch.dtype, recipe: QuantRecipe) -> dict[int, ExpertFormat]:

@@ -1,14 +1,24 @@
 """The expert store: where every routed expert lives off the device, read one expert at a time.
 
-Experts are read by byte range straight from the checkpoint's safetensors files (never whole
-files). The store knows where an expert's gate, up and down weights are on disk; the expert
-format it is asked for says how they become that format's tensors: read in place when the bytes
-already are the format (`ExpertFormat.raw_views`), converted through `ExpertFormat.encode` else.
+Three layouts on disk, one interface (`read_into(layer, expert, fmt, out)`):
+
+  CheckpointExpertStore  Hugging Face per-expert tensors (`...experts.E.gate_proj.weight`), full
+                         precision: read by byte range, then written into the asked format in place
+                         (same bytes) or through `ExpertFormat.encode` (a dtype change, quantize-on-load)
+  MLXExpertStore         MLX's stacked quantized tensors (`...switch_mlp.gate_proj.weight` (E, N, ·)
+                         uint32 + scales + biases): expert e is one byte range of each, read as it is
+  PackedExpertStore      `moestream convert` output: per layer one file, each expert one contiguous
+                         4 KiB-aligned record of all its tensors, read with one preadv and checked
+                         against its CRC-32 the first time it is read
+
+A pre-quantized store (`native` formats per layer) can only fill slots of exactly that format.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,9 +26,12 @@ import torch
 from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.checkpoint.safetensors_index import TensorIndex
+from moestream.checkpoint.packed import PackedLayout
+from moestream.checkpoint.safetensors_index import TensorIndex, read_exactly
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape
+from moestream.quant import QuantSpec
+from moestream.quant.mlx import mlx_spec
 
 
 def read_workers() -> int:
@@ -27,14 +40,41 @@ def read_workers() -> int:
 
 
 class ExpertStore:
-    """Disk tier: every read is a pread of the three projection tensors of one expert."""
+    """What every layout shares: shapes, layers, parallel bulk reads."""
+
+    native: dict[int, QuantSpec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         self.index, self.config, self.spec = index, config, spec
         self.shape = ExpertShape(config.hidden_size, config.moe_intermediate)
         self.num_experts = config.num_experts
         self.moe_layers = [i for i, is_moe in enumerate(config.moe_layers) if is_moe]
-        self.dtype = self._check_and_dtype()   # the checkpoint's own dtype of the expert weights
+        self.dtype = torch.float32   # the stored float dtype (full-precision layouts)
+
+    def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def read_many(self, layer: int, experts: list[int], fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        """Read experts[i] into row i of the stacked CPU tensors `out`, with parallel preads."""
+        def one(i: int) -> None:
+            self.read_into(layer, experts[i], fmt, {name: t[i] for name, t in out.items()})
+
+        with ThreadPoolExecutor(read_workers()) as pool:
+            list(pool.map(one, range(len(experts))))
+
+    def _check_native(self, layer: int, fmt: ExpertFormat) -> None:
+        stored = self.native[layer]
+        if getattr(fmt, "spec", None) != stored:
+            raise CheckpointError(f"layer {layer}'s experts are stored as {stored.name}, not {fmt.name}; "
+                                  "load them in their own format.")
+
+
+class CheckpointExpertStore(ExpertStore):
+    """Full-precision per-expert tensors of a Hugging Face checkpoint."""
+
+    def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
+        super().__init__(index, config, spec)
+        self.dtype = self._check_and_dtype()
 
     def _check_and_dtype(self) -> torch.dtype:
         """Validate every expert tensor's presence and shape up front: fail before loading, not midway."""
@@ -54,26 +94,113 @@ class ExpertStore:
             raise CheckpointError(f"expert tensors mix dtypes {sorted(map(str, dtypes))}; re-convert the checkpoint to one dtype.")
         return dtypes.pop() if dtypes else torch.float32
 
+    def read_raw(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor]:
+        """gate (I, H), up (I, H), down (H, I) of one expert, in the checkpoint's dtype."""
+        I, H = self.shape.intermediate, self.shape.hidden
+        out = (torch.empty((I, H), dtype=self.dtype), torch.empty((I, H), dtype=self.dtype),
+               torch.empty((H, I), dtype=self.dtype))
+        for name, t in zip(self.spec.expert_tensor_names(layer, expert), out):
+            self.index.read_into(self.index.info(name), t)
+        return out
+
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        """Read one expert into `out` (CPU tensors of `fmt`, one expert's worth)."""
-        names = self.spec.expert_tensor_names(layer, expert)
-        infos = [self.index.info(n) for n in names]
         views = fmt.raw_views(out, self.dtype)
         if views is None:
-            I, H = self.shape.intermediate, self.shape.hidden
-            views = (torch.empty((I, H), dtype=self.dtype), torch.empty((I, H), dtype=self.dtype),
-                     torch.empty((H, I), dtype=self.dtype))
-            for info, view in zip(infos, views):
-                self.index.read_into(info, view)
-            fmt.encode(*views, out)
+            fmt.encode(*self.read_raw(layer, expert), out)
             return
-        for info, view in zip(infos, views):
-            self.index.read_into(info, view)
+        for name, view in zip(self.spec.expert_tensor_names(layer, expert), views):
+            self.index.read_into(self.index.info(name), view)
 
-    def read_many(self, layer: int, experts: list[int], fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        """Read experts[i] into row i of the stacked CPU tensors `out`, with parallel preads."""
-        def one(i: int) -> None:
-            self.read_into(layer, experts[i], fmt, {name: t[i] for name, t in out.items()})
 
-        with ThreadPoolExecutor(read_workers()) as pool:
-            list(pool.map(one, range(len(experts))))
+class MLXExpertStore(ExpertStore):
+    """MLX's stacked `switch_mlp` tensors: expert e is row e of each (E, N, ·) tensor."""
+
+    PARTS = ("weight", "scales", "biases")
+
+    def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec, quantization: dict):
+        super().__init__(index, config, spec)
+        self.native = {}
+        I, H, E = self.shape.intermediate, self.shape.hidden, self.num_experts
+        for layer in self.moe_layers:
+            specs = set()
+            for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                scales = self.index.info(f"{self._base(layer)}.{proj}.scales")
+                qspec = mlx_spec(quantization, f"{self._base(layer)}.{proj}", scales.dtype)
+                if qspec is None:
+                    raise CheckpointError(f"{self._base(layer)}.{proj} is not quantized in this MLX checkpoint; "
+                                          "moestream reads MLX experts that are quantized.")
+                want = {"weight": (E, n, k * qspec.bits // 32), "scales": (E, n, k // qspec.group),
+                        "biases": (E, n, k // qspec.group)}
+                for part, shape in want.items():
+                    info = self.index.info(f"{self._base(layer)}.{proj}.{part}")
+                    if info.shape != shape:
+                        raise CheckpointError(f"tensor {info.name!r} has shape {list(info.shape)} but config.json "
+                                              f"implies {list(shape)}; the config does not match the weights.")
+                specs.add(qspec)
+            if len(specs) != 1:
+                raise CheckpointError(f"layer {layer}'s expert projections are quantized differently; moestream "
+                                      "needs one format per layer's experts.")
+            self.native[layer] = specs.pop()
+
+    def _base(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.spec.moe_prefix}.switch_mlp"
+
+    def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        self._check_native(layer, fmt)
+        I = self.shape.intermediate
+        for ours, mlx in (("qweight", "weight"), ("scales", "scales"), ("biases", "biases")):
+            gate_up = out[f"gate_up.{ours}"]
+            for proj, dest in (("gate_proj", gate_up[:I]), ("up_proj", gate_up[I:]), ("down_proj", out[f"down.{ours}"])):
+                info = self.index.info(f"{self._base(layer)}.{proj}.{mlx}")
+                self.index.read_into(info, dest, start=expert * dest.numel() * dest.element_size())
+
+
+class PackedExpertStore(ExpertStore):
+    """Records of a packed checkpoint: one preadv per expert, CRC-checked on first read."""
+
+    def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec, layout: PackedLayout):
+        super().__init__(index, config, spec)
+        self.layout = layout
+        self.native = {layer: layout.layers[layer].spec for layer in self.moe_layers}
+        self._fds: dict[int, int] = {}
+        self._verified: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    def _fd(self, layer: int) -> int:
+        fd = self._fds.get(layer)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(layer)
+                if fd is None:
+                    path = self.layout.folder / self.layout.layers[layer].file
+                    try:
+                        fd = self._fds[layer] = os.open(path, os.O_RDONLY)
+                    except OSError as exc:
+                        raise CheckpointError(f"cannot open {path} ({exc.strerror}); re-run `moestream convert`.") from None
+        return fd
+
+    def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        self._check_native(layer, fmt)
+        record = self.layout.layers[layer]
+        path = self.layout.folder / record.file
+        offset = expert * record.stride
+        fd = self._fd(layer)
+        verify = (layer, expert) not in self._verified
+        crc = 0
+        for entry in record.tensors:
+            dest = out[entry.name].view(-1).view(torch.uint8)
+            read_exactly(fd, dest, offset + entry.offset, path, f"expert {expert} of layer {layer}")
+            if verify:
+                crc = zlib.crc32(memoryview(dest.numpy()), crc)
+        if verify:
+            if crc != record.checksums[expert]:
+                raise CheckpointError(f"expert {expert} of layer {layer} in {path.name} fails its checksum (the file "
+                                      "is damaged); re-run `moestream convert`.")
+            self._verified.add((layer, expert))
+
+    def __del__(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -70,6 +70,11 @@ class QuantRecipe:
                 return _spec(name, self.scale_dtype)
         return base
 
+    def spec_for(self, path: str, num_layers: int) -> QuantSpec | None:
+        """The spec of the dense module at `path` (a model parameter path without `.weight`)."""
+        cls, layer = module_class(path)
+        return self.spec(cls, layer, num_layers) if cls is not None else None
+
     def as_dict(self) -> dict:
         return {**{c: getattr(self, c) for c in CLASSES}, "layer_formats": {str(k): v for k, v in sorted(self.layer_formats.items())},
                 "scale_dtype": str(self.scale_dtype).removeprefix("torch.")}
@@ -78,6 +83,24 @@ class QuantRecipe:
     def from_dict(cls, data: dict) -> QuantRecipe:
         return cls(**{c: data.get(c) for c in CLASSES}, layer_formats={int(k): v for k, v in data.get("layer_formats", {}).items()},
                    scale_dtype=getattr(torch, data.get("scale_dtype", "bfloat16")))
+
+
+_DENSE_FFN = ("gate_proj", "up_proj", "down_proj")
+
+
+def module_class(path: str) -> tuple[str | None, int | None]:
+    """(tensor class, layer) of a dense module path: embeddings, attention, shared, or (None, None)."""
+    if path in ("model.embed_tokens", "lm_head"):
+        return "embeddings", None
+    parts = path.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return None, None
+    layer, block = int(parts[2]), parts[3]
+    if block in ("self_attn", "attention", "linear_attn"):
+        return "attention", layer
+    if "shared_expert" in parts or "shared_experts" in parts or (len(parts) == 5 and parts[4] in _DENSE_FFN):
+        return "shared", layer
+    return None, None
 
 
 def parse_layer_formats(items: list[str] | None) -> dict[int, str]:

@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moestream.checkpoint.safetensors_writer import ST_NAMES, write_safetensors
 from moestream.experts.bank import ExpertBank
 from moestream.experts.store import read_workers
 from moestream.fileio import write_atomic
@@ -55,9 +55,6 @@ FORMAT_VERSION = 3
 JSON_NAME = "bank.json"
 TMP_PREFIX = ".bank-tmp-"   # temporaries of a save; the next save sweeps what a killed writer left
 _DIGEST_BLOCK = 64 << 20
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int32: "I32", torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8"}
-
 Key = dict
 
 
@@ -134,31 +131,21 @@ def _save_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _tensors(bank: ExpertBank) -> Iterator[tuple[str, torch.Tensor]]:
-    """Name → tensor, one at a time; slot owners first so every later offset stays 4-aligned."""
-    for layer in sorted(bank.layers):
-        yield f"layer.{layer}.slot_owner", torch.tensor(bank.layers[layer].owner, dtype=torch.int32)
+def _tensors(bank: ExpertBank) -> dict[str, torch.Tensor]:
+    """Name → tensor (views, nothing copied); slot owners first so every later offset stays 4-aligned."""
+    out = {f"layer.{layer}.slot_owner": torch.tensor(bank.layers[layer].owner, dtype=torch.int32)
+           for layer in sorted(bank.layers)}
     for layer in sorted(bank.layers):
         for name, t in bank.layers[layer].tensors.items():
-            yield f"layer.{layer}.{name}", t
+            out[f"layer.{layer}.{name}"] = t
+    return out
 
 
 def _write_safetensors(bank: ExpertBank, f: BinaryIO) -> str:
-    """Stream the bank into an open file in safetensors layout; return the SHA-256 of what was written."""
-    header, offset = {}, 0
-    for name, t in _tensors(bank):
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "moestream-bank", "format_version": str(FORMAT_VERSION)}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)   # data starts 8-aligned, as safetensors itself writes it
-    f.write(struct.pack("<Q", len(blob)) + blob)
-    for _, t in _tensors(bank):
-        host = t.detach().to("cpu").contiguous()   # one tensor in host memory at a time
-        f.write(memoryview(host.view(torch.uint8).numpy()))
-        del host
-    f.flush()
+    """Stream the bank into an open file in safetensors layout; return the digest of what was written."""
+    tensors = _tensors(bank)
+    write_safetensors(f, [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], tensors.__getitem__,
+                      {"format": "moestream-bank", "format_version": str(FORMAT_VERSION)})
     return _chunked_sha256(f.fileno(), f.tell())   # re-read from the page cache, in parallel
 
 
@@ -310,9 +297,9 @@ def load_snapshot(bank: ExpertBank, directory: str | Path, key: Key, verify: boo
                     if name not in names:
                         return False, f"tensor {name} is missing from {path.name}"
                     sl = f.get_slice(name)
-                    if list(sl.get_shape()) != list(want.shape) or sl.get_dtype() != _ST_DTYPES[want.dtype]:
+                    if list(sl.get_shape()) != list(want.shape) or sl.get_dtype() != ST_NAMES[want.dtype]:
                         return False, (f"tensor {name} is {sl.get_dtype()} {sl.get_shape()}, "
-                                       f"the bank wants {_ST_DTYPES[want.dtype]} {list(want.shape)}")
+                                       f"the bank wants {ST_NAMES[want.dtype]} {list(want.shape)}")
                 name = f"layer.{layer}.slot_owner"
                 if name not in names:
                     return False, f"tensor {name} is missing from {path.name}"
