@@ -41,6 +41,26 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="generate this many tokens before the first request (default: 8 with --prepack, else 0)")
     p.add_argument("--verbose", action="store_true", help="print the memory plan, discovery and prepack details to stderr")
+    _add_quant_args(p)
+
+
+def _add_quant_args(p: argparse.ArgumentParser, what: str = "quantize on load") -> None:
+    """Precision per tensor class (routers always stay at full precision)."""
+    names = "int8, int4, int3, int2, nf4, nf3 (optionally -g32/-g64/-g128), or bf16/fp16/fp32 for none"
+    p.add_argument("--experts", default=None, metavar="FORMAT", help=f"routed experts ({what}): {names}")
+    p.add_argument("--shared", default=None, metavar="FORMAT", help="shared experts and dense FFN layers")
+    p.add_argument("--attention", default=None, metavar="FORMAT", help="attention projections")
+    p.add_argument("--embeddings", default=None, metavar="FORMAT", help="token embeddings and the LM head")
+    p.add_argument("--layer-format", action="append", default=[], metavar="LAYER=FORMAT",
+                   help="override every quantized class of one layer, e.g. 0=int8 -1=int8 (repeatable)")
+
+
+def _recipe(args):
+    from moestream.quant.recipe import QuantRecipe, parse_layer_formats
+
+    return QuantRecipe(experts=getattr(args, "experts", None), shared=getattr(args, "shared", None),
+                       attention=getattr(args, "attention", None), embeddings=getattr(args, "embeddings", None),
+                       layer_formats=parse_layer_formats(getattr(args, "layer_format", None)))
 
 
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
@@ -71,14 +91,17 @@ def engine_config(args):
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))
-    return EngineConfig(_model_arg(args.model), runtime, bank, warm).validate()
+    return EngineConfig(_model_arg(args.model), runtime, bank, warm, _recipe(args)).validate()
 
 
 def _load(args):
     import moestream
 
     t0 = time.perf_counter()
-    engine = moestream.load(engine_config(args))
+    config = engine_config(args)
+    if config.quant.quantized:
+        print("[moestream] quantizing on load (a slower start; `moestream convert` once to skip this)", file=sys.stderr)
+    engine = moestream.load(config)
     load_s = time.perf_counter() - t0
     _report_load(engine, load_s, args)
     return engine, load_s
@@ -272,6 +295,20 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from moestream.convert import convert
+    from moestream.sizes import format_bytes
+
+    if args.experts is None:
+        raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts.")
+    result = convert(args.source, args.out, _recipe(args), dtype=args.dtype, device=args.device, force=args.force,
+                     progress=sys.stderr.isatty())
+    resumed = f", resumed after {result.resumed_layers} finished layers" if result.resumed_layers else ""
+    print(f"[moestream] wrote {result.out} ({format_bytes(result.written_bytes)}) in {result.seconds:.1f} s, "
+          f"{result.gb_per_s:.2f} GB/s of expert weights{resumed}", file=sys.stderr)
+    return 0
+
+
 def cmd_archs(args) -> int:
     from moestream.archs import describe_archs
 
@@ -388,7 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", default="auto")
     check.add_argument("--max-context", type=int, default=None)
     _add_budget_args(check)
+    _add_quant_args(check)
     check.set_defaults(func=cmd_check)
+
+    conv = sub.add_parser("convert", help="write a packed checkpoint with quantized experts (and dense tensors)")
+    conv.add_argument("source", help="Hugging Face checkpoint folder or hub id (bf16/fp16/fp32)")
+    conv.add_argument("out", help="output folder (written beside as .OUT.partial, renamed when complete)")
+    _add_quant_args(conv, "required")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                      help="dtype of the tensors kept at full precision (default: the source's)")
+    conv.add_argument("--device", default="auto", help="where to quantize: cpu, cuda or auto")
+    conv.add_argument("--force", action="store_true", help="overwrite an existing output folder")
+    conv.set_defaults(func=cmd_convert)
 
     archs = sub.add_parser("archs", help="list supported model families")
     archs.set_defaults(func=cmd_archs)

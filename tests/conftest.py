@@ -16,8 +16,12 @@ def tiny_qwen3(tiny_checkpoints):
 
 
 @pytest.fixture(scope="session")
-def tiny_quant(tmp_path_factory):
-    """A tiny qwen3_moe checkpoint whose widths fit every quantization group size of 32 and 64."""
-    folder = tmp_path_factory.mktemp("tiny_quant") / "qwen3_moe"
-    make_quant_tiny_checkpoint(folder)
-    return folder
+def tiny_quant_checkpoints(tmp_path_factory):
+    """arch → (folder, transformers model): tiny checkpoints whose widths fit quantization groups of 32 and 64."""
+    root = tmp_path_factory.mktemp("tiny_quant")
+    return {arch: (root / arch, make_quant_tiny_checkpoint(root / arch, arch=arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_quant(tiny_quant_checkpoints):
+    return tiny_quant_checkpoints["qwen3_moe"][0]

@@ -28,6 +28,9 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I16": torch.int16,
     "I8": torch.int8,
     "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
@@ -161,17 +164,17 @@ class TensorIndex:
                     self._fds[path] = fd
         return fd
 
-    def read_into(self, info: TensorInfo, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def read_into(self, info: TensorInfo, out: torch.Tensor, start: int | None = None) -> torch.Tensor:
         """Read the raw bytes of `info` (from byte `start` of its data, as many as `out` holds) into
         the contiguous CPU tensor `out`; without `start`, `out` must hold the whole tensor."""
         view = out.view(-1).view(torch.uint8)
-        if (start == 0 and view.numel() != info.nbytes) or start + view.numel() > info.nbytes:
+        if (start is None and view.numel() != info.nbytes) or (start or 0) + view.numel() > info.nbytes:
             raise ValueError(f"destination holds {view.numel()} bytes, {info.name} needs {info.nbytes}")
         try:
             fd = self._fd(info.path)
         except OSError as exc:
             raise CheckpointError(f"cannot open {info.path} ({exc.strerror}); check that it exists and is readable.") from None
-        read_exactly(fd, view, info.offset + start, info.path, repr(info.name))
+        read_exactly(fd, view, info.offset + (start or 0), info.path, repr(info.name))
         return out
 
     def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
