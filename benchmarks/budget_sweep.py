@@ -44,7 +44,7 @@ def budgets(args) -> dict:
                                max_context=4096) if tier is None else None
         if tier is None:
             t1 = time.perf_counter()
-            tier = PinnedHostTier(probe.bank.store, probe.bank.format)
+            tier = PinnedHostTier(probe.bank.store, probe.bank.formats)
             log(f"pinned host tier: {format_bytes(tier.nbytes())} in {time.perf_counter() - t1:.1f} s")
             config = probe.config
             del probe

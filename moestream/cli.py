@@ -323,7 +323,7 @@ def cmd_archs(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from moestream.runtime.perplexity import sliding_window_perplexity
+    from moestream.runtime.perplexity import sliding_window_scores
 
     path = Path(args.file)
     if not path.is_file():
@@ -347,19 +347,37 @@ def cmd_perplexity(args) -> int:
         raise InputError(f"--file {path} holds fewer than two tokens; give a longer file.")
     window = min(args.window or engine.max_context, engine.max_context)
     t0 = time.perf_counter()
+    kl = None
     if args.decode:
         from moestream.runtime.perplexity import decode_perplexity
 
+        if args.kl_reference is not None:
+            raise InputError("--kl-reference scores prompt windows; run it without --decode.")
         ppl, n = decode_perplexity(engine.runner, ids, window, args.max_tokens)
     else:
-        ppl, n = sliding_window_perplexity(engine.logits, ids, window, engine.device)
+        reference = _kl_reference(args, engine) if args.kl_reference is not None else None
+        scores = sliding_window_scores(engine.logits, ids, window, engine.device,
+                                       reference.logits if reference is not None else None)
+        ppl, n, kl = scores.perplexity, scores.tokens, scores.kl
     result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0,
               "mode": "decode" if args.decode else "prefill", "miss_policy": args.miss_policy,
-              "capacity": engine.bank.capacity}
+              "capacity": engine.bank.capacity, "experts": engine.bank.formats[next(iter(engine.bank.formats))].name
+              if engine.bank.formats else None, "kl_to_reference": kl}
+    extra = f", KL to the reference {kl:.5f} nats/token" if kl is not None else ""
     print(json.dumps(result) if args.json else
           f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {args.miss_policy}, "
-          f"capacity {engine.bank.capacity}/{engine.config.num_experts})")
+          f"capacity {engine.bank.capacity}/{engine.config.num_experts}{extra})")
     return 0
+
+
+def _kl_reference(args, engine):
+    """The reference of --kl-reference: another checkpoint, or this one at full precision (no recipe)."""
+    import moestream
+    from moestream.engine import EngineConfig, RuntimeConfig
+
+    model = str(engine.folder) if args.kl_reference == "same" else args.kl_reference
+    return moestream.load(EngineConfig(model, RuntimeConfig(device=str(engine.device), dtype=engine.dtype,
+                                                            max_context=args.max_context)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--decode", action="store_true",
                      help="score every token through a decode step (what decode-only approximations such as --miss-policy skip change)")
     ppl.add_argument("--max-tokens", type=int, default=None, help="with --decode: score at most this many tokens")
+    ppl.add_argument("--kl-reference", nargs="?", const="same", default=None, metavar="MODEL",
+                     help="also report the mean KL divergence to a reference's next-token distributions "
+                          "(default: this checkpoint at full precision)")
     _add_profile_args(ppl)
     ppl.set_defaults(func=cmd_perplexity)
 

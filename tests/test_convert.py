@@ -101,7 +101,7 @@ def test_a_full_disk_leaves_nothing_under_the_final_name(tiny_quant, tmp_path, m
 
 @pytest.mark.parametrize("args,match", [
     (["--experts", "int5"], "unknown"),
-    (["--experts", "int4-g128"], "does not divide"),
+    (["--experts", "int4-g16"], "group size 16"),
     ([], "needs --experts"),
     (["--experts", "bf16"], "stores quantized experts"),
     (["--experts", "int4", "--layer-format", "x=int8"], "LAYER=FORMAT"),

@@ -147,7 +147,7 @@ class QuantizedFormat(ExpertFormat):
         out = []
         for proj, (n, k) in self.projection_shapes(shape).items():
             self.spec.check_width(k, f"the {proj} input dimension")
-            groups = k // self.spec.group
+            groups = self.spec.groups(k)
             out.append(TensorSpec(f"{proj}.qweight", (n, self.spec.packed_width(k)), torch.uint8))
             out.append(TensorSpec(f"{proj}.scales", (n, groups), self.spec.scale_dtype))
             if self.spec.has_bias:

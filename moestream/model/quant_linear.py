@@ -23,7 +23,7 @@ FULL_PRECISION = ("shared_expert_gate",)
 
 def _quant_parameters(module: nn.Module, rows: int, cols: int, spec: QuantSpec) -> None:
     spec.check_width(cols, f"the input dimension of a {rows}x{cols} weight")
-    groups = cols // spec.group
+    groups = spec.groups(cols)
     module.qweight = nn.Parameter(torch.empty(rows, spec.packed_width(cols), dtype=torch.uint8), requires_grad=False)
     module.scales = nn.Parameter(torch.empty(rows, groups, dtype=spec.scale_dtype), requires_grad=False)
     module.biases = (nn.Parameter(torch.empty(rows, groups, dtype=spec.scale_dtype), requires_grad=False)

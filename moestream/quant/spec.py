@@ -4,7 +4,8 @@ A spec says how one (N, K) weight is stored: `bits` per value packed along the i
 one scale (and, for affine, one bias) per `group` consecutive values of a row, scales and biases in
 `scale_dtype`. Names are `<kind><bits>[-g<group>]`: kind `int` (affine: w ≈ q·scale + bias) or `nf`
 (normal float: w ≈ code[q]·absmax); without `-g` the group is the kind's default (64; 32 for int2,
-whose 4 levels need small groups).
+whose 4 levels need small groups). A row whose width is not a multiple of the group ends in one
+shorter group (a 48-wide row in groups of 32: 32 + 16); widths must be multiples of 8 (whole packs).
 """
 
 from __future__ import annotations
@@ -45,14 +46,18 @@ class QuantSpec:
         """Bytes per row of K values."""
         return k * self.bits // 8
 
+    def groups(self, k: int) -> int:
+        """Groups per row of K values (the last one shorter when the group does not divide K)."""
+        return -(-k // self.group)
+
     def check_width(self, k: int, what: str = "the input dimension") -> None:
-        if k % self.group:
-            raise InputError(f"group size {self.group} does not divide {what} ({k}); use a group size among "
-                             f"{', '.join(str(g) for g in GROUPS if k % g == 0) or 'none that fits'}.")
+        if k < 8 or k % 8:
+            raise InputError(f"{what} ({k}) is not a multiple of 8, so its values cannot be packed; keep this "
+                             "tensor at full precision.")
 
     def nbytes(self, n: int, k: int) -> int:
         """Bytes of one (n, k) weight: packed values, scales and biases."""
-        groups = n * (k // self.group)
+        groups = n * self.groups(k)
         scale = torch.empty((), dtype=self.scale_dtype).element_size()
         return n * self.packed_width(k) + groups * scale * (2 if self.has_bias else 1)
 

@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+ModelFn = Callable[[torch.Tensor], torch.Tensor]
 
-def sliding_window_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], ids: list[int], window: int,
-                              device: torch.device | str = "cpu") -> tuple[float, int]:
-    """(perplexity, scored tokens); model_fn maps (1, L) ids to (1, L, V) logits."""
+
+@dataclass
+class Scores:
+    perplexity: float
+    tokens: int
+    kl: float | None = None   # mean KL(reference ‖ model) of the next-token distributions, in nats
+
+
+def sliding_window_scores(model_fn: ModelFn, ids: list[int], window: int, device: torch.device | str = "cpu",
+                          reference_fn: ModelFn | None = None) -> Scores:
+    """Perplexity of `ids` under `model_fn` (maps (1, L) ids to (1, L, V) logits), and with a
+    `reference_fn` the mean KL divergence from the reference's next-token distributions to the
+    model's over the same scored positions (the quality cost of quantization, token by token)."""
     if len(ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     stride = max(1, window // 2)
-    total_nll, scored, prev_end = 0.0, 0, 0
+    total_nll, total_kl, scored, prev_end = 0.0, 0.0, 0, 0
     for begin in range(0, len(ids), stride):
         end = min(begin + window, len(ids))
         target_len = end - prev_end
@@ -29,13 +41,24 @@ def sliding_window_perplexity(model_fn: Callable[[torch.Tensor], torch.Tensor], 
         labels = chunk[0].clone()
         labels[: end - begin - target_len] = -100
         nll = F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
-        n = int((labels[1:] != -100).sum())
+        keep = labels[1:] != -100
+        if reference_fn is not None:
+            log_q = logits[:-1][keep].log_softmax(-1)
+            log_p = reference_fn(chunk)[0].float()[:-1][keep].log_softmax(-1).to(log_q.device)
+            total_kl += float((log_p.exp() * (log_p - log_q)).sum())
         total_nll += float(nll)
-        scored += n
+        scored += int(keep.sum())
         prev_end = end
         if end == len(ids):
             break
-    return math.exp(total_nll / scored), scored
+    return Scores(math.exp(total_nll / scored), scored, total_kl / scored if reference_fn is not None else None)
+
+
+def sliding_window_perplexity(model_fn: ModelFn, ids: list[int], window: int,
+                              device: torch.device | str = "cpu") -> tuple[float, int]:
+    """(perplexity, scored tokens); model_fn maps (1, L) ids to (1, L, V) logits."""
+    scores = sliding_window_scores(model_fn, ids, window, device)
+    return scores.perplexity, scores.tokens
 
 
 def decode_perplexity(runner, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:

@@ -81,9 +81,19 @@ def test_unknown_formats_and_groups_list_the_valid_ones(name, match):
         parse_quant(name)
 
 
-def test_a_group_that_does_not_divide_the_width_is_refused():
-    with pytest.raises(InputError, match="does not divide"):
-        quantize(torch.randn(4, 96), parse_quant("int4-g64"))
+def test_a_group_that_does_not_divide_the_width_ends_in_a_shorter_group():
+    w = torch.randn(4, 96, generator=torch.Generator().manual_seed(5)) * 0.02
+    for name in ("int4-g64", "nf4-g64", "int3-g128"):
+        spec = parse_quant(name)
+        qt = quantize(w, spec)
+        assert qt.scales.shape == (4, spec.groups(96)) and spec.nbytes(4, 96) == sum(t.nbytes for t in qt.parts().values())
+        whole = quantize(w[:, :64], spec) if spec.group == 64 else None
+        back = dequantize(qt.qweight, qt.scales, qt.biases, spec)
+        assert ((back - w).norm() / w.norm()) < BOUNDS[name.split("-")[0]]
+        if whole is not None:   # the first group is quantized exactly as on its own
+            assert torch.equal(back[:, :64], dequantize(whole.qweight, whole.scales, whole.biases, spec))
+    with pytest.raises(InputError, match="multiple of 8"):
+        quantize(torch.randn(4, 36), parse_quant("int4"))
 
 
 def test_recipe_classes_and_layer_overrides():
@@ -97,3 +107,20 @@ def test_recipe_classes_and_layer_overrides():
         QuantRecipe(experts="int4", layer_formats={9: "int8"}).validate(num_layers=4)
     with pytest.raises(InputError, match="LAYER=FORMAT"):
         parse_layer_formats(["first=int8"])
+
+
+def test_perplexity_reports_kl_to_full_precision(tmp_path, capsys):
+    import json
+
+    from moestream.cli import DEMO_MODEL, main as cli_main
+
+    sample = tmp_path / "sample.py"
+    sample.write_text((DEMO_MODEL / "heldout_sample.txt").read_text()[:1500])
+    base = ["perplexity", "--device", "cpu", "--file", str(sample), "--window", "128", "--json", "--kl-reference"]
+    assert cli_main(base) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert cli_main(base + ["--experts", "int3"]) == 0
+    int3 = json.loads(capsys.readouterr().out)
+    assert same["kl_to_reference"] == pytest.approx(0.0, abs=1e-6) and int3["kl_to_reference"] > 1e-3
+    assert int3["tokens"] == same["tokens"] and int3["perplexity"] != same["perplexity"]
+    assert int3["experts"] == "int3-g64"
