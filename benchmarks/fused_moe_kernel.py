@@ -20,6 +20,9 @@ figure of merit for prefill; `roof us` = those bytes at 3.35 TB/s (H100 SXM HBM3
 `--tune` sweeps grouped-path block sizes per T (refreshes `_CONFIG_TABLE`); `--tune-decode`
 sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`.
 
+`--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
+the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched.
+
 Usage:
     python benchmarks/fused_moe_kernel.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
                                          [--tune] [--tune-decode]
@@ -190,6 +193,41 @@ def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
     return asdict(best), best_ms
 
 
+def quant_rows(args) -> None:
+    """The dequantizing kernel against bf16 at each T, cold (16 routings per graph)."""
+    from moestream.kernels.fused_moe import fused_moe_with_config
+    from moestream.kernels.fused_moe_quant import fused_moe_quant
+    from moestream.quant import parse_quant, quantize
+
+    spec = parse_quant(args.format)
+    H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k
+    bank = make_bank(H, I, S)
+    slots: dict[str, list] = {}
+    for proj, t in (("gate_up", bank[0]), ("down", bank[1])):
+        for s in range(S):
+            for part, v in quantize(t[s], spec).parts().items():
+                slots.setdefault(f"{proj}.{part}", []).append(v)
+    qbank = {name: torch.stack(v) for name, v in slots.items()}
+    q_expert = sum(t[0].numel() * t.element_size() for t in qbank.values())
+    print(f"{spec.name}: {q_expert / 1e6:.2f} MB per expert (bf16 {3 * H * I * 2 / 1e6:.2f} MB)")
+    rows = []
+    for T in args.tokens:
+        cold = [make_routing(T, H, S, k, seed=1000 * T + i) for i in range(COLD_ROUTINGS)]
+        used = sum(int(r[1].unique().numel()) for r in cold) / len(cold)
+        bf = time_cold_graph_ms(lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2]), cold)
+        q = time_cold_graph_ms(lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec), cold)
+        err = float((fused_moe_quant(*cold[0][:1], qbank, *cold[0][1:], spec).float()
+                     - fused_moe_with_config(cold[0][0], *bank, cold[0][1], cold[0][2]).float()).norm()
+                    / fused_moe_with_config(cold[0][0], *bank, cold[0][1], cold[0][2]).float().norm())
+        rows.append({"T": T, "format": spec.name, "bf16_us": bf * 1e3, "quant_us": q * 1e3,
+                     "quant_GB_per_s": used * q_expert / q / 1e6, "bf16_GB_per_s": used * 3 * H * I * 2 / bf / 1e6,
+                     "rel_diff_vs_bf16": err})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 512, 2048])
@@ -205,9 +243,13 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="sweep grouped block sizes per T")
     parser.add_argument("--tune-decode", action="store_true",
                         help="sweep decode tiles at T=1 and T=8 (cold graph timing)")
+    parser.add_argument("--format", default=None, help="also time quantized experts in this format (e.g. int4)")
     args = parser.parse_args()
     if not fused_moe_available():
         sys.exit("fused_moe_kernel.py needs a CUDA device and Triton")
+    if args.format:
+        quant_rows(args)
+        return
     from moestream.kernels.fused_moe import DECODE_MAX_PAIRS, fused_moe_with_config
 
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k

@@ -49,6 +49,7 @@ from .fused_moe_decode import (
     DEFAULT_DECODE_CONFIG,
     DecodeConfig,
     DecodeTile,
+    QuantOperand,
     launch_decode_gemms,
 )
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
@@ -129,15 +130,16 @@ def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
 
 @triton.jit
 def _moe_grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr,
+    a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr,
     N, K, num_pairs, num_m_blocks,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn, ROW_BYTES,
     A_ROW_DIV: tl.constexpr,      # A row of a pair = pair // A_ROW_DIV (top_k for hidden, 1 after)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight w[pair]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
 ):
     """C[pair, :] = epilogue(A[pair // A_ROW_DIV, :] @ B[slot]^T) for one (M-block, N-tile).
 
@@ -170,10 +172,10 @@ def _moe_grouped_gemm_kernel(
     # store is masked), which keeps the weight loads wide.
     offs_bn = (offs_n % N).to(tl.int64)
     a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_be
-              + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk)
-    acc, acc_up = gated_dot(a_ptrs, b_ptrs, row_mask, offs_k, K, N, stride_ak, stride_bk, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION)
+    slot = slot.to(tl.int64)
+    acc, acc_up = gated_dot(a_ptrs, b_ptr + slot * stride_be, s_ptr + slot * stride_se, z_ptr + slot * stride_se,
+                            code_ptr, offs_bn, row_mask, offs_k, K, N, stride_ak, stride_bk, stride_bn, stride_sn,
+                            ROW_BYTES, BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
     if GATED:
         acc = activate(acc, acc_up, ACTIVATION)
     if MUL_WEIGHT:
@@ -185,18 +187,28 @@ def _moe_grouped_gemm_kernel(
 def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: Tensor,
                          block_slot: Tensor, n: int, k: int, num_pairs: int, a_row_div: int,
                          gated: bool, activation_code: int, mul_weight: bool,
-                         block_m: int, cfg: GemmConfig) -> None:
+                         block_m: int, cfg: GemmConfig, quant: QuantOperand | None = None) -> None:
     """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles."""
     num_m_blocks = block_slot.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
+    if quant is None:
+        s = z = code = b
+        stride_se = stride_sn = row_bytes = 0
+        bits, group, nf = 0, 1, False
+    else:
+        b, s, z, code = quant.qweight, quant.scales, quant.biases, quant.code
+        stride_se, stride_sn, row_bytes = s.stride(0), s.stride(1), b.shape[2]
+        bits, group, nf = quant.bits, quant.group, quant.nf
     _moe_grouped_gemm_kernel[grid](
-        a, b, c, w, pair_ids, block_slot,
+        a, b, c, w, pair_ids, block_slot, s, z, code,
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        stride_se, stride_sn, row_bytes,
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=(k % cfg.block_k == 0),
+        EVEN_K=(k % cfg.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BITS=bits, GROUP=group, NF=nf,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -269,6 +281,12 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                     ("weights", weights)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    path = resolve_path(path, config, T, k)
+    return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[activation], config, path, S, I)
+
+
+def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
+    """The path a call takes: given, implied by the config's type, or `choose_path`."""
     if path not in _PATHS:
         raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
     if path == "auto":
@@ -277,40 +295,49 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
         elif isinstance(config, MoeConfig):
             path = "grouped"
         else:
-            path = choose_path(T, k)
+            path = choose_path(num_tokens, top_k)
     wanted = DecodeConfig if path == "decode" else MoeConfig
     if config is not None and not isinstance(config, wanted):
         raise TypeError(f"the {path} path takes a {wanted.__name__}, got {type(config).__name__}")
+    return path
 
+
+def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
+              activation_code: int, config, path: str, num_slots: int, intermediate: int,
+              quant: tuple[QuantOperand, QuantOperand] | None = None) -> Tensor:
+    """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k."""
+    T, k = slot_ids.shape
+    H = hidden.shape[1]
     num_pairs = T * k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     if path == "decode" and num_pairs > _DECODE_FORCED_MAX_PAIRS:
         raise ValueError(f"the decode path handles at most {_DECODE_FORCED_MAX_PAIRS} "
                          f"(token, expert) pairs, got T*k = {num_pairs}; use the grouped path")
-    activation_code = _ACTIVATION_CODES[activation]
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
     per_pair = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
-    activated = torch.empty((num_pairs, I), dtype=hidden.dtype, device=hidden.device)
+    activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
 
     with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
         if path == "decode":
             launch_decode_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
-                                activation_code, config)
+                                activation_code, config, quant=quant, intermediate=intermediate)
         else:
             _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
-                           activation_code, config)
-        _launch_sum_over_k(per_pair, slot_ids, out, S)
+                           activation_code, config, quant=quant, intermediate=intermediate)
+        _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
     return out
 
 
 def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                    weights: Tensor, activated: Tensor, per_pair: Tensor, activation_code: int,
-                   config: MoeConfig | None) -> None:
+                   config: MoeConfig | None, quant: tuple[QuantOperand, QuantOperand] | None = None,
+                   intermediate: int | None = None) -> None:
     """Align + the two grouped GEMM launches; rows of unrouted pairs are left unwritten."""
     T, k = slot_ids.shape
-    S, two_i, H = gate_up.shape
-    I = two_i // 2
+    S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
+    H = hidden.shape[1]
+    I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     num_pairs = T * k
     cfg = config if config is not None else select_config(T, k, S)
     elt = hidden.element_size()
@@ -322,11 +349,11 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
                          n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
                          activation_code=activation_code, mul_weight=False,
-                         block_m=cfg.block_m, cfg=gate_up_cfg)
+                         block_m=cfg.block_m, cfg=gate_up_cfg, quant=quant[0] if quant else None)
     _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
                          n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
                          activation_code=0, mul_weight=True,
-                         block_m=cfg.block_m, cfg=down_cfg)
+                         block_m=cfg.block_m, cfg=down_cfg, quant=quant[1] if quant else None)
 
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,

@@ -37,7 +37,7 @@ from torch import Tensor
 from .moe_activation import activate
 from .moe_tiles import fit_tile, gated_dot
 
-__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "launch_decode_gemms"]
+__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QuantOperand", "launch_decode_gemms"]
 
 # Shared memory one program's pipeline may use; small tiles leave room for several programs/SM.
 _SMEM_BUDGET_BYTES = 96 * 1024
@@ -71,10 +71,10 @@ DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),
 
 @triton.jit
 def _moe_decode_kernel(
-    a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr,
+    a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr,
     N, K, num_pairs, num_slots, top_k,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_st, stride_sj, stride_wt, stride_wj,
+    stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn, ROW_BYTES,
     A_BY_TOKEN: tl.constexpr,     # A row of a pair = its token (hidden) or the pair (inter)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); activate
     ACTIVATION: tl.constexpr,
@@ -82,6 +82,7 @@ def _moe_decode_kernel(
     PAIRS: tl.constexpr,          # power of two >= num_pairs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
 ):
     """C[q, n-tile] = epilogue(A[row(q)] @ B[slot]^T) for every pair q routed to this pair's
     slot, if this pair is the slot's first pair (see the module docstring)."""
@@ -108,8 +109,9 @@ def _moe_decode_kernel(
     # the weight loads unmasked along N and wide along K.
     offs_bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    b_start = (b_ptr + slot.to(tl.int64) * stride_be
-               + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk)
+    b_base = b_ptr + slot.to(tl.int64) * stride_be
+    s_base = s_ptr + slot.to(tl.int64) * stride_se
+    z_base = z_ptr + slot.to(tl.int64) * stride_se
 
     for first_row in range(0, count, BLOCK_M):
         rows = first_row + tl.arange(0, BLOCK_M)
@@ -122,8 +124,9 @@ def _moe_decode_kernel(
         else:
             a_row = pair
         a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        acc, acc_up = gated_dot(a_ptrs, b_start, row_mask, offs_k, K, N, stride_ak, stride_bk, stride_bn,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION)
+        acc, acc_up = gated_dot(a_ptrs, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, offs_k, K, N,
+                                stride_ak, stride_bk, stride_bn, stride_sn, ROW_BYTES,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
         if GATED:
             acc = activate(acc, acc_up, ACTIVATION)
         if MUL_WEIGHT:
@@ -135,40 +138,66 @@ def _moe_decode_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@dataclass(frozen=True)
+class QuantOperand:
+    """A quantized bank tensor as the kernels read it: packed bytes (S, N, K·bits/8), scales and
+    biases (S, N, groups; biases may be the scales for NF), the NF codebook (or any tensor)."""
+
+    qweight: Tensor
+    scales: Tensor
+    biases: Tensor
+    code: Tensor
+    bits: int
+    group: int
+    nf: bool
+
+
 def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
             num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
-            mul_weight: bool, block_m: int, tile: DecodeTile) -> None:
+            mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None) -> None:
     num_pairs = slot_ids.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n))
+    if quant is None:
+        s = z = code = b
+        stride_se = stride_sn = row_bytes = 0
+        bits, group, nf = 0, 1, False
+    else:
+        b, s, z, code = quant.qweight, quant.scales, quant.biases, quant.code
+        stride_se, stride_sn, row_bytes = s.stride(0), s.stride(1), b.shape[2]
+        bits, group, nf = quant.bits, quant.group, quant.nf
     _moe_decode_kernel[grid](
-        a, b, c, slot_ids, weights,
+        a, b, c, slot_ids, weights, s, z, code,
         n, k, num_pairs, num_slots, slot_ids.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1),
+        slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1), stride_se, stride_sn, row_bytes,
         A_BY_TOKEN=a_by_token, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
         PAIRS=max(16, triton.next_power_of_2(num_pairs)),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=(k % tile.block_k == 0),
+        EVEN_K=(k % tile.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BITS=bits, GROUP=group, NF=nf,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
 def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                         weights: Tensor, inter: Tensor, per_pair: Tensor, activation_code: int,
-                        config: DecodeConfig | None = None) -> None:
+                        config: DecodeConfig | None = None, quant: tuple[QuantOperand, QuantOperand] | None = None,
+                        intermediate: int | None = None) -> None:
     """The two decode launches: gate_up+activation into `inter` (T*k, I), hidden dtype; then
     down times routing weight into `per_pair` (T*k, H), fp32. Rows of unrouted pairs are left
-    unwritten. Inputs are validated by the caller."""
+    unwritten. Inputs are validated by the caller. With `quant` (gate_up, down operands), the
+    bank is quantized and gate_up / down are ignored for their contents."""
     cfg = config if config is not None else DEFAULT_DECODE_CONFIG
-    S, two_i, H = gate_up.shape
-    I = two_i // 2
+    S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
+    H = hidden.shape[1]
+    I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     elt = hidden.element_size()
     gate_up_tile = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
     down_tile = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
     _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
-            block_m=cfg.block_m, tile=gate_up_tile)
+            block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None)
     _launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
             gated=False, activation_code=0, mul_weight=True, block_m=cfg.block_m,
-            tile=down_tile)
+            tile=down_tile, quant=quant[1] if quant else None)

@@ -46,3 +46,17 @@ def test_peak_device_memory_stays_within_budget(fraction, tiny_qwen3):
     assert engine.bank.capacity >= cap   # the largest capacity that fits (staging can cost more than it saves)
     engine.generate(list(range(2, 120)), max_tokens=16, ignore_eos=True)
     assert torch.cuda.max_memory_allocated() - base <= budget
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "int3"])
+def test_quantized_experts_on_gpu_match_the_cpu_engine_and_fetch_stays_exact(tiny_quant, fmt):
+    ids = torch.randint(2, 160, (2, 17), generator=torch.Generator().manual_seed(6))
+    cpu = moestream.load(tiny_quant, device="cpu", dtype="float32", experts=fmt, attention="int8").logits(ids)
+    gpu = moestream.load(tiny_quant, device="cuda", dtype="float32", experts=fmt, attention="int8").logits(ids)
+    assert (gpu.cpu() - cpu).norm() / cpu.norm() < 1e-3
+    full = moestream.load(tiny_quant, device="cuda", dtype="bfloat16", experts=fmt)
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9)]
+    expected = full.generate(prompts, max_tokens=16, ignore_eos=True)
+    for cap in (2, 5):
+        engine = moestream.load(tiny_quant, device="cuda", dtype="bfloat16", experts=fmt, capacity=cap)
+        assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == expected, cap

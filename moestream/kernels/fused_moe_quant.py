@@ -1,0 +1,51 @@
+"""Fused MoE dispatch over quantized bank slots in Triton: the CUDA path of `quant_moe_reference`.
+
+The same two paths, launches and epilogues as the plain kernel (fused_moe.py): the kernels are
+shared, and every B tile is dequantized in registers as it is loaded (`moe_tiles.load_b_tile`:
+packed bytes → values → q·scale + bias or codebook[q]·scale, in fp32, rounded once to the hidden
+dtype, exactly what the reference's dequantize-then-cast produces). No dequantized expert is ever
+written to memory, so a miss copies and a hit reads only the packed bytes, scales and biases.
+No host sync: safe inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+from torch import Tensor
+
+from moestream.quant import QuantSpec
+from moestream.quant.normal import codebook
+
+from .fused_moe import DecodeConfig, MoeConfig, resolve_path, run_paths
+from .fused_moe_decode import QuantOperand
+
+__all__ = ["fused_moe_quant", "quant_operand"]
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook(bits: int, device: str) -> Tensor:
+    return codebook(bits).to(device)
+
+
+def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> QuantOperand:
+    """The kernels' view of one projection of a quantized bank (or of a single weight, unsqueezed)."""
+    qweight, scales = slots[f"{proj}.qweight"], slots[f"{proj}.scales"]
+    biases = slots.get(f"{proj}.biases", scales)   # NF: never read
+    code = _codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
+    return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
+
+
+def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                    spec: QuantSpec, config: MoeConfig | DecodeConfig | None = None, path: str = "auto") -> Tensor:
+    """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU)."""
+    gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
+    S, two_i, _ = gate_up.qweight.shape
+    T, k = slot_ids.shape
+    for t in (gate_up.qweight, gate_up.scales, down.qweight, slot_ids, weights):
+        if t.device != hidden.device:
+            raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
+    path = resolve_path(path, config, T, k)
+    return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
+                     quant=(gate_up, down))

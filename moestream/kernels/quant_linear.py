@@ -1,0 +1,45 @@
+"""A linear layer over a quantized weight on CUDA: the path of `quant_linear_reference` there.
+
+For few tokens (decode) the weight is one "expert" of the decode MoE kernel that every token is
+routed to with weight 1 and no activation: each row of packed bytes is read once and dequantized
+in registers. For prompts the weight is dequantized once into the hidden dtype and one cuBLAS GEMM
+runs (a prompt's FLOPs dwarf the extra weight pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moestream.quant import QuantSpec, dequantize
+
+from .fused_moe_decode import DEFAULT_DECODE_CONFIG, _SMEM_BUDGET_BYTES, _launch
+from .fused_moe_quant import quant_operand
+from .moe_tiles import fit_tile
+
+__all__ = ["quant_linear"]
+
+DECODE_MAX_TOKENS = 16
+
+
+def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec,
+                 bias: Tensor | None = None) -> Tensor:
+    T, K = x.shape
+    N = qweight.shape[0]
+    if T > DECODE_MAX_TOKENS:
+        return F.linear(x, dequantize(qweight, scales, biases, spec, x.dtype), bias)
+    parts = {"w.qweight": qweight[None], "w.scales": scales[None]}
+    if biases is not None:
+        parts["w.biases"] = biases[None]
+    operand = quant_operand(parts, "w", spec)
+    out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    slot_ids = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
+    tile = fit_tile(DEFAULT_DECODE_CONFIG.down, DEFAULT_DECODE_CONFIG.block_m, N, K, x.element_size(), False,
+                    _SMEM_BUDGET_BYTES)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _launch(x, qweight[None], out, slot_ids, out, n=N, k=K, num_slots=1, a_by_token=True, gated=False,
+                activation_code=0, mul_weight=False, block_m=DECODE_MAX_TOKENS, tile=tile, quant=operand)
+    return out + bias if bias is not None else out
