@@ -67,10 +67,18 @@ def fused_moe_available() -> bool:
     return True
 
 
+def _submodule(name: str):
+    """Import a Triton submodule whose name is also a function of this package, and put the
+    function back (importing a submodule sets it as the package's attribute; see above)."""
+    entry = globals()[name]
+    module = importlib.import_module(f"{__name__}.{name}")
+    globals()[name] = entry
+    return module
+
+
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec) -> Tensor:
     """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`."""
-    module = importlib.import_module(f"{__name__}.fused_moe_quant")
-    return module.fused_moe_quant(hidden, slots, slot_ids, weights, spec)
+    return _submodule("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +91,5 @@ def fused_moe_quant_available() -> bool:
 def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=None) -> Tensor:
     """x @ dequantize(weight)ᵀ (+ bias): the Triton kernel on CUDA when it exists, else the reference."""
     if x.is_cuda and fused_moe_quant_available():
-        module = importlib.import_module(f"{__name__}.quant_linear")
-        return module.quant_linear(x, qweight, scales, biases, spec, bias)
+        return _submodule("quant_linear").quant_linear(x, qweight, scales, biases, spec, bias)
     return quant_linear_reference(x, qweight, scales, biases, spec, bias)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -51,6 +51,7 @@ from .fused_moe_decode import (
     DecodeTile,
     QuantOperand,
     launch_decode_gemms,
+    quant_args,
 )
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
@@ -132,7 +133,7 @@ def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
 def _moe_grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr,
     N, K, num_pairs, num_m_blocks,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn, ROW_BYTES,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
     A_ROW_DIV: tl.constexpr,      # A row of a pair = pair // A_ROW_DIV (top_k for hidden, 1 after)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
     ACTIVATION: tl.constexpr,
@@ -167,15 +168,14 @@ def _moe_grouped_gemm_kernel(
     c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_mask[:, None] & (offs_n[None, :] < N)
 
-    offs_k = tl.arange(0, BLOCK_K)
     # Columns past N wrap around instead of being masked: loads stay unmasked along N (the
     # store is masked), which keeps the weight loads wide.
     offs_bn = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + (pair // A_ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
     slot = slot.to(tl.int64)
-    acc, acc_up = gated_dot(a_ptrs, b_ptr + slot * stride_be, s_ptr + slot * stride_se, z_ptr + slot * stride_se,
-                            code_ptr, offs_bn, row_mask, offs_k, K, N, stride_ak, stride_bk, stride_bn, stride_sn,
-                            ROW_BYTES, BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
+    acc, acc_up = gated_dot(a_ptr + (pair // A_ROW_DIV) * stride_am, b_ptr + slot * stride_be,
+                            s_ptr + slot * stride_se, z_ptr + slot * stride_se, code_ptr, offs_bn, row_mask, K, N,
+                            stride_ak, stride_bk, stride_bn, stride_sn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
     if GATED:
         acc = activate(acc, acc_up, ACTIVATION)
     if MUL_WEIGHT:
@@ -191,21 +191,14 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
     """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles."""
     num_m_blocks = block_slot.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    if quant is None:
-        s = z = code = b
-        stride_se = stride_sn = row_bytes = 0
-        bits, group, nf = 0, 1, False
-    else:
-        b, s, z, code = quant.qweight, quant.scales, quant.biases, quant.code
-        stride_se, stride_sn, row_bytes = s.stride(0), s.stride(1), b.shape[2]
-        bits, group, nf = quant.bits, quant.group, quant.nf
+    b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, cfg.block_k)
     _moe_grouped_gemm_kernel[grid](
         a, b, c, w, pair_ids, block_slot, s, z, code,
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        stride_se, stride_sn, row_bytes,
+        stride_se, stride_sn,
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         EVEN_K=(k % cfg.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
@@ -343,6 +336,9 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     elt = hidden.element_size()
     gate_up_cfg = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
     down_cfg = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
+    if quant is not None:   # dequantized tiles live in registers: keep them (and the NF lookups) small
+        gate_up_cfg = replace(gate_up_cfg, block_n=min(gate_up_cfg.block_n, 64), num_stages=2)
+        down_cfg = replace(down_cfg, block_n=min(down_cfg.block_n, 64), num_stages=2)
 
     pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
     flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous

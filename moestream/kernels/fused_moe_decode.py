@@ -27,7 +27,7 @@ Qwen3-30B-A3B's I = 768 and BLOCK_N = 16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,9 +35,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
-from .moe_tiles import fit_tile, gated_dot
+from .moe_tiles import fit_tile, gated_dot, quant_block_k
 
-__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QuantOperand", "launch_decode_gemms"]
+__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "QuantOperand",
+           "launch_decode_gemms"]
 
 # Shared memory one program's pipeline may use; small tiles leave room for several programs/SM.
 _SMEM_BUDGET_BYTES = 96 * 1024
@@ -67,6 +68,9 @@ class DecodeConfig:
 # 2 x 16 rows x H; down: 8 x 64 = 512 programs of 32 rows x I.
 DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),
                                      down=DecodeTile(32, 128, 4, 4))
+# Quantized banks: the dequantizing loads are not software-pipelined (they feed bit arithmetic,
+# not the dot), so each K step waits for memory; deep K tiles put more bytes in flight per step.
+QUANT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 512, 4, 1), down=DecodeTile(32, 256, 4, 1))
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def _moe_decode_kernel(
     a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr,
     N, K, num_pairs, num_slots, top_k,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn, ROW_BYTES,
+    stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn,
     A_BY_TOKEN: tl.constexpr,     # A row of a pair = its token (hidden) or the pair (inter)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); activate
     ACTIVATION: tl.constexpr,
@@ -108,7 +112,6 @@ def _moe_decode_kernel(
     # Columns past N wrap around instead of being masked (the store is masked), which keeps
     # the weight loads unmasked along N and wide along K.
     offs_bn = (offs_n % N).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + slot.to(tl.int64) * stride_be
     s_base = s_ptr + slot.to(tl.int64) * stride_se
     z_base = z_ptr + slot.to(tl.int64) * stride_se
@@ -123,9 +126,8 @@ def _moe_decode_kernel(
             a_row = pair // top_k
         else:
             a_row = pair
-        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-        acc, acc_up = gated_dot(a_ptrs, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, offs_k, K, N,
-                                stride_ak, stride_bk, stride_bn, stride_sn, ROW_BYTES,
+        acc, acc_up = gated_dot(a_ptr + a_row * stride_am, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
+                                stride_ak, stride_bk, stride_bn, stride_sn,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
         if GATED:
             acc = activate(acc, acc_up, ACTIVATION)
@@ -152,27 +154,33 @@ class QuantOperand:
     nf: bool
 
 
+def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
+    """The kernels' extra arguments: (b, scales, biases, code, stride_se, stride_sn, bits, group,
+    nf, block_k); a plain weight passes itself as the unused pointers and BITS = 0. A quantized
+    tile is `block_k` deep at least, in whole groups and deep enough for its dots."""
+    if quant is None:
+        return b, b, b, b, 0, 0, 0, 1, False, block_k
+    s = quant.scales
+    if quant.nf:   # codebook lookups go through shared memory: keep NF tiles shallow
+        block_k = min(block_k, 128)
+    return (quant.qweight, s, quant.biases, quant.code, s.stride(0), s.stride(1), quant.bits, quant.group,
+            quant.nf, max(block_k, quant_block_k(quant.bits, quant.group)))
+
+
 def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
             num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
             mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None) -> None:
     num_pairs = slot_ids.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n))
-    if quant is None:
-        s = z = code = b
-        stride_se = stride_sn = row_bytes = 0
-        bits, group, nf = 0, 1, False
-    else:
-        b, s, z, code = quant.qweight, quant.scales, quant.biases, quant.code
-        stride_se, stride_sn, row_bytes = s.stride(0), s.stride(1), b.shape[2]
-        bits, group, nf = quant.bits, quant.group, quant.nf
+    b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, tile.block_k)
     _moe_decode_kernel[grid](
         a, b, c, slot_ids, weights, s, z, code,
         n, k, num_pairs, num_slots, slot_ids.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1), stride_se, stride_sn, row_bytes,
+        slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1), stride_se, stride_sn,
         A_BY_TOKEN=a_by_token, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
         PAIRS=max(16, triton.next_power_of_2(num_pairs)),
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_K=(k % tile.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
@@ -188,13 +196,17 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
     down times routing weight into `per_pair` (T*k, H), fp32. Rows of unrouted pairs are left
     unwritten. Inputs are validated by the caller. With `quant` (gate_up, down operands), the
     bank is quantized and gate_up / down are ignored for their contents."""
-    cfg = config if config is not None else DEFAULT_DECODE_CONFIG
+    cfg = config if config is not None else (DEFAULT_DECODE_CONFIG if quant is None else QUANT_DECODE_CONFIG)
     S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
     H = hidden.shape[1]
     I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     elt = hidden.element_size()
-    gate_up_tile = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
-    down_tile = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
+    if quant is None:
+        gate_up_tile = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
+        down_tile = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
+    else:   # no shared-memory pipeline to fit; only keep the tiles within the problem
+        gate_up_tile = replace(cfg.gate_up, block_k=min(cfg.gate_up.block_k, triton.next_power_of_2(H)))
+        down_tile = replace(cfg.down, block_k=min(cfg.down.block_k, triton.next_power_of_2(I)))
     _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
             block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None)

@@ -2,8 +2,8 @@
 
 With GATED, B holds the gate rows and, N rows further, the up rows of gate_up; both are
 accumulated in the same pass over K so the activation can be applied in the epilogue. B may be a
-plain weight or a quantized one, dequantized tile by tile in registers (`load_b_tile`), so every
-kernel serves every expert format.
+plain weight or a quantized one, dequantized tile by tile in registers, so every kernel serves
+every expert format.
 """
 
 from __future__ import annotations
@@ -16,69 +16,115 @@ import triton.language as tl
 
 
 @triton.jit
-def load_b_tile(b_base, s_base, z_base, code_ptr, offs_bn, k_idx, K, stride_bk, stride_bn, stride_sn,
-                ROW_BYTES, k_mask, OUT_DTYPE: tl.constexpr, EVEN_K: tl.constexpr,
-                BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr):
-    """One [BLOCK_K, BLOCK_N] tile of B (rows offs_bn, columns k_idx) in OUT_DTYPE.
+def _scales(base, offs_bn, first_group, num_groups, stride_sn, R: tl.constexpr, U: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """Scales (or biases) of the R groups a K-tile spans, expanded to its U units: [U, BLOCK_N] fp32."""
+    r = first_group + tl.arange(0, R)
+    tile = tl.load(base + offs_bn[None, :] * stride_sn + r[:, None], mask=(r < num_groups)[:, None],
+                   other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(tl.expand_dims(tile, 1), (R, U // R, BLOCK_N)), (U, BLOCK_N))
 
-    BITS = 0: a plain weight. Otherwise a quantized one (moestream.quant's layout): value k of a
-    row sits at bits [k·BITS, (k+1)·BITS) of the row's bytes (3-bit values may straddle two
-    bytes); w = q·scale + bias (NF: codebook[q]·scale) with the scale of group k // GROUP,
-    computed in fp32 and rounded once to OUT_DTYPE (the reference's dequantize-then-cast).
-    """
-    if BITS == 0:
-        ptrs = b_base + offs_bn[None, :] * stride_bn + k_idx[:, None] * stride_bk
-        if EVEN_K:
-            return tl.load(ptrs)
-        return tl.load(ptrs, mask=k_mask[:, None], other=0.0)
-    bit = k_idx * BITS
-    byte = bit // 8
+
+@triton.jit
+def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr):
+    """The packed words of U units (each UB bytes: 1, or 3 for 3-bit values) of rows offs_bn: [U, BLOCK_N] int32."""
     row = b_base + offs_bn[None, :] * stride_bn
-    mask = k_mask[:, None]
-    lo = tl.load(row + byte[:, None], mask=mask, other=0).to(tl.int32)
-    if BITS == 3:   # a value may continue into the next byte
-        hi = tl.load(row + byte[:, None] + 1, mask=mask & ((byte + 1) < ROW_BYTES)[:, None], other=0).to(tl.int32)
-        lo = lo | (hi << 8)
-    q = (lo >> (bit % 8)[:, None]) & ((1 << BITS) - 1)
-    g = (k_idx // GROUP)[:, None]
-    scale = tl.load(s_base + offs_bn[None, :] * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
+    byte = unit * UB
+    word = tl.load(row + byte[:, None], mask=u_mask[:, None], other=0).to(tl.int32)
+    for b in tl.static_range(1, UB):
+        word = word | (tl.load(row + (byte + b)[:, None], mask=u_mask[:, None], other=0).to(tl.int32) << (8 * b))
+    return word
+
+
+@triton.jit
+def _plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Value j of every unit, dequantized: q·scale + bias (NF: codebook[q]·scale), fp32 math, one rounding."""
+    q = (word >> (j * BITS)) & ((1 << BITS) - 1)
     if NF:
         w = tl.load(code_ptr + q) * scale
     else:
-        bias = tl.load(z_base + offs_bn[None, :] * stride_sn + g, mask=mask, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * scale + bias
     return w.to(OUT_DTYPE)
 
 
 @triton.jit
-def gated_dot(a_ptrs, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, offs_k, K, N,
-              stride_ak, stride_bk, stride_bn, stride_sn, ROW_BYTES,
+def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
+              stride_ak, stride_bk, stride_bn, stride_sn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GATED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr):
     """fp32 (acc, acc_up) of A[rows] @ B^T over all of K (acc_up is acc's twin, unused without GATED).
 
-    B is one expert's weight: rows `offs_bn` (and, GATED, the up rows N further) of the tensor at
-    `b_base`, plain (BITS = 0) or quantized (see load_b_tile; s_base / z_base point at the same
-    expert's scales / biases)."""
+    `a_rows` points at each A row's start; B is one expert's weight: rows `offs_bn` (and, GATED,
+    the up rows N further) of the tensor at `b_base`.
+
+    BITS = 0: a plain weight, read as [BLOCK_K, BLOCK_N] tiles with K contiguous.
+    BITS > 0: a quantized one (moestream.quant's layout: each row a little-endian bit stream, one
+    scale and bias per GROUP values; s_base / z_base point at the expert's scales / biases). A
+    K-tile is read as U = BLOCK_K / VPB packed units per row (VPB values in UB bytes: two 4-bit
+    values in a byte, eight 3-bit values in three), every byte once and K-contiguous. Instead of
+    interleaving the unpacked values back into K order, value plane j (the j-th value of every
+    unit) is multiplied by the matching strided columns of A: VPB dots of depth U per tile. The
+    host picks BLOCK_K as a multiple of GROUP, so a tile spans R whole groups.
+    """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BLOCK_K)):
-        k_idx = kk * BLOCK_K + offs_k
-        k_mask = k_idx < K
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = load_b_tile(b_base, s_base, z_base, code_ptr, offs_bn, k_idx, K, stride_bk, stride_bn, stride_sn,
-                        ROW_BYTES, k_mask, a.dtype, EVEN_K, BITS, GROUP, NF)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            b_up = load_b_tile(b_base, s_base, z_base, code_ptr, offs_bn + N, k_idx, K, stride_bk, stride_bn,
-                               stride_sn, ROW_BYTES, k_mask, a.dtype, EVEN_K, BITS, GROUP, NF)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
+    if BITS == 0:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_rows[:, None] + offs_k[None, :] * stride_ak
+        b_ptrs = b_base + offs_bn[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        up_ptrs = b_ptrs + N * stride_bn
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                b = tl.load(b_ptrs)
+            else:
+                k_mask = offs_k < K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                if EVEN_K:
+                    b_up = tl.load(up_ptrs)
+                else:
+                    b_up = tl.load(up_ptrs, mask=k_mask[:, None], other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+                up_ptrs += BLOCK_K * stride_bk
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+    else:
+        VPB: tl.constexpr = 8 if BITS == 3 else 8 // BITS      # values per packed unit
+        UB: tl.constexpr = BITS * VPB // 8                     # bytes per packed unit
+        U: tl.constexpr = BLOCK_K // VPB
+        R: tl.constexpr = BLOCK_K // GROUP
+        num_groups = tl.cdiv(K, GROUP)
+        offs_u = tl.arange(0, U)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            unit = kk * U + offs_u
+            u_mask = unit * VPB < K
+            g0 = kk * R
+            word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
+            scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            if GATED:
+                word_up = _units(b_base, offs_bn + N, unit, u_mask, stride_bn, UB)
+                scale_up = _scales(s_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+                bias_up = scale_up if NF else _scales(z_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            for j in tl.static_range(VPB):
+                a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
+                            mask=row_mask[:, None] & u_mask[None, :], other=0.0)
+                w = _plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype)
+                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                if GATED:
+                    w_up = _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     return acc, acc_up
+
+
+def quant_block_k(bits: int, group: int) -> int:
+    """BLOCK_K of a quantized tile: whole groups, and at least 16 units deep for the dots."""
+    values_per_unit = 8 if bits == 3 else 8 // bits
+    return max(group, 16 * values_per_unit)
 
 
 Tile = TypeVar("Tile")   # a dataclass with block_n, block_k and num_stages fields

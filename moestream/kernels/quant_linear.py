@@ -16,9 +16,8 @@ from torch import Tensor
 
 from moestream.quant import QuantSpec, dequantize
 
-from .fused_moe_decode import DEFAULT_DECODE_CONFIG, _SMEM_BUDGET_BYTES, _launch
+from .fused_moe_decode import QUANT_DECODE_CONFIG, _launch
 from .fused_moe_quant import quant_operand
-from .moe_tiles import fit_tile
 
 __all__ = ["quant_linear"]
 
@@ -37,8 +36,7 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | No
     operand = quant_operand(parts, "w", spec)
     out = torch.empty((T, N), dtype=x.dtype, device=x.device)
     slot_ids = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
-    tile = fit_tile(DEFAULT_DECODE_CONFIG.down, DEFAULT_DECODE_CONFIG.block_m, N, K, x.element_size(), False,
-                    _SMEM_BUDGET_BYTES)
+    tile = QUANT_DECODE_CONFIG.down
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _launch(x, qweight[None], out, slot_ids, out, n=N, k=K, num_slots=1, a_by_token=True, gated=False,
                 activation_code=0, mul_weight=False, block_m=DECODE_MAX_TOKENS, tile=tile, quant=operand)

@@ -1,0 +1,85 @@
+"""Quantized experts end to end: convert a checkpoint, then decode resident and at memory budgets.
+
+    python benchmarks/quantized_decode.py --ckpt /tmp/q3 --out $OUT [--formats int4 int8 int3]
+        [--fractions 1.0 0.25] [--routing uniform|trace --trace T.json] [--prompt-tokens 512 --gen-tokens 64]
+
+For each format: `moestream convert` (timed: GB/s of source expert weights) into /tmp/<ckpt>-<format>
+unless it is there, then `moestream.load` of the packed checkpoint at each fraction of the experts
+on the GPU (capacity = fraction × E; the rest in pinned host RAM) and `run_bench`. The first load
+of each packed checkpoint is its cold start (page cache warm from the convert). Routing stated per
+row. Results: `$OUT/quantized_decode.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import ensure_checkpoint, log, write_result  # noqa: E402
+
+import moestream  # noqa: E402
+from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
+from moestream.convert import convert  # noqa: E402
+from moestream.quant.recipe import QuantRecipe  # noqa: E402
+from moestream.warmstart.trace import RoutingTrace  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--formats", nargs="+", default=["int4"])
+    ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
+    ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ensure_checkpoint(args.ckpt, layers=args.layers)
+    rows = []
+    for fmt in args.formats:
+        packed = Path(f"/tmp/{args.ckpt.name}-{fmt}")
+        conv = None
+        if not (packed / "layout.json").exists():
+            result = convert(args.ckpt, packed, QuantRecipe(experts=fmt), progress=False, device="cuda")
+            conv = {"seconds": result.seconds, "GB_per_s": result.gb_per_s, "written_GB": result.written_bytes / 1e9}
+            log(f"convert {fmt}: {json.dumps(conv)}")
+        first = True
+        for frac in args.fractions:
+            E = 128
+            cap = max(8, round(E * frac))
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096)
+            load_s = time.perf_counter() - t0
+            routing = None
+            if args.routing == "uniform":
+                routing = UniformRouting(engine.config.top_k)
+            elif args.routing == "trace":
+                routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
+            if routing is not None:
+                use_routing(engine, routing)
+            res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
+                            routing=routing).as_dict()
+            res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv)
+            rows.append(res)
+            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "decode_tok_s", "ttft_s", "prefill_tok_s",
+                                                "decode_hit_rate", "decode_bytes_per_token", "peak_device_bytes",
+                                                "load_s")}))
+            first, conv = False, None
+            del engine
+            torch.cuda.empty_cache()
+    write_result(args.out, "quantized_decode", {"rows": rows, "layers": args.layers})
+
+
+if __name__ == "__main__":
+    main()
