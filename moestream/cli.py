@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,6 +13,93 @@ from pathlib import Path
 from moestream.errors import InputError, MoestreamError
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with our one-line errors (`moestream: error: --flag ...; see ... --help`) and exit 1,
+    like every other bad input."""
+
+    def error(self, message: str):
+        message = message.replace("argument ", "", 1) if message.startswith("argument ") else message
+        print(f"moestream: error: {message}; see `{self.prog} --help`.", file=sys.stderr)
+        sys.exit(1)
+
+
+def integer(low: int | None = None, high: int | None = None):
+    """An argparse type: an integer in [low, high] (either bound optional)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_range(low, high)}, got {value}")
+        return value
+    return parse
+
+
+def number(low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite number in the given (half-)open or closed range."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        bad = (value != value or value in (float("inf"), float("-inf"))
+               or (low is not None and (value < low or (low_open and value == low)))
+               or (high is not None and (value > high or (high_open and value == high))))
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be {_range(low, high, low_open, high_open)}, got {text}")
+        return value
+    return parse
+
+
+def _range(low, high, low_open: bool = False, high_open: bool = False) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def check_output_folder(path: str | None, flag: str) -> None:
+    """A folder the run will create or write into: not a file, and its nearest existing folder writable."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise InputError(f"{flag} {path} is a file; give a folder.")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise InputError(f"{flag} {path}: {existing} is not a writable folder; choose another path.")
+
+
+def parse_token_ids(text: str, where: str) -> list[int]:
+    """Space-separated token ids (prompts of checkpoints without a tokenizer); names the first bad one."""
+    ids = []
+    for word in text.split():
+        if not word.isdigit():
+            raise InputError(f"{where} holds {word!r}, which is not a token id (this checkpoint has no tokenizer "
+                             "files, so prompts are space-separated non-negative integers).")
+        ids.append(int(word))
+    return ids
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """An output path can be written (its folder exists and is writable, it is not a folder): checked
+    before any work, so a long run never fails at its last step."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    folder = target.parent
+    if target.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file path.")
+    if not folder.is_dir():
+        raise InputError(f"{flag} {path}: the folder {folder} does not exist; create it or choose another path.")
+    if not os.access(folder, os.W_OK):
+        raise InputError(f"{flag} {path}: the folder {folder} is not writable; choose another path.")
 
 
 def _model_arg(value: str | None) -> str:
@@ -25,7 +114,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: the model's maximum)")
+    p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
     _add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
@@ -38,7 +127,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                    help="fill a bounded bank without the router-only pass over a warm-up prompt")
     p.add_argument("--prepack", default=None, metavar="DIR",
                    help="load the warmed bank from this folder when it matches; otherwise build, warm and save it there")
-    p.add_argument("--warmup-tokens", type=int, default=None,
+    p.add_argument("--warmup-tokens", type=integer(0), default=None,
                    help="generate this many tokens before the first request (default: 8 with --prepack, else 0)")
     p.add_argument("--verbose", action="store_true", help="print the memory plan, discovery and prepack details to stderr")
     _add_quant_args(p)
@@ -66,14 +155,14 @@ def _recipe(args):
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", default=None, help="everything the engine may take on the device, e.g. 16GiB (default: free memory less headroom)")
     p.add_argument("--memory", default=None, help="alias of --gpu-memory that names no device (the RAM bank on CPU)")
-    p.add_argument("--capacity", type=int, default=None, help="bank slots per layer (overrides the budget's choice)")
+    p.add_argument("--capacity", type=integer(1), default=None, help="bank slots per layer (overrides the budget's choice)")
 
 
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="expert profile JSON from `moestream profile`: seeds the bank with its most used experts")
     pin = p.add_mutually_exclusive_group()
-    pin.add_argument("--pin-top-k", type=int, default=None, help="with --profile: pin the K most used experts of every layer")
-    pin.add_argument("--pin-threshold", type=float, default=None,
+    pin.add_argument("--pin-top-k", type=integer(0), default=None, help="with --profile: pin the K most used experts of every layer")
+    pin.add_argument("--pin-threshold", type=number(0, 1), default=None,
                      help="with --profile: pin the experts active on more than this fraction of tokens")
 
 
@@ -83,6 +172,7 @@ def engine_config(args):
 
     if args.gpu_memory is not None and args.memory is not None:
         raise InputError("give either --gpu-memory or --memory (they are the same budget), not both.")
+    check_output_folder(getattr(args, "prepack", None), "--prepack")
     runtime = RuntimeConfig(device=args.device, dtype=args.dtype, max_context=args.max_context)
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
@@ -123,20 +213,22 @@ def _report_load(engine, load_s: float, args) -> None:
             d = engine.discovery
             print(f"[moestream] discovery: {d.tokens} prompt tokens, router-only, {d.seconds * 1000:.0f} ms", file=sys.stderr)
     status = engine.prepack
-    if status is not None:
+    if status is not None and engine.prepack_error:
+        print(f"[moestream] warning: built the bank ({status.reason}) but {engine.prepack_error}", file=sys.stderr)
+    elif status is not None:
         what = (f"loaded the prepacked bank from {status.folder} in {status.seconds:.2f} s" if status.loaded
                 else f"built the bank ({status.reason}); saved it to {status.folder}")
         print(f"[moestream] {what}; start-up {load_s:.2f} s", file=sys.stderr)
-    if engine.prepack_error:
-        print(f"[moestream] warning: {engine.prepack_error}", file=sys.stderr)
 
 
 def _read_prompt(args) -> str:
-    if args.prompt is not None:
-        return args.prompt
+    """The prompt from -p or stdin, as text: bytes that are not UTF-8 become U+FFFD, never an error."""
+    if args.prompt is not None:   # argv bytes that were not UTF-8 arrive as surrogates
+        return args.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if sys.stdin is None or sys.stdin.isatty():
         raise InputError("no prompt: pass -p TEXT or pipe the prompt on stdin.")
-    text = sys.stdin.read()
+    stream = getattr(sys.stdin, "buffer", None)
+    text = stream.read().decode("utf-8", "replace") if stream is not None else sys.stdin.read()
     if not text:
         raise InputError("the prompt on stdin is empty; pass -p TEXT or pipe a prompt.")
     return text
@@ -148,14 +240,16 @@ def _gib(n: int) -> str:
 
 def cmd_run(args) -> int:
     prompt = _read_prompt(args)
+    check_output(args.stats_json, "--stats-json")
     engine, load_s = _load(args)
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, seed=args.seed, stop=args.stop, chat=args.chat)
     out = sys.stdout
     if engine.tokenizer is None:
-        ids = [int(t) for t in prompt.split()] if all(t.isdigit() for t in prompt.split()) else None
-        if ids is None:
-            raise InputError("this checkpoint has no tokenizer files; pass the prompt as space-separated token ids.")
+        if args.chat:
+            raise InputError("--chat needs the checkpoint's tokenizer and chat template, and this checkpoint has no "
+                             "tokenizer files; run without --chat and pass token ids.")
+        ids = parse_token_ids(prompt, "the prompt")
         for token in engine.stream_tokens(ids, **{k: v for k, v in kw.items() if k != "chat"}):
             out.write(f"{token} ")
             out.flush()
@@ -189,8 +283,7 @@ def _write_json(path: Path, data) -> None:
 def cmd_bench(args) -> int:
     from moestream.bench import run_bench
 
-    if args.prompt_tokens < 1 or args.gen_tokens < 1:
-        raise InputError("--prompt-tokens and --gen-tokens must be at least 1.")
+    check_output(args.json, "--json")
     trace = None
     if args.routing_trace is not None:
         from moestream.warmstart.trace import RoutingTrace
@@ -227,10 +320,7 @@ def _read_profile_prompts(args, engine) -> list[str | list[int]]:
         raise InputError(f"--prompts {path} cannot be read as UTF-8 text; give a text file with one prompt per line.") from None
 
     def ids_of(chunk: str) -> list[int]:
-        words = chunk.split()
-        if not all(w.isdigit() for w in words):
-            raise InputError(f"this checkpoint has no tokenizer files, so --prompts {path} must hold space-separated token ids.")
-        return [int(w) for w in words]
+        return parse_token_ids(chunk, f"--prompts {path}")
 
     if args.chunk_tokens is not None:
         if not 1 <= args.chunk_tokens < engine.max_context:
@@ -266,8 +356,7 @@ def cmd_profile(args) -> int:
     if not Path(args.prompts).is_file():
         raise InputError(f"--prompts {args.prompts} does not exist; give a text file with one prompt per line.")
     for flag, out in (("--out", args.out), ("--trace", args.trace)):
-        if out is not None and not Path(out).resolve().parent.is_dir():
-            raise InputError(f"{flag} {out}: the folder does not exist; create it or choose another path.")
+        check_output(out, flag)
     engine, load_s = _load(args)
     prompts = _read_profile_prompts(args, engine)
     t0 = time.perf_counter()
@@ -381,18 +470,18 @@ def _kl_reference(args, engine):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moestream", description="Run Mixture-of-Experts models larger than the accelerator.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="moestream", description="Run Mixture-of-Experts models larger than the accelerator.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     run = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
     _add_load_args(run)
     run.add_argument("-p", "--prompt", help="prompt text (default: read stdin)")
-    run.add_argument("--max-tokens", type=int, default=128)
-    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
-    run.add_argument("--min-p", type=float, default=0.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--max-tokens", type=integer(1), default=128)
+    run.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
+    run.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0)
+    run.add_argument("--top-k", type=integer(0), default=0)
+    run.add_argument("--min-p", type=number(0, 1, high_open=True), default=0.0)
+    run.add_argument("--seed", type=integer(-2**63, 2**64 - 1), default=None)
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     run.add_argument("--stats", action="store_true", help="print the bank's hit/miss table to stderr")
@@ -403,11 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
     _add_load_args(ppl)
     ppl.add_argument("--file", required=True, help="text or code file to score")
-    ppl.add_argument("--window", type=int, default=None, help="window length (default: the context)")
+    ppl.add_argument("--window", type=integer(2), default=None, help="window length (default: the context)")
     ppl.add_argument("--json", action="store_true")
     ppl.add_argument("--decode", action="store_true",
                      help="score every token through a decode step (what decode-only approximations such as --miss-policy skip change)")
-    ppl.add_argument("--max-tokens", type=int, default=None, help="with --decode: score at most this many tokens")
+    ppl.add_argument("--max-tokens", type=integer(1), default=None, help="with --decode: score at most this many tokens")
     ppl.add_argument("--kl-reference", nargs="?", const="same", default=None, metavar="MODEL",
                      help="also report the mean KL divergence to a reference's next-token distributions "
                           "(default: this checkpoint at full precision)")
@@ -416,10 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure TTFT, prefill and decode speed, hit rate and bytes moved")
     _add_load_args(bench)
-    bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--gen-tokens", type=int, default=128)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--temperature", type=float, default=0.0,
+    bench.add_argument("--prompt-tokens", type=integer(1), default=512)
+    bench.add_argument("--gen-tokens", type=integer(1), default=128)
+    bench.add_argument("--seed", type=integer(0, 2**63 - 1), default=0)
+    bench.add_argument("--temperature", type=number(0), default=0.0,
                        help="sample the decoded tokens (seeded); use 1.0 on random-weight checkpoints for near-uniform routing")
     bench.add_argument("--routing", choices=["model", "uniform"], default="model",
                        help="uniform: replace the model's expert choice by uniform random experts (worst case for the bank; labelled)")
@@ -434,9 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_load_args(prof)
     prof.add_argument("--prompts", required=True, help="text file: one prompt per line (or see --chunk-tokens)")
     prof.add_argument("--out", required=True, help="where to write the profile JSON")
-    prof.add_argument("--max-tokens", type=int, default=0, help="greedy tokens to decode after each prompt (default 0: prompts only)")
-    prof.add_argument("--chunk-tokens", type=int, default=None, help="cut the whole file into prompts of this many tokens instead of lines")
-    prof.add_argument("--max-prompts", type=int, default=None, help="use at most this many prompts")
+    prof.add_argument("--max-tokens", type=integer(0), default=0, help="greedy tokens to decode after each prompt (default 0: prompts only)")
+    prof.add_argument("--chunk-tokens", type=integer(1), default=None, help="cut the whole file into prompts of this many tokens instead of lines")
+    prof.add_argument("--max-prompts", type=integer(1), default=None, help="use at most this many prompts")
     prof.add_argument("--trace", default=None, help="also write the routing trace (expert ids per token and layer) for `bench --routing-trace`")
     prof.set_defaults(func=cmd_profile)
 
@@ -444,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     check.add_argument("--device", default="auto")
     check.add_argument("--dtype", default="auto")
-    check.add_argument("--max-context", type=int, default=None)
+    check.add_argument("--max-context", type=integer(2), default=None)
     _add_budget_args(check)
     _add_quant_args(check)
     check.set_defaults(func=cmd_check)
@@ -464,15 +553,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Library warnings (torch, transformers) would reach stderr before our own one-line messages;
+    --verbose keeps them."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Parse, run, and turn every failure into one line: MoestreamError exits 1, Ctrl-C exits 130
+    at any point (imports of torch and transformers included: they happen in here)."""
     try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "verbose", False):
+            _quiet_libraries()
         return args.func(args)
     except MoestreamError as exc:
         print(f"moestream: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print("moestream: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:   # the reader went away (e.g. `| head`): not an error of ours
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 if __name__ == "__main__":

@@ -197,10 +197,10 @@ class Converter:
             if isinstance(module, (QuantLinear, QuantEmbedding)) and part in ("qweight", "scales", "biases"):
                 if module_path not in cache:
                     cache.clear()   # one module's quantized parts in memory at a time
-                    weight = self.index.read(f"{module_path}.weight").to(self.device)
+                    weight = self.index.read(f"{module_path}.weight", floating=True).to(self.device)
                     cache[module_path] = quantize(weight, module.spec)
                 return cache[module_path].parts()[part]
-            return self.index.read(name).to(self.dtype)
+            return self.index.read(name, floating=True).to(self.dtype)
 
         write_atomic(self.work / DENSE, lambda f: write_safetensors(
             f, [(n, s, d) for n, s, d, _ in layout], produce, {"format": "moestream-packed-dense"}))

@@ -29,3 +29,7 @@ class DeviceError(MoestreamError):
 
 class BudgetError(MoestreamError):
     """A memory budget or bank capacity that cannot hold what the model needs."""
+
+
+class NumericsError(MoestreamError):
+    """The model produced values that cannot be sampled from (NaN or infinite logits)."""

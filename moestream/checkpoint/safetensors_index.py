@@ -95,6 +95,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
+def check_floating(info: TensorInfo) -> None:
+    """A weight read as full precision must be stored as one (an int8 tensor is not bf16 bytes)."""
+    if not info.dtype.is_floating_point or info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        name = str(info.dtype).removeprefix("torch.")
+        raise CheckpointError(f"tensor {info.name!r} is stored as {name} where a bf16, fp16 or fp32 weight is "
+                              "expected; this checkpoint's format is not supported (convert it to bf16).")
+
+
 def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path, what: str) -> None:
     """pread `out.nbytes` bytes at `offset` into the contiguous uint8 CPU tensor `out` (retrying short reads)."""
     mv = memoryview(out.numpy())
@@ -123,7 +131,11 @@ class TensorIndex:
         files = self._shard_files(folder)
         self.tensors: dict[str, TensorInfo] = {}
         for path in files:
-            self.tensors.update(read_safetensors_header(path))
+            for name, info in read_safetensors_header(path).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"tensor {name!r} is in both {self.tensors[name].path.name} and "
+                                          f"{path.name}; remove the stale shard or add the checkpoint's index file.")
+                self.tensors[name] = info
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -177,9 +189,12 @@ class TensorIndex:
         read_exactly(fd, view, info.offset + (start or 0), info.path, repr(info.name))
         return out
 
-    def read(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor into fresh CPU memory, checking its shape against the config when given."""
+    def read(self, name: str, expected_shape: tuple[int, ...] | None = None, floating: bool = False) -> torch.Tensor:
+        """Read one tensor into fresh CPU memory, checking its shape against the config when given
+        (and, with `floating`, that it holds floating-point values rather than reinterpreting bytes)."""
         info = self.info(name)
+        if floating:
+            check_floating(info)
         if expected_shape is not None and tuple(expected_shape) != info.shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(expected_shape)}; "

@@ -8,6 +8,7 @@ warm up, and a snapshot get saved for the next start.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from moestream.checkpoint import TensorIndex
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan, plan_load
 from moestream.engine.weights import load_dense_weights
-from moestream.errors import InputError
+from moestream.errors import CheckpointError, InputError
 from moestream.experts.bank import ExpertBank
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
@@ -43,12 +44,25 @@ class PrepackStatus:
 
 
 def load_tokenizer(folder: Path):
+    """The checkpoint's tokenizer, or None when it has no tokenizer files; damaged files are named."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if not any((folder / n).exists() for n in names):
         return None
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.exists():
+            try:
+                json.loads(path.read_bytes())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{path} is not valid JSON ({type(exc).__name__}); re-download the tokenizer "
+                                      "files or remove them to pass token ids.") from None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:   # tokenizers raises its own exception types for malformed content
+        raise CheckpointError(f"the tokenizer files in {folder} cannot be loaded ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:120] if str(exc) else 'no detail'}); re-download them.") from None
 
 
 def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:

@@ -24,6 +24,23 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def _typed(section: object, rules: dict[str, tuple[type, ...]]) -> None:
+    """Each named field holds one of its types (None allowed where the rule lists type(None));
+    bools are not integers here."""
+    for name, kinds in rules.items():
+        value = getattr(section, name)
+        if isinstance(value, bool) and bool not in kinds:
+            ok = False
+        else:
+            ok = isinstance(value, kinds)
+        if not ok:
+            names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise InputError(f"option {name} must be {names}, got {value!r}.")
+
+
+INT, OPT_INT, SIZE = (int,), (int, type(None)), (int, str, type(None))
+
+
 @dataclass
 class RuntimeConfig:
     device: str = "auto"                  # cpu | cuda | cuda:N | auto
@@ -34,6 +51,8 @@ class RuntimeConfig:
     cuda_graphs: bool = True
 
     def validate(self) -> None:
+        _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
+                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,)})
         if self.max_context is not None and self.max_context < 2:
             raise InputError(f"max_context must be at least 2, got {self.max_context}.")
         if self.prefill_chunk < 1:
@@ -56,6 +75,10 @@ class BankConfig:
     pinned: dict[int, list[int]] | None = None   # experts kept resident for good, per MoE layer
 
     def validate(self) -> None:
+        _typed(self, {"gpu_memory": SIZE, "capacity": OPT_INT, "host_memory": SIZE, "miss_policy": (str,),
+                      "residency": (str,), "prefetch": (bool,), "pinned": (dict, type(None))})
+        if self.capacity is not None and self.capacity < 1:
+            raise InputError(f"capacity must be at least 1, got {self.capacity}.")
         checks = [("miss policy", self.miss_policy, MISS_POLICIES), ("residency policy", self.residency, tuple(POLICIES))]
         if isinstance(self.host_tier, str):
             checks.append(("host tier", self.host_tier, HOST_TIERS))
@@ -74,6 +97,8 @@ class WarmStartConfig:
     warmup_tokens: int = 0                      # tokens generated before the first request
 
     def validate(self) -> None:
+        _typed(self, {"discovery": (bool, str, list), "pin_top_k": OPT_INT, "pin_threshold": (int, float, type(None)),
+                      "prepack": (str, Path, type(None)), "warmup_tokens": INT})
         if self.warmup_tokens < 0:
             raise InputError(f"warmup_tokens must be 0 or more, got {self.warmup_tokens}.")
 

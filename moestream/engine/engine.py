@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -20,7 +21,7 @@ import torch
 
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan
-from moestream.errors import InputError
+from moestream.errors import InputError, NumericsError
 from moestream.experts.bank import ExpertBank
 from moestream.model.decoder import MoECausalLM
 from moestream.runtime.model_runner import ModelRunner
@@ -59,6 +60,9 @@ class Engine:
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
         self.scheduler = Scheduler(max_batch)
+        # One engine, several threads: each call that touches the scheduler or the device holds this
+        # lock, so threads interleave at step granularity and each reads only its own sequences.
+        self._lock = threading.RLock()
         self.discovery, self.prepack = discovery, prepack   # how the bank started (reported by the CLI)
         self.prepack_error: str | None = None
         self.last_metrics = RunMetrics()
@@ -118,26 +122,45 @@ class Engine:
 
     # ---- full forward -------------------------------------------------------------------
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(batch, seq, vocab) logits of a full forward without cache; padding marked by attention_mask."""
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
+        """(batch, seq, vocab) logits of a full forward without cache; padding marked by attention_mask.
+
+        The ids are checked on the host first: an out-of-range id would otherwise fault on the GPU
+        and poison the CUDA context."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise InputError("input_ids must be a non-empty 2-D tensor (batch, seq) of token ids.")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.is_complex():
+            raise InputError(f"input_ids must hold integer token ids, not {input_ids.dtype}.")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise InputError(f"token id {low if low < 0 else high} is outside the vocabulary "
+                             f"(0..{self.config.vocab_size - 1}).")
         if input_ids.shape[1] > self.max_context:
             raise InputError(f"the input has {input_ids.shape[1]} tokens but the context holds {self.max_context}; shorten it or raise max_context.")
-        return self.runner.logits(input_ids, attention_mask)
+        if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise InputError("attention_mask must be a tensor of the same shape as input_ids.")
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise InputError("attention_mask must hold only 0 (padding) and 1 (token).")
+            attention_mask = attention_mask.to(self.device)
+        with self._lock:
+            return self.runner.logits(input_ids.to(self.device, torch.long), attention_mask)
 
     # ---- requests and steps -------------------------------------------------------------
     def add_request(self, ids: list[int], params: SamplingParams) -> Sequence:
         """Queue one encoded prompt; it joins the running batch at the next step with room."""
         seq = Sequence(ids, params, frozenset(self.eos_ids), self.tokenizer, self.max_context,
                        make_generator(params, self.device))
-        self.scheduler.add(seq)
+        with self._lock:
+            self.scheduler.add(seq)
         return seq
 
-    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Admit waiting sequences (prefill, first token each), then decode every sequence that was
         already running by one token, in one batch. Returns the sequences that got a token."""
+        with self._lock, torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         sched, runner = self.scheduler, self.runner
         self._retire()   # cancelled since the last step
         decoding = list(sched.running)
@@ -159,13 +182,23 @@ class Engine:
             self.runner.move_row(src, dst, length)
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        for seq, token in zip(seqs, tokens):
+        """Sample one token per sequence; the tokens and a finiteness flag per row come back in one read."""
+        finite = torch.isfinite(logits).all(-1)
+        safe = torch.where(finite[:, None], logits, torch.zeros_like(logits))   # sampling must not fail first
+        tokens = sample_rows(safe, [s.params for s in seqs], [s.generator for s in seqs])
+        rows = torch.stack((tokens, finite.to(tokens.dtype)), dim=1).tolist()
+        for seq, (token, ok) in zip(seqs, rows):
+            if not ok:
+                raise NumericsError(f"the model produced NaN or infinite logits at step {seq.sampled + 1} of a "
+                                    "sequence; the weights are damaged or overflow the dtype (try --dtype bfloat16 "
+                                    "or float32).")
             seq.append(token)
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop a sequence: it leaves the batch at the next step and its row is freed."""
-        seq.finish("cancelled")
+        """Stop a sequence: it leaves the batch now (between steps) and its row is freed."""
+        with self._lock:
+            seq.finish("cancelled")
+            self._retire()
 
     def _run(self, seqs: list[Sequence], metrics: RunMetrics) -> Iterator[tuple[Sequence, int | None, str]]:
         """Step until `seqs` finish, yielding (sequence, token or None, text delta) as they arrive."""
@@ -177,7 +210,7 @@ class Engine:
                 if not pending:
                     break
                 if not any(s.outbox for s in seqs):
-                    self.step()
+                    self.step()   # advances every reader's sequences; each drains its own outbox
                 if t_first is None and all(s.sampled for s in seqs):
                     t_first = time.perf_counter()
                     metrics.ttft_s = metrics.prefill_s = t_first - t0

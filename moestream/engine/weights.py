@@ -59,9 +59,9 @@ def _read_packed(index: TensorIndex, module: str, spec: QuantSpec, rows: int) ->
             raise CheckpointError(f"{module}.weight is stored as {packed.dtype} but its scales say it is quantized; "
                                   "the checkpoint is damaged.")
         out = {"qweight": packed.view(torch.uint8).reshape(rows, -1)}
-    out["scales"] = index.read(f"{module}.scales")
+    out["scales"] = index.read(f"{module}.scales", floating=True)
     if spec.has_bias:
-        out["biases"] = index.read(f"{module}.biases")
+        out["biases"] = index.read(f"{module}.biases", floating=True)
     return out
 
 
@@ -69,7 +69,7 @@ def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ..
     """A full-precision tensor, dequantized when the file stores its module MLX-quantized."""
     name = f"{module}.{part}"
     if part != "weight" or f"{module}.scales" not in index:
-        return index.read(name, expected_shape=shape)
+        return index.read(name, expected_shape=shape, floating=True)
     spec = stored(module)
     if spec is None:
         raise CheckpointError(f"{module} is stored quantized but config.json does not say how; fix the config.")
@@ -86,7 +86,7 @@ def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: Te
             raise CheckpointError(f"{source} is stored as {held.name if held else 'full precision'}, "
                                   f"not {module.spec.name}; load it in its own format.")
         return _read_packed(index, source, module.spec, module.qweight.shape[0])
-    return quantize(index.read(f"{source}.weight").to(device), module.spec).parts()
+    return quantize(index.read(f"{source}.weight", floating=True).to(device), module.spec).parts()
 
 
 def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig, device: torch.device,

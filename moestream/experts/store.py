@@ -27,7 +27,7 @@ from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.checkpoint.packed import PackedLayout
-from moestream.checkpoint.safetensors_index import TensorIndex, read_exactly
+from moestream.checkpoint.safetensors_index import TensorIndex, check_floating, read_exactly
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape
 from moestream.quant import QuantSpec
@@ -89,6 +89,7 @@ class CheckpointExpertStore(ExpertStore):
                             f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}; "
                             "the config does not match the weights."
                         )
+                    check_floating(info)
                     dtypes.add(info.dtype)
         if len(dtypes) > 1:
             raise CheckpointError(f"expert tensors mix dtypes {sorted(map(str, dtypes))}; re-convert the checkpoint to one dtype.")

@@ -21,9 +21,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
+        for name in ("max_tokens", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InputError(f"{name} must be an integer, got {value!r}.")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"{name} must be a number, got {value!r}.")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InputError(f"stop strings must be non-empty text, got {self.stop!r}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise InputError(f"seed must be an integer in -2^63..2^64-1, got {self.seed!r}.")
         if self.max_tokens < 1:
             raise InputError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if not self.temperature >= 0:   # also rejects nan
+        if not 0 <= self.temperature < float("inf"):   # also rejects nan
             raise InputError(f"temperature must be >= 0, got {self.temperature}.")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")

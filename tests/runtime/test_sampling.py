@@ -144,9 +144,11 @@ def engine(tiny_qwen3):
 def test_engine_rejects_invalid_params(engine, capsys, tiny_qwen3):
     with pytest.raises(InputError, match="top_p"):
         engine.generate([3, 4, 5], max_tokens=4, temperature=1.0, top_p=0.0)
-    assert cli.main(["run", str(tiny_qwen3), "-p", "3 4 5", "--device", "cpu", "--temperature", "nan"]) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", str(tiny_qwen3), "-p", "3 4 5", "--device", "cpu", "--temperature", "nan"])
+    assert exit_info.value.code == 1
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("moestream: error: temperature") and err.count("\n") == 1
+    assert out == "" and err.startswith("moestream: error: --temperature") and err.count("\n") == 1
 
 
 def test_engine_seeded_sampling_is_reproducible(engine):
