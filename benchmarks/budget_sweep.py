@@ -13,7 +13,6 @@ Routing is stated per row: the model's own, uniform (synthetic worst case) or a 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import ensure_checkpoint, hf_peer, log, pinned_bandwidth, write_result  # noqa: E402
+from benchmarks.common import checkpoint_args, ensure_checkpoint, hf_peer, log, pinned_bandwidth, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
@@ -107,13 +106,7 @@ def _pins_from_profile(path: Path, top_k: int, config) -> dict[int, list[int]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shape", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap = checkpoint_args(__doc__)
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--hf-offload", action="store_true")
@@ -125,7 +118,6 @@ def main() -> None:
     ap.add_argument("--trace-prediction-accuracy", type=float, default=None,
                     help="under trace replay, predict the next layer's replayed experts with this accuracy "
                          "(the demo model's measured next-layer accuracy is 0.65)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log(torch.cuda.get_device_name(), torch.__version__)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -12,6 +13,21 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkpoint_args(doc: str, run: bool = True) -> argparse.ArgumentParser:
+    """The arguments every GPU benchmark takes: the checkpoint (written when missing), where results
+    go, and (run=True) the prompt and generation lengths of a timed run."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=24)
+    if run:
+        ap.add_argument("--prompt-tokens", type=int, default=512)
+        ap.add_argument("--gen-tokens", type=int, default=64)
+        ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
+    return ap
 
 
 def log(*a) -> None:

@@ -12,7 +12,6 @@ row. Results: `$OUT/quantized_decode.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import ensure_checkpoint, log, write_result  # noqa: E402
+from benchmarks.common import checkpoint_args, ensure_checkpoint, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
@@ -31,20 +30,14 @@ from moestream.warmstart.trace import RoutingTrace  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--layers", type=int, default=24)
+    ap = checkpoint_args(__doc__)
     ap.add_argument("--formats", nargs="+", default=["int4"])
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ensure_checkpoint(args.ckpt, layers=args.layers)
+    ensure_checkpoint(args.ckpt, args.shape, args.layers)
     rows = []
     for fmt in args.formats:
         packed = Path(f"/tmp/{args.ckpt.name}-{fmt}")

@@ -10,7 +10,6 @@ The checkpoint is written first when missing (random weights, `--shape`/`--layer
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -18,22 +17,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import ensure_checkpoint, hf_peer, log, write_result  # noqa: E402
+from benchmarks.common import checkpoint_args, ensure_checkpoint, hf_peer, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import UniformRouting, run_bench, use_routing  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--shape", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap = checkpoint_args(__doc__)
     ap.add_argument("--routing", choices=["model", "uniform"], default="uniform")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     ap.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ the snapshot, the second loads it), and reports both load times. Results: `$OUT/
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -16,13 +15,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import log  # noqa: E402
+from benchmarks.common import checkpoint_args, log  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap = checkpoint_args(__doc__, run=False)
     ap.add_argument("--gpu-memory", default="9781MiB")
     ap.add_argument("--host-tier", default="disk", help="disk: the pinned tier's fill does not mask the bank's own start")
     ap.add_argument("--prepack", type=Path, default=Path("/tmp/moestream-prepack"))

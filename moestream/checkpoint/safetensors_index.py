@@ -119,6 +119,39 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path, what: str)
         raise CheckpointError(f"{path} ended early while reading {what}; the file was truncated, re-download it.")
 
 
+class OpenFiles:
+    """Read-only descriptors opened once and shared by every reading thread (pread needs no seek state)."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: Path, redo: str) -> int:
+        """The descriptor of `path`; a file that cannot be opened is a CheckpointError ending in `redo`."""
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    try:
+                        fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                    except OSError as exc:
+                        raise CheckpointError(f"cannot open {path} ({exc.strerror}); {redo}.") from None
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:  # best effort; fds are also closed at exit
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class TensorIndex:
     """All tensors of a checkpoint folder, from one or many shards, with or without an index file.
 
@@ -136,8 +169,7 @@ class TensorIndex:
                     raise CheckpointError(f"tensor {name!r} is in both {self.tensors[name].path.name} and "
                                           f"{path.name}; remove the stale shard or add the checkpoint's index file.")
                 self.tensors[name] = info
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
+        self.files = OpenFiles()
 
     @staticmethod
     def _shard_files(folder: Path) -> list[Path]:
@@ -166,26 +198,13 @@ class TensorIndex:
         except KeyError:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.folder}; the download is incomplete or the checkpoint is not of this architecture.") from None
 
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(path)
-                if fd is None:
-                    fd = os.open(path, os.O_RDONLY)
-                    self._fds[path] = fd
-        return fd
-
     def read_into(self, info: TensorInfo, out: torch.Tensor, start: int | None = None) -> torch.Tensor:
         """Read the raw bytes of `info` (from byte `start` of its data, as many as `out` holds) into
         the contiguous CPU tensor `out`; without `start`, `out` must hold the whole tensor."""
         view = out.view(-1).view(torch.uint8)
         if (start is None and view.numel() != info.nbytes) or (start or 0) + view.numel() > info.nbytes:
             raise ValueError(f"destination holds {view.numel()} bytes, {info.name} needs {info.nbytes}")
-        try:
-            fd = self._fd(info.path)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open {info.path} ({exc.strerror}); check that it exists and is readable.") from None
+        fd = self.files.fd(info.path, "check that it exists and is readable")
         read_exactly(fd, view, info.offset + (start or 0), info.path, repr(info.name))
         return out
 
@@ -202,15 +221,3 @@ class TensorIndex:
             )
         out = torch.empty(info.shape, dtype=info.dtype)
         return self.read_into(info, out)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __del__(self) -> None:  # best effort; fds are also closed at exit
-        try:
-            self.close()
-        except Exception:
-            pass

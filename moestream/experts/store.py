@@ -17,7 +17,6 @@ A pre-quantized store (`native` formats per layer) can only fill slots of exactl
 from __future__ import annotations
 
 import os
-import threading
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.checkpoint.packed import PackedLayout
-from moestream.checkpoint.safetensors_index import TensorIndex, check_floating, read_exactly
+from moestream.checkpoint.safetensors_index import OpenFiles, TensorIndex, check_floating, read_exactly
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape
 from moestream.quant import QuantSpec
@@ -163,29 +162,15 @@ class PackedExpertStore(ExpertStore):
         super().__init__(index, config, spec)
         self.layout = layout
         self.native = {layer: layout.layers[layer].spec for layer in self.moe_layers}
-        self._fds: dict[int, int] = {}
+        self.files = OpenFiles()
         self._verified: set[tuple[int, int]] = set()
-        self._lock = threading.Lock()
-
-    def _fd(self, layer: int) -> int:
-        fd = self._fds.get(layer)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(layer)
-                if fd is None:
-                    path = self.layout.folder / self.layout.layers[layer].file
-                    try:
-                        fd = self._fds[layer] = os.open(path, os.O_RDONLY)
-                    except OSError as exc:
-                        raise CheckpointError(f"cannot open {path} ({exc.strerror}); re-run `moestream convert`.") from None
-        return fd
 
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         self._check_native(layer, fmt)
         record = self.layout.layers[layer]
         path = self.layout.folder / record.file
         offset = expert * record.stride
-        fd = self._fd(layer)
+        fd = self.files.fd(path, "re-run `moestream convert`")
         verify = (layer, expert) not in self._verified
         crc = 0
         for entry in record.tensors:
@@ -198,10 +183,3 @@ class PackedExpertStore(ExpertStore):
                 raise CheckpointError(f"expert {expert} of layer {layer} in {path.name} fails its checksum (the file "
                                       "is damaged); re-run `moestream convert`.")
             self._verified.add((layer, expert))
-
-    def __del__(self) -> None:
-        for fd in self._fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
