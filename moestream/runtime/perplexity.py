@@ -38,7 +38,7 @@ def sliding_window_scores(model_fn: ModelFn, ids: list[int], window: int, device
         target_len = end - prev_end
         chunk = torch.tensor(ids[begin:end], dtype=torch.long, device=device)[None]
         logits = model_fn(chunk)[0].float()
-        labels = chunk[0].clone()
+        labels = chunk[0].clone().to(logits.device)   # model_fn may run elsewhere (a GPU model on CPU ids)
         labels[: end - begin - target_len] = -100
         nll = F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
         keep = labels[1:] != -100
