@@ -152,5 +152,7 @@ def test_ctrl_c_at_any_moment_exits_130_with_at_most_one_line(tmp_path, delay):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     text = err.decode(errors="replace")
-    assert proc.returncode == 130, text
+    # 130 from our handler; -SIGINT when the signal lands before the interpreter has installed any
+    # handler (the shell reports both as 130)
+    assert proc.returncode in (130, -signal.SIGINT), text
     assert "Traceback" not in text and text.count("\n") <= 1
