@@ -192,6 +192,7 @@ def _load(args):
     if config.quant.quantized:
         print("[moestream] quantizing on load (a slower start; `moestream convert` once to skip this)", file=sys.stderr)
     engine = moestream.load(config)
+    _interrupts.check()
     load_s = time.perf_counter() - t0
     _report_load(engine, load_s, args)
     return engine, load_s
@@ -251,10 +252,12 @@ def cmd_run(args) -> int:
                              "tokenizer files; run without --chat and pass token ids.")
         ids = parse_token_ids(prompt, "the prompt")
         for token in engine.stream_tokens(ids, **{k: v for k, v in kw.items() if k != "chat"}):
+            _interrupts.check()
             out.write(f"{token} ")
             out.flush()
     else:
         for piece in engine.stream(prompt, **kw):
+            _interrupts.check()
             out.write(piece)
             out.flush()
     out.write("\n")
@@ -553,6 +556,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Interrupts:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: a library that swallows the
+    exception (some do, during their imports) cannot lose it, the next check raises it again."""
+
+    def __init__(self):
+        self.seen = False
+
+    def install(self) -> None:
+        import signal
+
+        def handler(signum, frame):
+            self.seen = True
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, handler)
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+_interrupts = _Interrupts()
+
+
 def _quiet_libraries() -> None:
     """Library warnings (torch, transformers) would reach stderr before our own one-line messages;
     --verbose keeps them."""
@@ -567,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line: MoestreamError exits 1, Ctrl-C exits 130
     at any point (imports of torch and transformers included: they happen in here)."""
     try:
+        if argv is None:   # the process's own command line: own its Ctrl-C
+            _interrupts.install()
         args = build_parser().parse_args(argv)
         if not getattr(args, "verbose", False):
             _quiet_libraries()

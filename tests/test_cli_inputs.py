@@ -143,7 +143,9 @@ def test_a_prepack_that_could_not_be_saved_is_one_warning(tiny_qwen3, tmp_path, 
     assert err.count("warning") == 1 and "could not save" in err and "saved it to" not in err
 
 
-@pytest.mark.parametrize("delay", [0.05, 1.0, 3.0])   # importing, loading, generating
+# importing torch, loading, generating (in its first ~0.1 s the interpreter itself is starting up,
+# where an interrupt is CPython's own business)
+@pytest.mark.parametrize("delay", [0.3, 1.0, 3.0])
 def test_ctrl_c_at_any_moment_exits_130_with_at_most_one_line(tmp_path, delay):
     proc = subprocess.Popen([sys.executable, "-m", "moestream", "run", "--device", "cpu", "--max-tokens", "100000",
                              "-p", "def f(x):"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
@@ -152,7 +154,5 @@ def test_ctrl_c_at_any_moment_exits_130_with_at_most_one_line(tmp_path, delay):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     text = err.decode(errors="replace")
-    # 130 from our handler; -SIGINT when the signal lands before the interpreter has installed any
-    # handler (the shell reports both as 130)
-    assert proc.returncode in (130, -signal.SIGINT), text
+    assert proc.returncode == 130, text
     assert "Traceback" not in text and text.count("\n") <= 1
