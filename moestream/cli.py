@@ -579,6 +579,15 @@ class _Interrupts:
 _interrupts = _Interrupts()
 
 
+def _exit_now(code: int) -> None:
+    """Flush what was written and end the process (nothing of ours is left half-written by then:
+    files are written through temporaries that failures remove)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def _quiet_libraries() -> None:
     """Library warnings (torch, transformers) would reach stderr before our own one-line messages;
     --verbose keeps them."""
@@ -604,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("moestream: interrupted", file=sys.stderr)
+        if argv is None:   # the process's own Ctrl-C: leave now, with 130 (a library that already saw
+            _exit_now(130)  # the interrupt can otherwise make the interpreter re-raise it at shutdown)
         return 130
     except BrokenPipeError:   # the reader went away (e.g. `| head`): not an error of ours
         with contextlib.suppress(OSError):
