@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
-from .moe_tiles import fit_tile, gated_dot, quant_block_k
+from .moe_tiles import fit_tile, gated_dot, quant_block_k, quant_gemv
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "QuantOperand",
            "launch_decode_gemms"]
@@ -116,6 +116,21 @@ def _moe_decode_kernel(
     s_base = s_ptr + slot.to(tl.int64) * stride_se
     z_base = z_ptr + slot.to(tl.int64) * stride_se
 
+    if BITS > 0:
+        if count == 1:   # one token on this expert (decode): the quantized GEMV, no padded dot
+            if A_BY_TOKEN:
+                a_row = pid // top_k
+            else:
+                a_row = pid
+            acc, acc_up = quant_gemv(a_ptr + a_row.to(tl.int64) * stride_am, b_base, s_base, z_base, code_ptr, offs_bn,
+                                     K, N, stride_ak, stride_bn, stride_sn, BLOCK_N, BLOCK_K, GATED, BITS, GROUP, NF)
+            if GATED:
+                acc = activate(acc, acc_up, ACTIVATION)
+            if MUL_WEIGHT:
+                acc = acc * tl.load(w_ptr + (pid // top_k) * stride_wt + (pid % top_k) * stride_wj).to(tl.float32)
+            tl.store(c_ptr + pid.to(tl.int64) * stride_cm + offs_n * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                     mask=offs_n < N)
+            return
     for first_row in range(0, count, BLOCK_M):
         rows = first_row + tl.arange(0, BLOCK_M)
         row_mask = rows < count

@@ -121,6 +121,43 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
     return acc, acc_up
 
 
+@triton.jit
+def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak, stride_bn, stride_sn,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+               BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr):
+    """fp32 (acc, acc_up) [BLOCK_N] of ONE row of A against a quantized expert, without tensor cores.
+
+    The decode case (one token per expert): the dot path would pad the row to 16 and move every
+    dequantized tile through shared memory into the MMA layout. Here each tile is dequantized in
+    registers, multiplied by the row elementwise and summed into a [units, BLOCK_N] accumulator;
+    one reduction at the end."""
+    VPB: tl.constexpr = 8 if BITS == 3 else 8 // BITS
+    UB: tl.constexpr = BITS * VPB // 8
+    U: tl.constexpr = BLOCK_K // VPB
+    R: tl.constexpr = BLOCK_K // GROUP
+    num_groups = tl.cdiv(K, GROUP)
+    offs_u = tl.arange(0, U)
+    acc = tl.zeros((U, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((U, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        unit = kk * U + offs_u
+        u_mask = unit * VPB < K
+        g0 = kk * R
+        word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
+        scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+        bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+        if GATED:
+            word_up = _units(b_base, offs_bn + N, unit, u_mask, stride_bn, UB)
+            scale_up = _scales(s_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            bias_up = scale_up if NF else _scales(z_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+        for j in tl.static_range(VPB):
+            a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
+            acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32) * a[:, None]
+            if GATED:
+                acc_up += _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, tl.float32) * a[:, None]
+    return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)
+
+
 def quant_block_k(bits: int, group: int) -> int:
     """BLOCK_K of a quantized tile: whole groups, and at least 16 units deep for the dots."""
     values_per_unit = 8 if bits == 3 else 8 // bits
