@@ -37,6 +37,16 @@ def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr):
 
 
 @triton.jit
+def _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
+                UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr):
+    """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn."""
+    word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
+    scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+    bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+    return word, scale, bias
+
+
+@triton.jit
 def _plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Value j of every unit, dequantized: q·scale + bias (NF: codebook[q]·scale), fp32 math, one rounding."""
     q = (word >> (j * BITS)) & ((1 << BITS) - 1)
@@ -103,13 +113,11 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
             unit = kk * U + offs_u
             u_mask = unit * VPB < K
             g0 = kk * R
-            word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
-            scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
-            bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups,
+                                            stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
             if GATED:
-                word_up = _units(b_base, offs_bn + N, unit, u_mask, stride_bn, UB)
-                scale_up = _scales(s_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
-                bias_up = scale_up if NF else _scales(z_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, unit, u_mask, g0,
+                                                         num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
             for j in tl.static_range(VPB):
                 a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
                             mask=row_mask[:, None] & u_mask[None, :], other=0.0)
@@ -143,13 +151,11 @@ def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak
         unit = kk * U + offs_u
         u_mask = unit * VPB < K
         g0 = kk * R
-        word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
-        scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
-        bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups,
+                                        stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
         if GATED:
-            word_up = _units(b_base, offs_bn + N, unit, u_mask, stride_bn, UB)
-            scale_up = _scales(s_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
-            bias_up = scale_up if NF else _scales(z_base, offs_bn + N, g0, num_groups, stride_sn, R, U, BLOCK_N)
+            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, unit, u_mask, g0,
+                                                     num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
         for j in tl.static_range(VPB):
             a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
             acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32) * a[:, None]
