@@ -121,7 +121,7 @@ def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
     time. About 60 candidates, so budget ~1-2 minutes of compiling per T."""
     from dataclasses import asdict, replace
 
-    from moestream.kernels.fused_moe import (
+    from moestream.kernels.fused_moe_triton import (
         GemmConfig,
         fused_moe_with_config,
         select_config,
@@ -156,7 +156,7 @@ def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
     each timed `cold` on the whole call. 13 candidates, about a second of compiling each."""
     from dataclasses import asdict, replace
 
-    from moestream.kernels.fused_moe import (
+    from moestream.kernels.fused_moe_triton import (
         DEFAULT_DECODE_CONFIG,
         DecodeTile,
         fused_moe_with_config,
@@ -195,8 +195,8 @@ def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
 
 def quant_rows(args) -> None:
     """The dequantizing kernel against bf16 at each T, cold (16 routings per graph)."""
-    from moestream.kernels.fused_moe import fused_moe_with_config
-    from moestream.kernels.fused_moe_quant import fused_moe_quant
+    from moestream.kernels.fused_moe_triton import fused_moe_with_config
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
     from moestream.quant import parse_quant, quantize
 
     spec = parse_quant(args.format)
@@ -250,7 +250,7 @@ def main() -> None:
     if args.format:
         quant_rows(args)
         return
-    from moestream.kernels.fused_moe import DECODE_MAX_PAIRS, fused_moe_with_config
+    from moestream.kernels.fused_moe_triton import DECODE_MAX_PAIRS, fused_moe_with_config
 
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k
     expert_bytes = 3 * H * I * 2                                     # gate, up, down in bf16

@@ -63,7 +63,7 @@ class DecodeConfig:
     block_m: int = 16
 
 
-# First-principles defaults for H100 (not yet measured; `bench_fused_moe.py --tune-decode`
+# First-principles defaults for H100 (not yet measured; `benchmarks/fused_moe_kernel.py --tune-decode`
 # sweeps around them). gate_up at T=1: 8 pairs x 48 N-tiles = 384 programs, each streaming
 # 2 x 16 rows x H; down: 8 x 64 = 512 programs of 32 rows x I.
 DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),

@@ -52,7 +52,7 @@ def test_fused_moe_quant_matches_the_reference(name, T):
 
 @pytest.mark.parametrize("path", ["decode", "grouped"])
 def test_both_paths_and_an_fp32_case(path):
-    from moestream.kernels.fused_moe_quant import fused_moe_quant
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
 
     spec = parse_quant("int4-g32")
     slots = quant_bank(spec, seed=7, hidden=96, inter=48)   # ragged groups: 96 = 64 + 32 at g64 below too

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moestream.kernels.fused_moe import _moe_grouped_gemm_kernel  # noqa: E402
+from moestream.kernels.fused_moe_triton import _moe_grouped_gemm_kernel  # noqa: E402
 from moestream.kernels.fused_moe_decode import _moe_decode_kernel  # noqa: E402
 from moestream.kernels.moe_tiles import quant_block_k  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Fused MoE dispatch over quantized bank slots in Triton: the CUDA path of `quant_moe_reference`.
 
-The same two paths, launches and epilogues as the plain kernel (fused_moe.py): the kernels are
+The same two paths, launches and epilogues as the plain kernel (fused_moe_triton.py): the kernels are
 shared, and every B tile is dequantized in registers as it is loaded (`moe_tiles.load_b_tile`:
 packed bytes → values → q·scale + bias or codebook[q]·scale, in fp32, rounded once to the hidden
 dtype, exactly what the reference's dequantize-then-cast produces). No dequantized expert is ever
@@ -18,7 +18,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 from moestream.quant.normal import codebook
 
-from .fused_moe import DecodeConfig, MoeConfig, resolve_path, run_paths
+from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
 from .fused_moe_decode import QuantOperand
 
 __all__ = ["fused_moe_quant", "quant_operand"]

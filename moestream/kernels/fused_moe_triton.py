@@ -27,7 +27,7 @@ dtype. Rows of unrouted pairs (slot -1 or outside [0, S)) are never written and 
 
 Block sizes of the grouped path come from a small table keyed by the expected rows per used
 slot (`select_config`). It was chosen from first principles and vLLM-style H100 settings, not
-measured here; `benchmarks/bench_fused_moe.py --tune` searches around it on the GPU (and
+measured here; `benchmarks/fused_moe_kernel.py --tune` searches around it on the GPU (and
 `--tune-decode` around the decode path's `DEFAULT_DECODE_CONFIG`).
 
 This module imports Triton at the top; the package `moestream.kernels` loads it lazily.
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 # `fused_moe` takes the decode path when T*k is at most this (8 tokens at k=8). A first guess:
-# `benchmarks/bench_fused_moe.py` times both paths per T so the crossover can be read off.
+# `benchmarks/fused_moe_kernel.py` times both paths per T so the crossover can be read off.
 DECODE_MAX_PAIRS = 64
 # The decode path keeps all T*k slot ids of a program in registers; forcing it past this many
 # pairs is refused (the grouped path is the right one there anyway).

@@ -17,7 +17,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec, dequantize
 
 from .fused_moe_decode import QUANT_DECODE_CONFIG, _launch
-from .fused_moe_quant import quant_operand
+from .fused_moe_quant_triton import quant_operand
 
 __all__ = ["quant_linear"]
 
