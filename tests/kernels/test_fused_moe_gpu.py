@@ -17,20 +17,15 @@ Two groups:
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from moestream.kernels import fused_moe, fused_moe_available, moe_reference
+from triton_interpreter import HAS_TRITON, INTERPRETER_SKIP, run_under_interpreter
 
-REPO = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not fused_moe_available(),
                                 reason="fused_moe needs CUDA and Triton")
 
@@ -245,16 +240,6 @@ def test_no_host_sync_and_cuda_graph_capture(T: int) -> None:
 
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import torch
-    import triton.runtime.interpreter as interpreter
-
-    # Triton 3.6's interpreter turns a scalar into an int with int(array of shape (1,)), which
-    # numpy >= 2.4 refuses; read the one element instead (same value, any numpy).
-    _patch_tensor = interpreter._patch_lang_tensor
-    def patch_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    interpreter._patch_lang_tensor = patch_tensor
-
     from moestream.kernels.fused_moe_triton import (DecodeConfig, DecodeTile, GemmConfig, MoeConfig,
                                              fused_moe_with_config, moe_align_block_size,
                                              moe_align_block_size_torch)
@@ -340,14 +325,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested directly")
+@pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_kernels_under_triton_interpreter() -> None:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    result = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = run_under_interpreter(_INTERPRETER_SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout
 

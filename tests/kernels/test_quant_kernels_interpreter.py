@@ -1,0 +1,78 @@
+"""The dequantizing Triton kernels on the CPU, under Triton's interpreter (CI's check of them).
+
+Every format (8/4/3/2-bit affine, NF4, NF3) through both MoE paths (decode: GEMV at one pair
+per slot, dot for several; grouped: align + grouped GEMM) and the quantized linear layer, in fp32
+and fp16 (the interpreter's bf16 `tl.dot` is broken), against the plain-torch references. The
+shapes are small but odd: a ragged last group (96 = 64 + 32 at g64), N not a multiple of the
+tile, -1 and out-of-range slots whose routing weight is NaN (so a kernel that multiplies an
+unrouted pair fails), NaN-poisoned workspaces, and all-unrouted giving exact zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+
+_SCRIPT = """
+import torch
+from moestream.kernels import quant_linear_reference, quant_moe_reference
+from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+from moestream.kernels.quant_linear_triton import quant_linear
+from moestream.quant import parse_quant, quantize
+
+_empty = torch.empty
+def nan_empty(*args, **kwargs):
+    t = _empty(*args, **kwargs)
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
+torch.empty = nan_empty
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+def bank(spec, H, I, S, g):
+    out = {}
+    for proj, (n, k) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+        for _ in range(S):
+            for name, t in quantize(torch.randn(n, k, generator=g) * 0.05, spec).parts().items():
+                out.setdefault(f"{proj}.{name}", []).append(t)
+    return {k: torch.stack(v) for k, v in out.items()}
+
+g = torch.Generator().manual_seed(0)
+H, I, S, K = 96, 48, 5, 3
+for name in FORMATS:
+    spec = parse_quant(name)
+    slots = bank(spec, H, I, S, g)
+    for T, dtype in ((1, torch.float32), (3, torch.float16), (6, torch.float32)):
+        hidden = torch.randn(T, H, generator=g).to(dtype)
+        ids = torch.randint(-1, S + 1, (T, K), generator=g)
+        ids[0, 0] = S                                        # out of range counts as unrouted
+        weights = torch.rand(T, K, generator=g)
+        weights[(ids < 0) | (ids >= S)] = float("nan")     # never multiplied
+        ref = quant_moe_reference(hidden, slots, ids, torch.nan_to_num(weights), spec)
+        tol = 1e-5 if dtype == torch.float32 else 3e-3
+        for path in ("decode", "grouped"):
+            out = fused_moe_quant(hidden, slots, ids, weights, spec, path=path)
+            assert out.dtype == dtype and not out.isnan().any(), (name, T, path)
+            err = rel(out, ref)
+            assert err < tol, (name, T, path, err)
+            none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
+            assert torch.equal(none, torch.zeros_like(none)), (name, T, path)
+            print(f"{name} T={T} {dtype} {path}: rel_err={err:.1e}")
+    qt = quantize(torch.randn(80, H, generator=g) * 0.05, spec)
+    bias = torch.randn(80, generator=g)
+    for T in (1, 5, 40):
+        x = torch.randn(T, H, generator=g)
+        out = quant_linear(x, qt.qweight, qt.scales, qt.biases, spec, bias)
+        err = rel(out, quant_linear_reference(x, qt.qweight, qt.scales, qt.biases, spec, bias))
+        assert err < 1e-5, (name, "linear", T, err)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+@pytest.mark.parametrize("formats", [["int8-g32", "int4-g64", "nf4-g32"], ["int3-g32", "int2-g32", "nf3-g64"]])
+def test_quant_kernels_under_triton_interpreter(formats) -> None:
+    result = run_under_interpreter(f"FORMATS = {formats!r}\n" + _SCRIPT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "interpreter ok" in result.stdout

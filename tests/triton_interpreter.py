@@ -1,0 +1,42 @@
+"""Run a script of kernel checks on the CPU under Triton's interpreter, in a subprocess.
+
+`TRITON_INTERPRET=1` must be set before Triton is imported, hence the subprocess. Triton 3.6's
+interpreter turns a scalar into a Python int with `int(array of shape (1,))`, which numpy >= 2.4
+refuses; the preamble reads the single element instead (the same value under any numpy).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# With a GPU the compiled kernels are tested directly; the interpreter is the CPU machine's check.
+INTERPRETER_SKIP = dict(condition=not HAS_TRITON or torch.cuda.is_available(),
+                        reason="needs Triton and no GPU (with a GPU the compiled kernels are tested)")
+
+_PREAMBLE = textwrap.dedent("""
+    import triton.runtime.interpreter as _interpreter
+
+    _patch_tensor = _interpreter._patch_lang_tensor
+    def _patch_tensor_index(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    _interpreter._patch_lang_tensor = _patch_tensor_index
+""")
+
+
+def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `script` (dedented) with TRITON_INTERPRET=1 and the repository importable."""
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", _PREAMBLE + textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
