@@ -29,6 +29,7 @@ from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
 from moestream.runtime.model_runner import ModelRunner
+from moestream.runtime.prefix_cache import PrefixCache
 from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
 from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
 from moestream.warmstart.profile import apply_profile, prepare_profile, profile_seed
@@ -173,8 +174,10 @@ def build(cfg: EngineConfig):
     model.attach_experts(bank)
     runner = ModelRunner(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
                          cfg.runtime.cuda_graphs)
+    prefix_bytes = cfg.runtime.prefix_cache_bytes
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
-                    discovery=discovery, prepack=prepack)
+                    discovery=discovery, prepack=prepack,
+                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

@@ -19,6 +19,7 @@ from moestream.experts.bank import MISS_POLICIES
 from moestream.experts.host_tier import HOST_TIERS
 from moestream.experts.residency import POLICIES
 from moestream.quant.recipe import QuantRecipe
+from moestream.sizes import parse_bytes
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -49,10 +50,13 @@ class RuntimeConfig:
     prefill_chunk: int = 512              # prompt tokens per forward
     max_batch: int = 64                   # sequences decoded together; more wait their turn
     cuda_graphs: bool = True
+    prefix_cache_memory: int | str | None = None   # device bytes of finished sequences' KV kept for reuse (off)
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
-                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,)})
+                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
+                      "prefix_cache_memory": SIZE})
+        self.prefix_cache_bytes   # parses (and so checks) the size
         if self.max_context is not None and self.max_context < 2:
             raise InputError(f"max_context must be at least 2, got {self.max_context}.")
         if self.prefill_chunk < 1:
@@ -61,6 +65,13 @@ class RuntimeConfig:
             raise InputError(f"max_batch must be at least 1, got {self.max_batch}.")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(DTYPES)}.")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        size = parse_bytes(self.prefix_cache_memory) if self.prefix_cache_memory is not None else 0
+        if size < 0:
+            raise InputError(f"prefix_cache_memory must be 0 or more bytes, got {self.prefix_cache_memory!r}.")
+        return size
 
 
 @dataclass

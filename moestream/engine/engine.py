@@ -25,6 +25,7 @@ from moestream.errors import InputError, NumericsError
 from moestream.experts.bank import ExpertBank
 from moestream.model.decoder import MoECausalLM
 from moestream.runtime.model_runner import ModelRunner
+from moestream.runtime.prefix_cache import PrefixCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample_rows
 from moestream.runtime.scheduler import Scheduler
 from moestream.runtime.sequence import Sequence
@@ -55,8 +56,9 @@ class RunMetrics:
 
 class Engine:
     def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
-                 max_batch: int = 64, discovery=None, prepack=None):
+                 max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
+        self.prefix_cache = prefix_cache   # finished sequences' KV, reused by prompts that extend them
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
         self.scheduler = Scheduler(max_batch)
@@ -167,7 +169,7 @@ class Engine:
         admitted = sched.admit()
         if admitted:
             runner.ensure_rows(len(sched.running))
-            first = torch.cat([runner.prefill(seq.row, seq.prompt) for seq in admitted])
+            first = torch.cat([runner.prefill(seq.row, seq.prompt, self._reuse_prefix(seq)) for seq in admitted])
             self._append(admitted, first)
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
@@ -177,7 +179,16 @@ class Engine:
         self._retire()
         return admitted + decoding
 
+    def _reuse_prefix(self, seq: Sequence) -> int:
+        if self.prefix_cache is not None:
+            seq.cached_tokens = self.prefix_cache.reuse(seq.prompt, self.runner.cache, seq.row)
+        return seq.cached_tokens
+
     def _retire(self) -> None:
+        if self.prefix_cache is not None:
+            for seq in self.scheduler.running:
+                if seq.finished:
+                    self.prefix_cache.store(seq.cached_ids(), self.runner.cache, seq.row)
         for src, dst, length in self.scheduler.retire():
             self.runner.move_row(src, dst, length)
 

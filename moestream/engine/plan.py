@@ -77,6 +77,7 @@ class MemoryPlan:
     top_k: int
     capacity: int
     staging_slots: int
+    prefix_cache_bytes: int = 0         # finished conversations' KV kept for reuse (the server's prefix cache)
 
     @property
     def moe_layers(self) -> int:
@@ -89,7 +90,8 @@ class MemoryPlan:
     @property
     def fixed_bytes(self) -> int:
         slot_maps = self.moe_layers * self.num_experts * 4
-        return self.dense_bytes + self.kv_bytes + self.workspace_bytes + slot_maps + SLACK_BYTES
+        return (self.dense_bytes + self.kv_bytes + self.prefix_cache_bytes + self.workspace_bytes + slot_maps
+                + SLACK_BYTES)
 
     @property
     def bank_bytes(self) -> int:
@@ -121,6 +123,7 @@ class MemoryPlan:
         lines = [f"budget            {format_bytes(self.budget) if self.budget else 'unbounded'}",
                  f"dense weights     {format_bytes(self.dense_bytes)}",
                  f"KV cache          {format_bytes(self.kv_bytes)}",
+                 *([f"prefix cache      {format_bytes(self.prefix_cache_bytes)}"] if self.prefix_cache_bytes else []),
                  f"workspace         {format_bytes(self.workspace_bytes + SLACK_BYTES)}",
                  f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}"
                  + (" (largest)" if len(set(self.layer_slot_bytes)) > 1 else ""),
@@ -141,7 +144,7 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
-                precision: Precision | None = None) -> MemoryPlan:
+                precision: Precision | None = None, prefix_cache_bytes: int = 0) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
@@ -155,6 +158,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     shape = ExpertShape(config.hidden_size, config.moe_intermediate)
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
+                prefix_cache_bytes=prefix_cache_bytes,
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)
@@ -273,7 +277,7 @@ def plan_load(cfg: EngineConfig) -> LoadPlan:
         None if bank.capacity is not None else default_device_budget(device))
     memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
                          prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec,
-                         precision=precision)
+                         precision=precision, prefix_cache_bytes=cfg.runtime.prefix_cache_bytes)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx)

@@ -11,8 +11,11 @@ memory plan and the runtime never assume one KV layout. Kinds today:
 The shape admits the kinds still to come beside it: an MLA latent cache (compressed kv + rope
 key per position), a sliding-window ring (window positions, written modulo), and a recurrent
 state for linear attention (conv state + state matrix per row, fixed size). Every kind can copy
-one row to another (`move_row`: the scheduler keeps running sequences in the first rows), which
-is also what prefix reuse and per-sequence snapshots will build on.
+one row to another (`move_row`: the scheduler keeps running sequences in the first rows) and
+snapshot a row's first positions into a compact, standalone copy and restore it into any row
+(`snapshot` / `restore`): the runtime's prefix cache keeps finished conversations that way. A
+kind whose state cannot be cut at an arbitrary position (a recurrent state) answers
+`can_cut = False`, and then only whole snapshots are reused.
 """
 
 from __future__ import annotations
@@ -35,6 +38,16 @@ class LayerCache(ABC):
     @abstractmethod
     def copy_rows_from(self, other: "LayerCache", rows: int) -> None:
         """Take over the first `rows` rows of a smaller cache of the same kind (the cache grew)."""
+
+    can_cut = True   # a snapshot of n positions also serves any shorter prefix
+
+    @abstractmethod
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        """A standalone copy of what row `row` holds for its first `length` positions."""
+
+    @abstractmethod
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        """Write the first `length` positions of a snapshot into row `row`."""
 
 
 class KVCache(LayerCache):
@@ -66,6 +79,14 @@ class KVCache(LayerCache):
         self.k[:rows].copy_(other.k[:rows])
         self.v[:rows].copy_(other.v[:rows])
 
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        return self.k[row, :length].clone(), self.v[row, :length].clone()
+
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        k, v = state
+        self.k[row, :length].copy_(k[:length])
+        self.v[row, :length].copy_(v[:length])
+
 
 class ModelCache:
     """The caches of every layer for `rows` sequences of at most `max_len` positions."""
@@ -79,3 +100,14 @@ class ModelCache:
     def move_row(self, src: int, dst: int, length: int) -> None:
         for layer in self.layers:
             layer.move_row(src, dst, length)
+
+    @property
+    def can_cut(self) -> bool:
+        return all(layer.can_cut for layer in self.layers)
+
+    def snapshot(self, row: int, length: int) -> list[tuple[Tensor, ...]]:
+        return [layer.snapshot(row, length) for layer in self.layers]
+
+    def restore(self, row: int, state: list[tuple[Tensor, ...]], length: int) -> None:
+        for layer, part in zip(self.layers, state):
+            layer.restore(row, part, length)

@@ -71,12 +71,13 @@ class ModelRunner:
         return self.forward(input_ids, ctx)
 
     @torch.inference_mode()
-    def prefill(self, row: int, prompt: list[int]) -> torch.Tensor:
-        """Run one prompt through the model chunk by chunk into cache row `row`; last position's logits (1, V)."""
+    def prefill(self, row: int, prompt: list[int], cached: int = 0) -> torch.Tensor:
+        """Run one prompt through the model chunk by chunk into cache row `row`, from position `cached`
+        on (the row already holds the first `cached`); last position's logits (1, V)."""
         table = self.rotary_table()
         ids = torch.tensor(prompt, dtype=torch.long).to(self.device, non_blocking=True)
         logits = None
-        for start in range(0, len(prompt), self.prefill_chunk):
+        for start in range(cached, len(prompt), self.prefill_chunk):
             chunk = ids[start:start + self.prefill_chunk][None]
             ctx = prefill_context(table, self.cache, row, start, chunk.shape[1], self.dtype)
             logits = self.forward(chunk, ctx, last_only=True)

@@ -41,7 +41,8 @@ class Sequence:
     row: int | None = None               # cache row while running
     tokens: list[int] = field(default_factory=list)   # generated tokens kept (EOS and stop tokens are not)
     sampled: int = 0                     # tokens sampled, EOS and stop tokens included
-    finish_reason: str | None = None     # "eos" | "stop" | "length"
+    finish_reason: str | None = None     # "eos" | "stop" | "length" | "cancelled"
+    cached_tokens: int = 0               # prompt positions restored from the prefix cache, not prefilled
     outbox: deque = field(default_factory=deque)       # (token or None, text delta) for the reader
 
     def __post_init__(self) -> None:
@@ -60,6 +61,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def cached_ids(self) -> list[int]:
+        """The ids of the positions the cache row holds: the prompt and every sampled token but the
+        last (which was never fed back). Every sampled token before the last was kept."""
+        return self.prompt + self.tokens[:max(self.sampled - 1, 0)]
 
     def token_budget(self) -> int:
         return min(self.params.max_tokens, self.max_len - len(self.prompt))
