@@ -51,11 +51,14 @@ class RuntimeConfig:
     max_batch: int = 64                   # sequences decoded together; more wait their turn
     cuda_graphs: bool = True
     prefix_cache_memory: int | str | None = None   # device bytes of finished sequences' KV kept for reuse (off)
+    kv_rows: int = 1                      # sequences whose full-context KV the memory plan reserves (a server: max_batch)
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
-                      "prefix_cache_memory": SIZE})
+                      "prefix_cache_memory": SIZE, "kv_rows": INT})
+        if self.kv_rows < 1:
+            raise InputError(f"kv_rows must be at least 1, got {self.kv_rows}.")
         self.prefix_cache_bytes   # parses (and so checks) the size
         if self.max_context is not None and self.max_context < 2:
             raise InputError(f"max_context must be at least 2, got {self.max_context}.")

@@ -150,11 +150,19 @@ class Engine:
     # ---- requests and steps -------------------------------------------------------------
     def add_request(self, ids: list[int], params: SamplingParams) -> Sequence:
         """Queue one encoded prompt; it joins the running batch at the next step with room."""
-        seq = Sequence(ids, params, frozenset(self.eos_ids), self.tokenizer, self.max_context,
-                       make_generator(params, self.device))
+        seq = self.new_sequence(ids, params)
+        self.add_sequence(seq)
+        return seq
+
+    def new_sequence(self, ids: list[int], params: SamplingParams) -> Sequence:
+        """A sequence for an encoded prompt, not yet queued (touches no shared state)."""
+        return Sequence(ids, params, frozenset(self.eos_ids), self.tokenizer, self.max_context,
+                        make_generator(params, self.device))
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the running batch at the next step with room."""
         with self._lock:
             self.scheduler.add(seq)
-        return seq
 
     def step(self) -> list[Sequence]:
         """Admit waiting sequences (prefill, first token each), then decode every sequence that was

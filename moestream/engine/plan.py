@@ -277,7 +277,8 @@ def plan_load(cfg: EngineConfig) -> LoadPlan:
         None if bank.capacity is not None else default_device_budget(device))
     memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
                          prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec,
-                         precision=precision, prefix_cache_bytes=cfg.runtime.prefix_cache_bytes)
+                         precision=precision, prefix_cache_bytes=cfg.runtime.prefix_cache_bytes,
+                         batch=cfg.runtime.kv_rows)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx)

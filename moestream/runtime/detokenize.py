@@ -43,6 +43,7 @@ class StopStringFilter:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended the text
 
     def push(self, delta: str) -> str:
         if self.stopped:
@@ -50,10 +51,11 @@ class StopStringFilter:
         self.text += delta
         if self.stops:
             search_from = max(0, self.emitted - max(len(s) for s in self.stops))
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
             if hits:
+                at, self.matched = min(hits)
                 self.stopped = True
-                self.text = self.text[:min(hits)]
+                self.text = self.text[:at]
                 return self._release(len(self.text))
         return self._release(len(self.text) - self._held_back())
 

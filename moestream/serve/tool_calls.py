@@ -1,10 +1,9 @@
 """Turn a model's generated text back into structured tool calls, whole or while streaming.
 
 Models emit tool calls as ``<tool_call>…</tool_call>`` blocks inside ordinary text; only the
-body format differs between families (a JSON object for Hermes/Qwen3, ``<function=…>`` XML
-for Qwen3-Coder). So the block finding, the streaming and the fallback rules live once in
-:class:`ToolCallParser`, and a family only says how to read one block's body. A new family
-adds a subclass and one :data:`PARSERS` entry.
+body differs between families (JSON for Hermes/Qwen3, ``<function=…>`` XML for Qwen3-Coder).
+So block finding, streaming and fallback live once in :class:`ToolCallParser`; a family only
+reads one block's body, and a new family adds a subclass and one :data:`PARSERS` entry.
 
 Rules shared by :meth:`ToolCallParser.parse` and :class:`ToolCallStream` (they always agree):
 
@@ -46,12 +45,13 @@ class ToolCall:
 
 @dataclass
 class TextDelta:
+    """Plain text, released as soon as it cannot be the start of a tool call."""
     text: str
 
 
 @dataclass
 class ToolCallStart:
-    index: int
+    index: int  # 0, 1, … per parsed call in this generation
     id: str
     name: str
 
@@ -59,7 +59,7 @@ class ToolCallStart:
 @dataclass
 class ToolArgumentsDelta:
     index: int
-    json: str
+    json: str  # concatenated per index: exactly ToolCall.arguments_json()
 
 
 @dataclass
@@ -118,14 +118,13 @@ class ToolCallStream:
 
     def __init__(self, parser: ToolCallParser, tools: list[dict] | None = None):
         self._parser, self._tools = parser, tools
-        self._buf = ""
-        self._in_block = False
+        self._buf, self._in_block, self._calls = "", False, 0
         self._scanned = 0  # in a block: CLOSE cannot start before this offset of _buf
-        self._calls = 0
-        self._after_call = False  # whitespace since the last call is held: it may be trailing
-        self._pending_ws = ""
+        # Whitespace right after a call is held back: at finish() it is trailing and dropped.
+        self._after_call, self._pending_ws = False, ""
 
     def push(self, delta: str) -> list[Event]:
+        """Feed newly generated text; returns the events it makes certain."""
         events: list[Event] = []
         self._buf += delta
         while True:
@@ -146,7 +145,9 @@ class ToolCallStream:
                     self._buf = self._buf[len(self._buf) - keep:]
                     return events
                 self._text(self._buf[:start], events)
-                self._text_flush(events)  # text before a block is never trailing
+                if self._pending_ws:  # whitespace before a block is never trailing
+                    events.append(TextDelta(self._pending_ws))
+                self._pending_ws, self._after_call = "", False
                 self._buf, self._in_block, self._scanned = self._buf[start:], True, 0
 
     def finish(self) -> list[Event]:
@@ -174,11 +175,6 @@ class ToolCallStream:
         if text:
             events.append(TextDelta(text))
 
-    def _text_flush(self, events: list[Event]) -> None:
-        if self._pending_ws:
-            events.append(TextDelta(self._pending_ws))
-        self._pending_ws, self._after_call = "", False
-
 
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (0 if none)."""
@@ -201,8 +197,7 @@ class HermesParser(ToolCallParser):
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
         args = obj.get("arguments", obj.get("parameters"))
-        if args is None:
-            args = {}
+        args = {} if args is None else args
         if isinstance(args, str):  # some models double-encode the arguments
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -246,28 +241,30 @@ def _properties(tools: list[dict] | None, name: str) -> dict:
         if isinstance(fn, dict) and fn.get("name") == name:
             schema = fn.get("parameters") or fn.get("input_schema") or {}
             props = schema.get("properties") if isinstance(schema, dict) else None
-            return {k: v for k, v in (props or {}).items() if isinstance(v, dict)}
+            return {k: v for k, v in props.items() if isinstance(v, dict)} if isinstance(
+                props, dict) else {}
     return {}
 
 
 def _convert(value: str, schema_type: str | list | None):
     """Raw parameter text → the schema's type; the text itself whenever that fails."""
-    types = schema_type if isinstance(schema_type, list) else [schema_type]
+    types = [t for t in (schema_type if isinstance(schema_type, list) else [schema_type])
+             if isinstance(t, str)]
     s = value.strip()
     for t in types:
         if t == "string":
             return value
-        if t == "integer" and re.fullmatch(r"[+-]?\d+", s):
+        if t in ("integer", "number") and re.fullmatch(r"[+-]?\d+", s):
             return int(s)
         if t == "number":
             try:
-                return int(s) if re.fullmatch(r"[+-]?\d+", s) else _finite(float(s))
+                x = float(s.replace("_", "#"))  # Python-only spellings such as 1_000 are text
             except ValueError:
-                pass
+                continue
+            if math.isfinite(x):  # NaN/inf would make arguments_json() invalid JSON
+                return x
         if t == "boolean" and s.lower() in ("true", "false"):
             return s.lower() == "true"
-        if t == "null" and s.lower() in ("null", "none"):
-            return None
         if t in ("object", "array"):
             try:
                 obj = json.loads(s)
@@ -275,19 +272,12 @@ def _convert(value: str, schema_type: str | list | None):
                 continue
             if isinstance(obj, dict if t == "object" else list):
                 return obj
-    if not any(t in ("integer", "number", "boolean", "null", "object", "array") for t in types):
-        if s[:1] in ("{", "["):  # no usable schema: JSON-looking values are probably JSON
-            try:
-                return json.loads(s)
-            except ValueError:
-                pass
+    if not {"integer", "number", "boolean", "object", "array"}.intersection(types) and s[:1] in ("{", "["):  # no usable schema: JSON-looking values are JSON
+        try:
+            return json.loads(s)
+        except ValueError:
+            pass
     return value
-
-
-def _finite(x: float) -> float:
-    if not math.isfinite(x):  # NaN/inf would make arguments_json() invalid JSON
-        raise ValueError(x)
-    return x
 
 
 PARSERS: dict[str, ToolCallParser] = {p.name: p for p in (HermesParser(), Qwen3CoderParser())}

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server (its own registry, so several servers in one process stay apart).
+
+Request counts by API and status, tokens in / out / reused, time to first token and between
+tokens, queue depth and running sequences (sampled after every step), and the state of the
+prefix cache and the expert bank, read when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("moestream_requests", "Requests answered, by API and HTTP status", ["api", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("moestream_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_tokens = Counter("moestream_prompt_cached_tokens",
+                                     "Prompt tokens restored from the prefix cache instead of prefilled", registry=r)
+        self.generated_tokens = Counter("moestream_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("moestream_time_to_first_token_seconds", "Submit to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("moestream_inter_token_seconds", "Time between a sequence's tokens", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting for a place in the batch", registry=r)
+        self.running = Gauge("moestream_running_sequences", "Sequences in the decode batch", registry=r)
+        self.prefix_bytes = Gauge("moestream_prefix_cache_bytes", "Device bytes held by the prefix cache", registry=r)
+        self.prefix_hit_rate = Gauge("moestream_prefix_cache_hit_rate", "Lookups that reused a prefix", registry=r)
+        self.prefix_token_reuse = Gauge("moestream_prefix_cache_token_reuse",
+                                        "Share of prompt tokens restored instead of prefilled", registry=r)
+        self.bank_hit_rate = Gauge("moestream_bank_hit_rate", "Expert lookups served by the bank", registry=r)
+        self.bank_bytes_copied = Gauge("moestream_bank_bytes_copied", "Expert bytes copied into the bank", registry=r)
+
+    # ---- called by the worker thread ------------------------------------------------------
+    def first_token(self, request) -> None:
+        self.ttft.observe(request.first_token - request.submitted)
+        self.prompt_tokens.inc(len(request.seq.prompt))
+        self.cached_tokens.inc(request.seq.cached_tokens)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def after_step(self, worker) -> None:
+        self.queue_depth.set(worker.waiting)
+        self.running.set(worker.running)
+
+    # ---- called by handlers ---------------------------------------------------------------
+    def answered(self, api: str, status: int, generated: int = 0) -> None:
+        self.requests.labels(api, str(status)).inc()
+        if generated:
+            self.generated_tokens.inc(generated)
+
+    def render(self) -> bytes:
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            stats = cache.as_dict()
+            self.prefix_bytes.set(stats["used_bytes"])
+            self.prefix_hit_rate.set(stats["hit_rate"])
+            self.prefix_token_reuse.set(stats["token_reuse"])
+        with self.engine._lock:   # the bank's counters are read between steps
+            bank = self.engine.stats()
+        self.bank_hit_rate.set(bank["hit_rate"])
+        self.bank_bytes_copied.set(bank["bytes_copied"])
+        return generate_latest(self.registry)
