@@ -165,27 +165,45 @@ class Engine:
             self.scheduler.add(seq)
 
     def step(self) -> list[Sequence]:
-        """Admit waiting sequences (prefill, first token each), then decode every sequence that was
-        already running by one token, in one batch. Returns the sequences that got a token."""
+        """Admit waiting sequences and prefill them (their first token once the whole prompt is in),
+        then decode every sequence that was already decoding by one token, in one batch. Returns the
+        sequences that got a token."""
         with self._lock, torch.inference_mode():
             return self._step()
 
     def _step(self) -> list[Sequence]:
         sched, runner = self.scheduler, self.runner
         self._retire()   # cancelled since the last step
-        decoding = list(sched.running)
-        admitted = sched.admit()
-        if admitted:
+        decoding = [s for s in sched.running if not s.prefilling]   # rows 0..B-1
+        if sched.admit():
             runner.ensure_rows(len(sched.running))
-            first = torch.cat([runner.prefill(seq.row, seq.prompt, self._reuse_prefix(seq)) for seq in admitted])
-            self._append(admitted, first)
+        # Prompts go in chunk by chunk, oldest first. While others decode, a step prefills at most one
+        # chunk of prompt tokens, so a long prompt does not stall every running stream.
+        budget = runner.prefill_chunk if decoding else None
+        ready, first = [], []
+        for seq in [s for s in sched.running if s.prefilling]:
+            if budget is not None and budget <= 0:
+                break
+            if seq.prefilled == 0:
+                seq.prefilled = self._reuse_prefix(seq)
+            end = len(seq.prompt) if budget is None else min(len(seq.prompt), seq.prefilled + budget)
+            logits = runner.prefill(seq.row, seq.prompt[:end], seq.prefilled)
+            if budget is not None:
+                budget -= end - seq.prefilled
+            seq.prefilled = end
+            if end < len(seq.prompt):
+                break   # keeps prefills finishing in row order
+            ready.append(seq)
+            first.append(logits)
+        if ready:
+            self._append(ready, torch.cat(first))
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor([s.length - 1 for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             kv_len = max(s.length for s in decoding)
             self._append(decoding, runner.decode(tokens, positions, kv_len))
         self._retire()
-        return admitted + decoding
+        return ready + decoding
 
     def _reuse_prefix(self, seq: Sequence) -> int:
         if self.prefix_cache is not None:

@@ -75,10 +75,10 @@ class ModelRunner:
         """Run one prompt through the model chunk by chunk into cache row `row`, from position `cached`
         on (the row already holds the first `cached`); last position's logits (1, V)."""
         table = self.rotary_table()
-        ids = torch.tensor(prompt, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.tensor(prompt[cached:], dtype=torch.long).to(self.device, non_blocking=True)
         logits = None
         for start in range(cached, len(prompt), self.prefill_chunk):
-            chunk = ids[start:start + self.prefill_chunk][None]
+            chunk = ids[start - cached:start - cached + self.prefill_chunk][None]
             ctx = prefill_context(table, self.cache, row, start, chunk.shape[1], self.dtype)
             logits = self.forward(chunk, ctx, last_only=True)
         return logits[:, -1]

@@ -3,8 +3,9 @@
 Sequences wait in arrival order and are admitted between steps while fewer than `max_batch` run.
 Running sequences always occupy cache rows 0..B-1 in order, so a decode step is one batch of the
 first B rows and the CUDA graphs captured for batch size B serve whichever sequences run; when a
-sequence finishes, the ones after it move up and `retire` says which rows to copy where.
-(Paged KV blocks and the prefix cache replace the row copies with block tables later.)
+sequence finishes, the ones after it move up and `retire` says which rows to copy where. Admitted
+sequences whose prompts are still being prefilled sit after the decoding ones and finish their
+prefill in admission order, so the decoding sequences stay a prefix of the rows.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Scheduler:
                 s.row = None
         for new_row, seq in enumerate(survivors):
             if seq.row != new_row:
-                moves.append((seq.row, new_row, seq.length))
+                moves.append((seq.row, new_row, seq.cached_len))
                 seq.row = new_row
         self.running = survivors
         return moves

@@ -43,6 +43,7 @@ class Sequence:
     sampled: int = 0                     # tokens sampled, EOS and stop tokens included
     finish_reason: str | None = None     # "eos" | "stop" | "length" | "cancelled"
     cached_tokens: int = 0               # prompt positions restored from the prefix cache, not prefilled
+    prefilled: int = 0                   # prompt positions in the cache so far (restored or prefilled)
     outbox: deque = field(default_factory=deque)       # (token or None, text delta) for the reader
 
     def __post_init__(self) -> None:
@@ -62,10 +63,20 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and its prompt is still going into the cache (one chunk per step while others decode)."""
+        return self.sampled == 0
+
+    @property
+    def cached_len(self) -> int:
+        """Positions the cache row holds now: the prompt so far, or the prompt and every sampled token
+        but the last (which is fed back by the next decode step)."""
+        return self.prefilled if self.sampled == 0 else len(self.prompt) + self.sampled - 1
+
     def cached_ids(self) -> list[int]:
-        """The ids of the positions the cache row holds: the prompt and every sampled token but the
-        last (which was never fed back). Every sampled token before the last was kept."""
-        return self.prompt + self.tokens[:max(self.sampled - 1, 0)]
+        """The ids of those positions (every sampled token before the last was kept)."""
+        return (self.prompt + self.tokens)[:self.cached_len]
 
     def token_budget(self) -> int:
         return min(self.params.max_tokens, self.max_len - len(self.prompt))

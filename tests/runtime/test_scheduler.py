@@ -84,8 +84,31 @@ def test_retire_moves_rows_up_in_a_safe_order():
     for s in seqs:
         sched.add(s)
     assert sched.admit() == seqs
+    for s in seqs:
+        s.prefilled = 3                                   # the prompts are in their rows
     seqs[0].finish("stop")
     seqs[2].finish("stop")
     moves = sched.retire()
     assert moves == [(1, 0, 3), (3, 1, 3), (4, 2, 3)]   # every destination is free when it is written
     assert [s.row for s in sched.running] == [0, 1, 2] and seqs[0].row is None
+
+
+def test_a_long_prompt_prefills_in_chunks_while_others_keep_decoding(tiny_qwen3):
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=8)
+    long_prompt = torch.randint(2, 160, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    want_long = engine.generate(long_prompt, max_tokens=4, ignore_eos=True)
+    want_short = engine.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
+    short = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()                                     # the short one is decoding now
+    long = engine.add_request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    steps_to_first_token = 0
+    while not long.sampled:
+        before = short.sampled
+        engine.step()
+        steps_to_first_token += 1
+        assert short.sampled == before + 1 or short.finished   # a token every step, prefill or not
+        assert long.prefilled <= len(long_prompt)
+    assert steps_to_first_token == -(-len(long_prompt) // 8)   # one chunk of 8 prompt tokens per step
+    while not engine.scheduler.idle:
+        engine.step()
+    assert long.tokens == want_long and short.tokens == want_short
