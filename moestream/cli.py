@@ -313,8 +313,9 @@ def cmd_serve(args) -> int:
                 print("[moestream] quantizing on load (a slower start; `moestream convert` once to skip this)", file=sys.stderr)
             engine = moestream.load(config)
             if engine.tokenizer is None:
-                raise InputError(f"{config.model} has no tokenizer files; the server needs them to read and write text.")
-            if not getattr(engine.tokenizer, "chat_template", None):
+                print(f"[moestream] warning: {config.model} has no tokenizer files; only /v1/completions with token-id "
+                      "prompts will work", file=sys.stderr)
+            elif not getattr(engine.tokenizer, "chat_template", None):
                 print("[moestream] warning: this checkpoint has no chat template; using ChatML with Qwen3-style tools",
                       file=sys.stderr)
             if args.verbose:

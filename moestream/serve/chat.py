@@ -240,13 +240,14 @@ class PromptRenderer:
     """Messages and tools → token ids, through the checkpoint's chat template (or the fallback)."""
 
     def __init__(self, tokenizer):
-        if tokenizer is None:
-            raise ValueError("the server needs a checkpoint with tokenizer files")
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer   # None: a checkpoint without tokenizer files (token-id completions only)
         self.template = getattr(tokenizer, "chat_template", None) or None
-        self.uses_fallback = self.template is None
+        self.uses_fallback = tokenizer is not None and self.template is None
 
     def render(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this checkpoint has no tokenizer files, so messages cannot be rendered; use "
+                              "/v1/completions with a prompt of token ids.")
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
                                                   chat_template=self.template or FALLBACK_TEMPLATE)
         return self.encode(text)

@@ -70,6 +70,8 @@ class Generation:
                 out.completion_tokens = seq.sampled
                 out.cached_tokens = seq.cached_tokens
                 if not event.text:
+                    if seq.detok is None and event.token is not None:
+                        yield TextDelta("")   # no tokenizer: one (empty) chunk per token still marks its arrival
                     continue
                 produced = self.stream.push(event.text) if self.stream is not None else [TextDelta(event.text)]
                 for e in self._account(produced):

@@ -85,6 +85,9 @@ def start_completion(state: ServerState, body: dict) -> tuple[Generation, bool, 
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        if state.engine.tokenizer is None:
+            raise bad_request("this checkpoint has no tokenizer files, so a text prompt cannot be encoded; send "
+                              "token ids.", "prompt")
         try:
             ids = state.engine.encode(prompt) if prompt else []
         except InputError as exc:

@@ -184,3 +184,26 @@ def test_serve_cli_refuses_a_bad_checkpoint_in_one_line(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("moestream: error:")
+
+
+def test_a_checkpoint_without_tokenizer_serves_token_id_completions(tiny_qwen3):
+    import moestream
+
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    assert engine.tokenizer is None
+    srv = Server(create_app(lambda: engine, ServeOptions()), engine)
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="m", prompt=[5, 6, 7, 8], max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == 4
+        chunks = [c for c in client.completions.create(model="m", prompt=[5, 6, 7, 8], max_tokens=5, temperature=0,
+                                                       stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert len(chunks) == 5 + 1                           # one per token, then the finish
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError, match="token ids"):
+            client.completions.create(model="m", prompt="text")
+    finally:
+        srv.stop()

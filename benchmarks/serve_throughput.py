@@ -1,0 +1,212 @@
+"""Served decode throughput and latency at several concurrent streams, and an agent's second turn.
+
+Starts `moestream serve`'s app in this process on a checkpoint (a random full-size one written
+when missing, or any folder), then drives it over HTTP the way clients do:
+
+* N concurrent streams (default 1, 4, 16, 64), each a `/v1/completions` request of random prompt
+  token ids, `--gen-tokens` generated with `ignore_eos`, streamed: aggregate decode tok/s (tokens
+  after each stream's first, over the span from the first first-token to the last token), p50 /
+  p99 inter-token latency and time to first token;
+* an agent-like second turn: a `--prefix-tokens` prompt, then the same prompt plus `--new-tokens`
+  new ones: time to first token with the prefix cache, and cold (cache cleared).
+
+With `--llama-server BIN --gguf FILE` the same requests go to llama.cpp's server (started with
+`-np N` parallel slots, `--n-cpu-moe` from `--peer-n-cpu-moe`) in the same run; its `/completion`
+endpoint takes the same token ids (`cache_prompt: true` for the second turn).
+
+    python benchmarks/serve_throughput.py --ckpt /tmp/q3 --out /tmp/serve --capacity 32 \\
+        [--llama-server $B/llama-server --gguf /tmp/q3.gguf --peer-n-cpu-moe 18]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 1200) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not become healthy")
+        time.sleep(0.5)
+
+
+# ---- one streamed request: the arrival time of each token -------------------------------------
+
+def stream_ours(url: str, prompt: list[int], tokens: int) -> list[float]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    return _stream(f"{url}/v1/completions", body, lambda d: d.get("choices") and d["choices"][0].get("finish_reason") is None)
+
+
+def stream_llama(url: str, prompt: list[int], tokens: int) -> list[float]:
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "cache_prompt": True}
+    return _stream(f"{url}/completion", body, lambda d: not d.get("stop"))
+
+
+def _stream(endpoint: str, body: dict, is_token) -> list[float]:
+    arrivals = []
+    with httpx.stream("POST", endpoint, json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            if is_token(json.loads(line[5:])):
+                arrivals.append(time.perf_counter())
+    return arrivals
+
+
+def concurrent_streams(send, url: str, streams: int, prompt_tokens: int, gen_tokens: int, vocab: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, vocab) for _ in range(prompt_tokens)] for _ in range(streams)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        runs = list(pool.map(lambda p: send(url, p, gen_tokens), prompts))
+    firsts = [r[0] for r in runs if r]
+    gaps = [b - a for r in runs for a, b in zip(r, r[1:])]
+    after_first = sum(max(len(r) - 1, 0) for r in runs)
+    span = max(r[-1] for r in runs if r) - min(firsts)
+    return {"streams": streams, "tokens": sum(len(r) for r in runs),
+            "aggregate_decode_tok_s": after_first / span if span > 0 else 0.0,
+            "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+            "itl_p99_ms": 1000 * statistics.quantiles(gaps, n=100)[98] if len(gaps) >= 100 else None,
+            "ttft_p50_ms": 1000 * statistics.median(f - t0 for f in firsts)}
+
+
+def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int, clear=None) -> dict:
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, vocab) for _ in range(prefix_tokens)]
+    turn = prefix + [rng.randrange(1, vocab) for _ in range(new_tokens)]
+    send(url, prefix, 2)                       # the first turn: its KV goes to the cache
+    t0 = time.perf_counter()
+    warm = send(url, turn, 1)[0] - t0
+    if clear is not None:
+        clear()
+    else:                                      # the peer: a different prefix evicts nothing, so ask cold by a new prefix
+        turn = [rng.randrange(1, vocab) for _ in range(prefix_tokens + new_tokens)]
+    t0 = time.perf_counter()
+    cold = send(url, turn, 1)[0] - t0
+    return {"prefix_tokens": prefix_tokens, "new_tokens": new_tokens, "ttft_cached_ms": 1000 * warm,
+            "ttft_cold_ms": 1000 * cold}
+
+
+# ---- the two servers --------------------------------------------------------------------------
+
+def run_ours(args, ckpt: Path) -> dict:
+    import uvicorn
+
+    import moestream
+    from moestream.serve.app import ServeOptions, create_app
+
+    max_batch = max(args.streams)
+    engine = moestream.load(str(ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
+                            kv_rows=max_batch, max_context=args.max_context,
+                            prefix_cache_memory=args.prefix_cache_memory, warmup_tokens=8)
+    vocab = engine.config.vocab_size
+    app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    try:
+        rows = []
+        for n in args.streams:
+            rows.append(concurrent_streams(stream_ours, url, n, args.prompt_tokens, args.gen_tokens, vocab, seed=n))
+            log("moestream", rows[-1])
+        turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab,
+                           clear=lambda: engine.prefix_cache.clear())
+        log("moestream second turn", turn)
+        return {"streams": rows, "second_turn": turn, "bank": engine.stats()["hit_rate"],
+                "capacity": engine.plan.memory.capacity, "experts": engine.config.num_experts}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def run_llama(args, vocab: int) -> dict:
+    rows = []
+    for n in args.streams:
+        port = free_port()
+        ctx = n * (args.prompt_tokens + args.gen_tokens + 64)
+        cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(ctx), "-np", str(n),
+               "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
+        rows.append(_with_llama(cmd, port, lambda url: concurrent_streams(stream_llama, url, n, args.prompt_tokens,
+                                                                          args.gen_tokens, vocab, seed=n)))
+        log("llama-server", rows[-1])
+    port = free_port()
+    cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(2 * (args.prefix_tokens + args.new_tokens) + 64),
+           "-np", "1", "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
+    turn = _with_llama(cmd, port, lambda url: second_turn(stream_llama, url, args.prefix_tokens, args.new_tokens, vocab))
+    log("llama-server second turn", turn)
+    return {"streams": rows, "second_turn": turn, "n_cpu_moe": args.peer_n_cpu_moe}
+
+
+def _with_llama(cmd: list[str], port: int, work):
+    log("$", " ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout=600)
+        return work(url)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = checkpoint_args(__doc__, run=False)
+    ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (e.g. 32 of 128 = the 25%% budget)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--prefix-tokens", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--max-context", type=int, default=8192 + 512)
+    ap.add_argument("--prefix-cache-memory", default="4GiB")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
+    ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--peer-n-cpu-moe", type=int, default=0)
+    ap.add_argument("--no-write", action="store_true", help="use --ckpt as it is (a folder with its own weights)")
+    args = ap.parse_args()
+    if not args.no_write:
+        ensure_checkpoint(args.ckpt, args.shape, args.layers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"ours": run_ours(args, args.ckpt), "args": {k: str(v) for k, v in vars(args).items()}}
+    if args.llama_server:
+        vocab = json.loads((args.ckpt / "config.json").read_text())["vocab_size"]
+        result["llama_server"] = run_llama(args, vocab)
+    (args.out / "serve_throughput.json").write_text(json.dumps(result, indent=2))
+    log(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
