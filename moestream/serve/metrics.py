@@ -28,6 +28,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
         self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting for a place in the batch", registry=r)
         self.running = Gauge("moestream_running_sequences", "Sequences in the decode batch", registry=r)
+        self.kv_rows = Gauge("moestream_kv_cache_rows", "Sequence rows the KV cache holds (each a full context)",
+                             registry=r)
+        self.kv_rows_used = Gauge("moestream_kv_cache_rows_used", "Rows held by running sequences", registry=r)
         self.prefix_bytes = Gauge("moestream_prefix_cache_bytes", "Device bytes held by the prefix cache", registry=r)
         self.prefix_hit_rate = Gauge("moestream_prefix_cache_hit_rate", "Lookups that reused a prefix", registry=r)
         self.prefix_token_reuse = Gauge("moestream_prefix_cache_token_reuse",
@@ -47,6 +50,9 @@ class ServerMetrics:
     def after_step(self, worker) -> None:
         self.queue_depth.set(worker.waiting)
         self.running.set(worker.running)
+        self.kv_rows_used.set(worker.running)
+        cache = self.engine.runner.cache
+        self.kv_rows.set(cache.rows if cache is not None else 0)
 
     # ---- called by handlers ---------------------------------------------------------------
     def answered(self, api: str, status: int, generated: int = 0) -> None:

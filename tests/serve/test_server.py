@@ -246,7 +246,8 @@ def test_health_metrics_and_cache_stats(server, oai):
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'moestream_requests_total{api="chat",status="200"}' in metrics
     for name in ("moestream_time_to_first_token_seconds_count", "moestream_prompt_cached_tokens_total",
-                 "moestream_queue_depth", "moestream_bank_hit_rate", "moestream_prefix_cache_hit_rate"):
+                 "moestream_queue_depth", "moestream_bank_hit_rate", "moestream_prefix_cache_hit_rate",
+                 "moestream_kv_cache_rows", "moestream_inter_token_seconds_bucket"):
         assert name in metrics
     stats = httpx.get(f"{server.url}/v1/cache/stats").json()
     assert stats["prefix_cache"]["entries"] >= 1 and "hit_rate" in stats["bank"]
