@@ -78,9 +78,16 @@ class Engine:
 
     # ---- bank statistics ----------------------------------------------------------------
     def stats(self) -> dict:
-        """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total."""
-        self.bank.sync_stats()
-        return self.bank.stats.as_dict()
+        """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total (read
+        between steps, so another thread stepping the engine is safe)."""
+        with self._lock:
+            self.bank.sync_stats()
+            return self.bank.stats.as_dict()
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Lookups, hits, reused tokens, entries and bytes of the prefix cache; None when it is off."""
+        with self._lock:
+            return self.prefix_cache.as_dict() if self.prefix_cache is not None else None
 
     def reset_stats(self) -> None:
         self.bank.sync_stats()

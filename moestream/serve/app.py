@@ -253,12 +253,10 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
     @app.get("/v1/cache/stats")
     async def cache_stats():
         state = ready()
-        cache = state.engine.prefix_cache
 
         def read() -> dict:
-            with state.engine._lock:
-                return {"prefix_cache": cache.as_dict() if cache is not None else None, "bank": state.engine.stats(),
-                        "running": state.worker.running, "waiting": state.worker.waiting}
+            return {"prefix_cache": state.engine.prefix_cache_stats(), "bank": state.engine.stats(),
+                    "running": state.worker.running, "waiting": state.worker.waiting}
         return await asyncio.to_thread(read)
 
     return app

@@ -61,14 +61,12 @@ class ServerMetrics:
             self.generated_tokens.inc(generated)
 
     def render(self) -> bytes:
-        cache = self.engine.prefix_cache
-        if cache is not None:
-            stats = cache.as_dict()
+        stats = self.engine.prefix_cache_stats()
+        if stats is not None:
             self.prefix_bytes.set(stats["used_bytes"])
             self.prefix_hit_rate.set(stats["hit_rate"])
             self.prefix_token_reuse.set(stats["token_reuse"])
-        with self.engine._lock:   # the bank's counters are read between steps
-            bank = self.engine.stats()
+        bank = self.engine.stats()
         self.bank_hit_rate.set(bank["hit_rate"])
         self.bank_bytes_copied.set(bank["bytes_copied"])
         return generate_latest(self.registry)
