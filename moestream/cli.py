@@ -113,6 +113,9 @@ def _model_arg(value: str | None) -> str:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="expert parallel: one rank per device, each holding 1/N of the experts: cuda:0,cuda:1 | all | "
+                        "a GPU count | cpu,cpu (budgets are per device)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
     _add_budget_args(p)
@@ -166,6 +169,30 @@ def _add_profile_args(p: argparse.ArgumentParser) -> None:
                      help="with --profile: pin the experts active on more than this fraction of tokens")
 
 
+def parse_devices(text: str | None) -> list[str] | None:
+    """--devices: a comma-separated list, `all` (every GPU), or a GPU count."""
+    if text is None:
+        return None
+    import torch
+
+    text = text.strip()
+    if text == "all" or text.isdigit():
+        count = torch.cuda.device_count()
+        want = count if text == "all" else int(text)
+        if count == 0:
+            raise InputError(f"--devices {text} needs CUDA devices and this machine has none; list devices such as cpu,cpu.")
+        if want > count:
+            raise InputError(f"--devices {text}: this machine has {count} CUDA devices.")
+        return [f"cuda:{i}" for i in range(want)]
+    devices = [d.strip() for d in text.split(",")]
+    for d in devices:
+        try:
+            torch.device(d)
+        except (RuntimeError, ValueError):
+            raise InputError(f"--devices: {d!r} is not a device; write e.g. cuda:0,cuda:1 or cpu,cpu.") from None
+    return devices
+
+
 def engine_config(args):
     """The EngineConfig of a command's flags (run, bench, profile, perplexity, check)."""
     from moestream.engine import BankConfig, EngineConfig, RuntimeConfig, WarmStartConfig
@@ -173,7 +200,8 @@ def engine_config(args):
     if args.gpu_memory is not None and args.memory is not None:
         raise InputError("give either --gpu-memory or --memory (they are the same budget), not both.")
     check_output_folder(getattr(args, "prepack", None), "--prepack")
-    runtime = RuntimeConfig(device=args.device, dtype=args.dtype, max_context=args.max_context)
+    runtime = RuntimeConfig(device=args.device, dtype=args.dtype, max_context=args.max_context,
+                            devices=parse_devices(getattr(args, "devices", None)))
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),

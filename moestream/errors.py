@@ -33,3 +33,7 @@ class BudgetError(MoestreamError):
 
 class NumericsError(MoestreamError):
     """The model produced values that cannot be sampled from (NaN or infinite logits)."""
+
+
+class DistributedError(MoestreamError):
+    """A rank of an expert-parallel group failed, stopped answering or could not start."""

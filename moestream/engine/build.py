@@ -28,6 +28,8 @@ from moestream.model.decoder import MoECausalLM
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
+from moestream.experts.sharded import Placement, ShardedExperts, ShardStore
+from moestream.runtime.distributed import DistributedRunner, RankGroup, rank_config
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
@@ -144,17 +146,58 @@ def save_prepack(bank: ExpertBank, status: PrepackStatus | None) -> str | None:
     return None
 
 
-def build(cfg: EngineConfig):
-    """Load a checkpoint as `cfg` says and return a ready Engine (warmed up and snapshot saved when asked)."""
+def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
+    """Load a checkpoint as `cfg` says and return a ready Engine (warmed up and snapshot saved when asked).
+
+    With `cfg.runtime.devices` this process becomes rank 0 of an expert-parallel group and starts the
+    others (`runtime/distributed.py`); `rank` / `world` are given to the followers' builds."""
+    group = None
+    if cfg.runtime.devices:
+        _check_expert_parallel(cfg, plan_load(rank_config(cfg, 0)).config.num_experts)
+        group = RankGroup(cfg)
+        world = group.world
+        try:
+            cfg = rank_config(cfg, 0)
+            engine = _build(cfg, 0, world, group)
+            group.wait_ready()
+        except BaseException:
+            group.close()
+            raise
+        engine.group = group
+        if cfg.warm_start.warmup_tokens > 0:
+            engine.warm_up(cfg.warm_start.warmup_tokens)
+        return engine
+    return _build(cfg, rank, world, None)
+
+
+def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
+    """What expert parallel cannot do (or not yet), refused by name before any process starts."""
+    world = len(cfg.runtime.devices)
+    if world > num_experts:
+        raise InputError(f"{world} ranks for {num_experts} experts per layer: every rank needs at least one expert; "
+                         f"use at most {num_experts} devices.")
+    unsupported = [(cfg.runtime.prefix_cache_bytes > 0, "a prefix cache"), (cfg.bank.miss_policy == "skip", "--miss-policy skip"),
+                   (cfg.bank.prefetch, "--prefetch"), (cfg.warm_start.prepack is not None, "--prepack")]
+    for present, what in unsupported:
+        if present:
+            raise InputError(f"{what} is not supported with several devices yet; leave it out or use one device.")
+
+
+def _build(cfg: EngineConfig, rank: int, world: int, group):
     from moestream.engine.engine import Engine
 
-    plan = plan_load(cfg)
+    sharded = world > 1
+    if sharded:
+        placement = Placement(rank, world, plan_load(cfg).config.num_experts)
+    plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     warm = cfg.warm_start
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
     tokenizer = load_tokenizer(plan.folder)
     index = TensorIndex(plan.folder)
     store = open_store(plan, index)
     model = build_model(plan, index)
+    if sharded:
+        store, pinned = ShardStore(store, placement), placement.local_pins(pinned)
     bank = build_bank(plan, cfg, store, pinned)
     prepack = _try_prepack(bank, plan.folder, warm.prepack) if warm.prepack else None
     restored = prepack is not None and prepack.loaded
@@ -169,11 +212,14 @@ def build(cfg: EngineConfig):
             seed = ({layer: f * discovery.tokens for layer, f in discovery.frequencies.items()}   # as counts
                     if discovery is not None else {})
         for layer, frequencies in seed.items():
-            bank.policy.seed(layer, frequencies)
+            bank.policy.seed(layer, placement.local_frequencies(frequencies) if sharded else frequencies)
         bank.fill()
-    model.attach_experts(bank)
-    runner = ModelRunner(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
-                         cfg.runtime.cuda_graphs)
+    model.attach_experts(ShardedExperts(bank, placement) if sharded else bank)
+    runner_class = DistributedRunner if group is not None else ModelRunner
+    runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
+                          cfg.runtime.cuda_graphs, segmented=not sharded)
+    if group is not None:
+        runner.group = group
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
                     discovery=discovery, prepack=prepack,
@@ -181,7 +227,7 @@ def build(cfg: EngineConfig):
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading
-    if warm.warmup_tokens > 0:
+    if warm.warmup_tokens > 0 and group is None and not sharded:   # a group warms up once every rank is ready
         engine.warm_up(warm.warmup_tokens, bank_is_warm=restored)
     engine.prepack_error = save_prepack(bank, prepack)
     return engine

@@ -52,11 +52,18 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     prefix_cache_memory: int | str | None = None   # device bytes of finished sequences' KV kept for reuse (off)
     kv_rows: int = 1                      # sequences whose full-context KV the memory plan reserves (a server: max_batch)
+    devices: list[str] | None = None      # expert parallel: one rank per device, each holding 1/N of the experts
+    rank_timeout_s: float = 120.0         # a rank silent this long (start-up, a collective) ends the group
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
-                      "prefix_cache_memory": SIZE, "kv_rows": INT})
+                      "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
+                      "rank_timeout_s": (int, float)})
+        if self.rank_timeout_s <= 0:
+            raise InputError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}.")
+        if self.devices is not None:
+            self._check_devices()
         if self.kv_rows < 1:
             raise InputError(f"kv_rows must be at least 1, got {self.kv_rows}.")
         self.prefix_cache_bytes   # parses (and so checks) the size
@@ -68,6 +75,25 @@ class RuntimeConfig:
             raise InputError(f"max_batch must be at least 1, got {self.max_batch}.")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; use one of auto, {', '.join(DTYPES)}.")
+
+    def _check_devices(self) -> None:
+        devices = self.devices
+        if len(devices) < 2 or not all(isinstance(d, str) and d for d in devices):
+            raise InputError(f"devices must list at least two devices (e.g. cuda:0,cuda:1 or cpu,cpu), got {devices!r}.")
+        if self.device != "auto":
+            raise InputError("give either device or devices, not both (devices places one rank on each).")
+        kinds = {torch.device(d).type for d in devices}
+        if len(kinds) > 1:
+            raise InputError(f"devices must all be CUDA devices or all be cpu, got {', '.join(devices)}.")
+        cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
+        named = [d if d.index is not None else torch.device("cuda", 0) for d in cuda]
+        if len(set(named)) != len(named):
+            raise InputError(f"devices names the same GPU twice ({', '.join(devices)}); give each rank its own.")
+        if cuda:
+            count = torch.cuda.device_count()
+            missing = [str(d) for d in named if d.index >= count]
+            if missing:
+                raise InputError(f"{', '.join(missing)} does not exist (this machine has {count} CUDA devices).")
 
     @property
     def prefix_cache_bytes(self) -> int:

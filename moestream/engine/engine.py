@@ -59,6 +59,7 @@ class Engine:
                  max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
         self.prefix_cache = prefix_cache   # finished sequences' KV, reused by prompts that extend them
+        self.group = None                  # the other ranks, when this engine is rank 0 of an expert-parallel group
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
         self.scheduler = Scheduler(max_batch)
@@ -75,6 +76,19 @@ class Engine:
     @property
     def memory_plan(self):
         return self.plan.memory
+
+    def close(self) -> None:
+        """Stop the other ranks of an expert-parallel group (nothing to do for one device)."""
+        if self.group is not None:
+            with self._lock:
+                self.group.close()
+                self.group = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- bank statistics ----------------------------------------------------------------
     def stats(self) -> dict:

@@ -10,6 +10,7 @@ the bank, its slot maps and the transient staging area long prompts stream missi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class MemoryPlan:
 
     @property
     def fixed_bytes(self) -> int:
-        slot_maps = self.moe_layers * self.num_experts * 4
+        slot_maps = self.moe_layers * (self.num_experts + 1) * 4
         return (self.dense_bytes + self.kv_bytes + self.prefix_cache_bytes + self.workspace_bytes + slot_maps
                 + SLACK_BYTES)
 
@@ -237,8 +238,11 @@ class LoadPlan:
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
 
 
-def plan_load(cfg: EngineConfig) -> LoadPlan:
-    """Everything a load decides from config.json and the configuration alone (no weights read)."""
+def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
+    """Everything a load decides from config.json and the configuration alone (no weights read).
+
+    `experts_here`: on a rank of an expert-parallel group, how many experts per layer it owns (its
+    bank's capacity is planned against those)."""
     cfg.validate()
     folder = resolve_checkpoint(cfg.model)
     raw = read_config(folder)
@@ -275,7 +279,11 @@ def plan_load(cfg: EngineConfig) -> LoadPlan:
     bank = cfg.bank
     budget = bank.gpu_memory if bank.gpu_memory is not None else (
         None if bank.capacity is not None else default_device_budget(device))
-    memory = plan_memory(config, dtype, budget, bank.capacity, max_context=context,
+    planned, capacity = config, bank.capacity
+    if experts_here is not None:   # this rank's bank only ever holds its own experts
+        planned = dataclasses.replace(config, num_experts=experts_here, top_k=min(config.top_k, experts_here))
+        capacity = min(capacity, experts_here) if capacity is not None else None
+    memory = plan_memory(planned, dtype, budget, capacity, max_context=context,
                          prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec,
                          precision=precision, prefix_cache_bytes=cfg.runtime.prefix_cache_bytes,
                          batch=cfg.runtime.kv_rows)

@@ -45,6 +45,7 @@ class Fetcher:
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         ls = self.slots[layer]
         flat = expert_ids.reshape(-1).cpu().numpy()          # the one host sync of a layer that may miss
+        flat = flat[flat >= 0]                                # -1: held elsewhere (another rank's expert)
         experts = np.unique(flat)
         missing = [e for e in experts.tolist() if e not in ls.where]
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
@@ -60,7 +61,7 @@ class Fetcher:
         compute stream (wait="device") or the host waits for those copies before the experts run.
         """
         ls = self.slots[layer]
-        experts, counts = np.unique(routed, return_counts=True)
+        experts, counts = np.unique(routed[routed >= 0], return_counts=True)
         self.policy.record(layer, experts, counts)
         ids = experts.tolist()
         resident = np.fromiter((e in ls.where for e in ids), dtype=bool, count=len(ids))
@@ -96,7 +97,7 @@ class Fetcher:
         out = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights).float()
         group = next(iter(staging[0].values())).shape[0]
         groups = [missing[i:i + group] for i in range(0, len(missing), group)]
-        stage_maps = torch.full((len(groups), self.slots.num_experts), -1, dtype=torch.int32)
+        stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32)   # [-1]: no slot
         for g, chunk in enumerate(groups):
             stage_maps[g, torch.tensor(chunk)] = torch.arange(len(chunk), dtype=torch.int32)
         stage_maps = stage_maps.to(self.slots.device)

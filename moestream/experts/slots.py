@@ -2,8 +2,10 @@
 and its host mirror. `SlotTable` is the one writer of all of it.
 
 Per layer: `tensors` holds one stacked tensor per format tensor (dense: gate_up (S, 2I, H) and
-down (S, H, I)) for S = capacity slots; `slot_map` (E,) int32 on the device maps an expert id to
-its slot (-1 when not resident), which dispatch reads with one device-side gather; `owner`
+down (S, H, I)) for S = capacity slots; `slot_map` (E + 1,) int32 on the device maps an expert id to
+its slot (-1 when not resident), which dispatch reads with one device-side gather; its last entry is
+always -1, so a routed id of -1 (an expert this bank does not hold, e.g. another rank's) maps to no
+slot and the kernels skip the pair; `owner`
 (slot → expert) and `where` (expert → slot) mirror it on the host, so a miss is decided without
 reading the device. Fill, installs on a miss, prefetch, snapshot restore and profile seeding all
 go through the methods below, so the three views never disagree.
@@ -25,7 +27,7 @@ from moestream.experts.transfer import Transfers
 @dataclass
 class LayerSlots:
     tensors: dict[str, Tensor]   # format tensor name → (S, ...) stacked slots
-    slot_map: Tensor             # (E,) int32 on the device
+    slot_map: Tensor             # (E + 1,) int32 on the device; [-1] is always -1
     owner: list[int]             # host mirror: slot → expert id, -1 when free
     where: dict[int, int]        # host mirror: expert id → slot
 
@@ -53,7 +55,7 @@ class SlotTable:
         self.capacity, self.num_experts, self.formats, self.device = capacity, num_experts, formats, device
         self.layers: dict[int, LayerSlots] = {
             layer: LayerSlots(fmt.empty(shape, capacity, device=device),
-                              torch.full((num_experts,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
+                              torch.full((num_experts + 1,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
             for layer, fmt in formats.items()}
 
     def __getitem__(self, layer: int) -> LayerSlots:
@@ -89,7 +91,7 @@ class SlotTable:
         ls.owner[:] = owner
         ls.where.clear()
         ls.where.update({e: s for s, e in enumerate(owner) if e >= 0})
-        slot_map = torch.full((self.num_experts,), -1, dtype=torch.int32)
+        slot_map = torch.full((self.num_experts + 1,), -1, dtype=torch.int32)
         if ls.where:
             slot_map[torch.tensor(list(ls.where))] = torch.tensor(list(ls.where.values()), dtype=torch.int32)
         ls.slot_map.copy_(slot_map)

@@ -24,8 +24,12 @@ from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
-                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True):
+                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True):
+        """`segmented`: decode with a fetch bank may run as segments split at each router (the bank
+        sees the routing between segments); off where the bank is behind another protocol (expert
+        parallel), then decode runs eagerly."""
         self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
+        self.segmented = segmented
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
@@ -104,7 +108,7 @@ class ModelRunner:
             return runner
         if self.cuda_graphs and self.bank.graph_safe:
             runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, batch, self.dtype)
-        elif self.bank.can_segment(batch):
+        elif self.segmented and self.bank.can_segment(batch):
             runner = SegmentedDecode(self.model, self.bank, self.rotary_table(), self.cache, batch, self.dtype,
                                      use_graphs=self.cuda_graphs)
         else:

@@ -1,0 +1,199 @@
+"""Expert parallel across processes: rank 0 runs the engine, the other ranks follow its model calls.
+
+One process per device. Rank 0 is the caller's process: it owns the tokenizer, the scheduler,
+sampling and every output; it starts ranks 1..N-1 (`python -m moestream.runtime.distributed`, so
+the caller's script is never re-imported) and meets them
+through a TCP store on 127.0.0.1 that also carries the configuration and its model calls to them. Every rank holds the
+replicated dense weights and its own share of the routed experts (`experts/sharded.py`); each
+model call that rank 0 makes (prefill a chunk into a row, decode a batch, a full forward, a cache
+row grown or moved) is published in the store first, every follower makes the same call, and the
+MoE layers' all-reduces keep the ranks in step inside it. Tensors stay on the ranks; only ids,
+positions and sizes travel through the store.
+
+The store carries calls rather than a collective so that an idle engine (a server waiting for
+requests) keeps its followers waiting without tripping collective timeouts. The collectives
+themselves (gloo on CPU, NCCL on CUDA) time out after `rank_timeout_s`, so a rank that dies ends
+the group with a `DistributedError` on rank 0 instead of a hang; a follower whose parent is gone
+exits by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moestream.errors import DistributedError
+from moestream.runtime.model_runner import ModelRunner
+
+_POLL = timedelta(seconds=5)   # how often a waiting follower checks that rank 0 is still there
+_KEPT_CALLS = 4096             # published calls kept in the store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(devices: list[str]) -> str:
+    return "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
+
+
+def rank_config(cfg, rank: int):
+    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does."""
+    runtime = dataclasses.replace(cfg.runtime, device=cfg.runtime.devices[rank], devices=None, cuda_graphs=False)
+    warm = cfg.warm_start if rank == 0 else dataclasses.replace(cfg.warm_start, warmup_tokens=0)
+    return dataclasses.replace(cfg, runtime=runtime, warm_start=warm)
+
+
+class RankGroup:
+    """Rank 0's view of the group: the store, the follower processes, the calls it publishes."""
+
+    def __init__(self, cfg):
+        devices = cfg.runtime.devices
+        self.world, self.timeout = len(devices), timedelta(seconds=cfg.runtime.rank_timeout_s)
+        if dist.is_initialized():
+            raise DistributedError("this process already belongs to a process group; one expert-parallel engine "
+                                   "per process (close the other engine first).")
+        port = _free_port()
+        self.store = dist.TCPStore("127.0.0.1", port, self.world, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False)
+        self.store.set("config", pickle.dumps(cfg))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "moestream.runtime.distributed", str(rank), str(port),
+                                        str(self.world), str(cfg.runtime.rank_timeout_s)], stdout=subprocess.DEVNULL)
+                      for rank in range(1, self.world)]
+        try:
+            dist.init_process_group(_backend(devices), store=self.store, rank=0, world_size=self.world,
+                                    timeout=self.timeout)
+        except Exception as exc:
+            self._kill()
+            raise DistributedError(f"the other ranks did not join within {cfg.runtime.rank_timeout_s:g} s ({exc}); "
+                                   "check that every device can start an engine.") from None
+        self.calls = 0
+        self.closed = False
+
+    def wait_ready(self) -> None:
+        """Every follower has built its engine (or one failed: its error, raised here)."""
+        for rank in range(1, self.world):
+            key = f"state/{rank}"
+            try:
+                self.store.wait([key], self.timeout)
+            except Exception:
+                self.close()
+                raise DistributedError(f"rank {rank} did not finish loading within "
+                                       f"{self.timeout.total_seconds():g} s; raise rank_timeout_s for large models.") from None
+            state = self.store.get(key).decode()
+            if state != "ready":
+                self.close()
+                raise DistributedError(f"rank {rank} failed to load: {state}")
+
+    def publish(self, op: str, *args) -> None:
+        self.store.set(f"call/{self.calls}", pickle.dumps((op, args)))
+        self.calls += 1
+        if self.calls > _KEPT_CALLS:   # long read: followers are never this far behind (calls with collectives keep them in step)
+            self.store.delete_key(f"call/{self.calls - _KEPT_CALLS}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.publish("stop")
+        except Exception:
+            pass
+        for proc in self.procs:
+            try:
+                proc.wait(self.timeout.total_seconds())
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class DistributedRunner(ModelRunner):
+    """Rank 0's model runner: each model call is published to the followers before it runs here."""
+
+    group: RankGroup
+
+    def ensure_rows(self, rows: int):
+        if self.cache is None or self.cache.rows < rows:
+            self.group.publish("ensure_rows", rows)
+        return super().ensure_rows(rows)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.group.publish("move_row", src, dst, length)
+        super().move_row(src, dst, length)
+
+    def prefill(self, row: int, prompt: list[int], cached: int = 0) -> torch.Tensor:
+        self.group.publish("prefill", row, prompt, cached)
+        return _checked(super().prefill, row, prompt, cached)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        self.group.publish("decode", tokens.cpu(), positions.cpu(), kv_len)
+        return _checked(super().decode, tokens, positions, kv_len)
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.group.publish("logits", input_ids.cpu(), attention_mask.cpu() if attention_mask is not None else None)
+        return _checked(super().logits, input_ids, attention_mask)
+
+
+def _checked(call, *args):
+    try:
+        return call(*args)
+    except RuntimeError as exc:   # a collective failed: a rank died or stopped answering
+        if not dist.is_initialized():
+            raise
+        raise DistributedError(f"a rank of the expert-parallel group stopped answering ({str(exc).splitlines()[0]}); "
+                               "the engine cannot continue: load it again.") from None
+
+
+def follow(rank: int, port: int, world: int, timeout_s: float) -> None:
+    """A follower rank: join, build this rank's engine, then make rank 0's calls until told to stop."""
+    from moestream.engine.build import build
+
+    parent = os.getppid()
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    cfg = pickle.loads(store.get("config"))
+    dist.init_process_group(_backend(cfg.runtime.devices), store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        engine = build(rank_config(cfg, rank), rank=rank, world=world)
+    except BaseException as exc:
+        store.set(f"state/{rank}", f"{type(exc).__name__}: {exc}")
+        return
+    store.set(f"state/{rank}", "ready")
+    runner, device, call = engine.runner, engine.device, 0
+    with torch.inference_mode():
+        while True:
+            key = f"call/{call}"
+            try:
+                store.wait([key], _POLL)
+            except Exception:
+                if os.getppid() != parent:   # rank 0 is gone: nobody will call again
+                    return
+                continue
+            op, args = pickle.loads(store.get(key))
+            call += 1
+            if op == "stop":
+                return
+            args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+            getattr(runner, op)(*args)
+
+
+if __name__ == "__main__":
+    follow(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
