@@ -479,12 +479,33 @@ def cmd_check(args) -> int:
     """The memory plan for a checkpoint and budget, from config.json alone (no weights read)."""
     from moestream.engine.plan import plan_load
 
-    plan = plan_load(engine_config(args))
+    cfg = engine_config(args)
+    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts
+        from moestream.experts.sharded import Placement
+        from moestream.runtime.distributed import rank_config
+
+        devices = cfg.runtime.devices
+        E = plan_load(rank_config(cfg, 0)).config.num_experts
+        if len(devices) > E:
+            raise InputError(f"{len(devices)} ranks for {E} experts per layer: use at most {E} devices.")
+        for rank in range(len(devices)):
+            share = Placement(rank, len(devices), E).count
+            plan = plan_load(rank_config(cfg, rank), experts_here=share)
+            if rank == 0:
+                _print_model(plan)
+            print(f"\nrank {rank}            {plan.device}: {share} of the {E} experts of every layer")
+            print(plan.memory.explain())
+        return 0
+    plan = plan_load(cfg)
+    _print_model(plan)
+    print(plan.memory.explain())
+    return 0
+
+
+def _print_model(plan) -> None:
     config = plan.config
     print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
-    print(plan.memory.explain())
-    return 0
 
 
 def cmd_convert(args) -> int:
@@ -635,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
     check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     check.add_argument("--device", default="auto")
+    check.add_argument("--devices", default=None, metavar="LIST", help="one plan per rank of an expert-parallel group")
     check.add_argument("--dtype", default="auto")
     check.add_argument("--max-context", type=integer(2), default=None)
     _add_budget_args(check)

@@ -112,6 +112,7 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
         state = status["state"]
         if state is not None:
             await asyncio.to_thread(state.worker.stop)
+            await asyncio.to_thread(state.engine.close)   # the other ranks of an expert-parallel engine
 
     app = FastAPI(title="moestream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.status = status

@@ -95,3 +95,15 @@ def test_cli_runs_with_two_cpu_ranks(tiny_qwen3):
     bad = subprocess.run([sys.executable, "-m", "moestream", "run", str(tiny_qwen3), "--devices", "all", "-p", "5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("moestream: error:") and "Traceback" not in bad.stderr
+
+
+def test_check_prints_one_plan_per_rank(tiny_qwen3, capsys):
+    from moestream.cli import main
+
+    assert main(["check", str(tiny_qwen3), "--devices", "cpu,cpu,cpu", "--capacity", "2"]) == 0
+    out = capsys.readouterr().out
+    E = moestream.load(tiny_qwen3, device="cpu").config.num_experts
+    shares = [len(range(r, E, 3)) for r in range(3)]
+    for rank, share in enumerate(shares):
+        assert f"rank {rank}            cpu: {share} of the {E} experts of every layer" in out
+    assert out.count("capacity          2/") == 3
