@@ -93,10 +93,19 @@ class Engine:
     # ---- bank statistics ----------------------------------------------------------------
     def stats(self) -> dict:
         """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total (read
-        between steps, so another thread stepping the engine is safe)."""
+        between steps, so another thread stepping the engine is safe). With several devices the
+        totals add up every rank's bank, `ranks` holds each rank's own figures and `layers` rank 0's."""
         with self._lock:
             self.bank.sync_stats()
-            return self.bank.stats.as_dict()
+            mine = self.bank.stats.as_dict()
+            if self.group is None:
+                return mine
+            ranks = [mine] + self.runner.rank_stats()
+        total = {key: sum(r[key] for r in ranks) for key in ("hits", "misses", "evictions", "bytes_copied", "copy_wait_s")}
+        looked_up = total["hits"] + total["misses"]
+        return {**mine, **total, "hit_rate": total["hits"] / looked_up if looked_up else 0.0,
+                "bytes_copied_per_token": total["bytes_copied"] / mine["tokens"] if mine["tokens"] else 0.0,
+                "ranks": ranks}
 
     def prefix_cache_stats(self) -> dict | None:
         """Lookups, hits, reused tokens, entries and bytes of the prefix cache; None when it is off."""

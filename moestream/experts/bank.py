@@ -62,6 +62,9 @@ class ExpertBank:
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
         self.decoding = False   # set per step by the runtime: skip applies to decode steps only
+        # Who counts a fully resident bank's hits when not every routed pair is its own (expert
+        # parallel: a rank sees only its experts' pairs): a callable that records them, else None.
+        self.external_hits = None
         for layer, experts in (pinned or {}).items():
             self.pin(layer, experts, load=False)
 
@@ -156,7 +159,7 @@ class ExpertBank:
         """Advance the residency clock; in skip mode, refresh the bank from miss counters now and then."""
         self.stats.tokens += tokens
         self.policy.advance(tokens)
-        if self.fully_resident:
+        if self.fully_resident and self.external_hits is None:
             for layer in self.slots:
                 self.stats.record(layer, hits=tokens * self.top_k)
         elif self.skip is not None:
@@ -166,6 +169,8 @@ class ExpertBank:
         """Fold device-side counters (skip mode) into the host statistics."""
         if self.skip is not None:
             self.skip.sync_stats()
+        if self.external_hits is not None:
+            self.external_hits()
 
     def synchronize(self) -> None:
         """Every queued copy has landed (before reading or replacing slot tensors wholesale)."""

@@ -79,14 +79,31 @@ class ShardedExperts:
     def __init__(self, bank, placement: Placement, group=None):
         self.bank, self.placement, self.group = bank, placement, group
         self.local = placement.to_local(bank.device)
+        # A fully resident bank counts no lookups itself: count this rank's pairs on the device
+        # (no sync) and fold them into its statistics when they are read.
+        self.owned = ({layer: torch.zeros((), dtype=torch.int64, device=bank.device) for layer in bank.layers}
+                      if bank.fully_resident else None)
+        if self.owned is not None:
+            bank.external_hits = self._fold_hits
         # gloo reduces fp32 and fp16 but not bf16 everywhere; NCCL reduces any of them in place.
         self.reduce_fp32 = dist.get_backend(group) == "gloo"
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.forward(layer, hidden, self.local[expert_ids], weights))
+        return self._sum(self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.dispatch(layer, hidden, self.local[expert_ids], weights))
+        return self._sum(self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
+
+    def _to_local(self, layer: int, expert_ids: Tensor) -> Tensor:
+        local = self.local[expert_ids]
+        if self.owned is not None:
+            self.owned[layer] += (local >= 0).sum()
+        return local
+
+    def _fold_hits(self) -> None:
+        for layer, count in self.owned.items():
+            self.bank.stats.record(layer, hits=int(count))
+            count.zero_()
 
     def _sum(self, partial: Tensor) -> Tensor:
         if self.reduce_fp32 and partial.dtype != torch.float32:

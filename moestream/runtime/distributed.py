@@ -20,6 +20,7 @@ exits by itself.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import socket
@@ -152,6 +153,19 @@ class DistributedRunner(ModelRunner):
         return _checked(super().logits, input_ids, attention_mask)
 
 
+    def rank_stats(self) -> list[dict]:
+        """Every follower's bank statistics (rank 1, 2, ...), asked for between steps."""
+        tag = self.group.calls
+        self.group.publish("report_stats", tag)
+        out = []
+        for rank in range(1, self.group.world):
+            key = f"stats/{rank}/{tag}"
+            self.group.store.wait([key], self.group.timeout)
+            out.append(json.loads(self.group.store.get(key)))
+            self.group.store.delete_key(key)
+        return out
+
+
 def _checked(call, *args):
     try:
         return call(*args)
@@ -191,6 +205,9 @@ def follow(rank: int, port: int, world: int, timeout_s: float) -> None:
             call += 1
             if op == "stop":
                 return
+            if op == "report_stats":
+                store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))
+                continue
             args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
             getattr(runner, op)(*args)
 

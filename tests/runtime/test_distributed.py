@@ -46,7 +46,10 @@ def test_three_ranks_with_a_bounded_bank_per_rank_stay_exact(tiny_qwen3):
         assert engine.bank.capacity == min(top_k, local) < single.config.num_experts
         assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == want
         stats = engine.stats()
-        assert stats["misses"] > 0                               # the bank really fetched
+        assert len(stats["ranks"]) == 3 and stats["misses"] == sum(r["misses"] for r in stats["ranks"]) > 0
+        # Every routed pair was looked up by exactly the rank that owns its expert.
+        assert stats["hits"] + stats["misses"] == stats["tokens"] * single.config.top_k * len(stats["layers"])
+        assert stats["hits"] + stats["misses"] == sum(r["hits"] + r["misses"] for r in stats["ranks"])
 
 
 def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
