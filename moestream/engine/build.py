@@ -187,10 +187,13 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
     from moestream.engine.engine import Engine
 
     sharded = world > 1
-    if sharded:
-        placement = Placement(rank, world, plan_load(cfg).config.num_experts)
-    plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     warm = cfg.warm_start
+    if sharded:
+        config = plan_load(cfg).config
+        profile, _ = prepare_profile(warm.profile, config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
+        placement = (Placement.balanced(rank, world, config.num_experts, profile_seed(profile)) if profile is not None
+                     else Placement(rank, world, config.num_experts))
+    plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
     tokenizer = load_tokenizer(plan.folder)
     index = TensorIndex(plan.folder)
@@ -212,7 +215,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
             seed = ({layer: f * discovery.tokens for layer, f in discovery.frequencies.items()}   # as counts
                     if discovery is not None else {})
         for layer, frequencies in seed.items():
-            bank.policy.seed(layer, placement.local_frequencies(frequencies) if sharded else frequencies)
+            bank.policy.seed(layer, placement.local_frequencies(layer, frequencies) if sharded else frequencies)
         bank.fill()
     model.attach_experts(ShardedExperts(bank, placement) if sharded else bank)
     runner_class = DistributedRunner if group is not None else ModelRunner

@@ -1,8 +1,8 @@
 """Expert parallel: each rank of a group holds a disjoint share of every layer's routed experts.
 
-Placement is round-robin (expert e lives on rank e mod world), so every rank owns the same number
-of experts of every layer (±1) and, under any routing that does not single out residues, the same
-share of the work. A rank's bank, host tier and residency policy see only its own experts, in a
+Placement is round-robin (expert e lives on rank e mod world), or, given a profile, balanced per
+layer so the hottest experts spread over the ranks; either way every rank owns the same number of
+experts of every layer (±1), so the banks are the same size. A rank's bank, host tier and residency policy see only its own experts, in a
 local id space (local id i = the rank's i-th expert): `ShardStore` presents the checkpoint that way.
 `ShardedExperts` is the model's `RoutedExperts` on every rank: routed ids become local ids, or -1
 for another rank's expert (the bank skips those pairs), the rank's bank computes its partial sum,
@@ -13,7 +13,7 @@ on every rank (the router is replicated), so no ids need to travel.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -23,35 +23,64 @@ from torch import Tensor
 from moestream.experts.format import ExpertFormat
 
 
+def balanced_owners(frequencies: np.ndarray, world: int) -> list[list[int]]:
+    """Per rank, the experts it holds: hottest first, each to the least loaded rank with room
+    (every rank keeps its round-robin count, so banks stay the same size). Deterministic: every
+    rank computes the same answer."""
+    E = len(frequencies)
+    quota = [len(range(r, E, world)) for r in range(world)]
+    owned: list[list[int]] = [[] for _ in range(world)]
+    load = [0.0] * world
+    for e in np.argsort(-np.asarray(frequencies, dtype=np.float64), kind="stable").tolist():
+        r = min((r for r in range(world) if len(owned[r]) < quota[r]), key=lambda r: (load[r], r))
+        owned[r].append(e)
+        load[r] += float(frequencies[e])
+    return [sorted(o) for o in owned]
+
+
 @dataclass(frozen=True)
 class Placement:
+    """Which experts this rank holds: round-robin (e mod world), or per MoE layer as given (a
+    profile's balanced split). Every rank holds the same number of experts in every layer."""
+
     rank: int
     world: int
     num_experts: int
+    layers: dict[int, tuple[int, ...]] = field(default_factory=dict)   # MoE layer → this rank's experts
 
-    @property
-    def local_experts(self) -> list[int]:
-        """Global ids of the experts this rank owns, in local-id order."""
-        return list(range(self.rank, self.num_experts, self.world))
+    @classmethod
+    def balanced(cls, rank: int, world: int, num_experts: int, frequencies: dict[int, np.ndarray]) -> Placement:
+        """Hot experts spread over the ranks, layer by layer, by a profile's usage."""
+        return cls(rank, world, num_experts,
+                   {layer: tuple(balanced_owners(f, world)[rank]) for layer, f in frequencies.items()})
+
+    def experts(self, layer: int) -> list[int]:
+        """Global ids of the experts this rank holds in `layer`, in local-id order."""
+        held = self.layers.get(layer)
+        return list(held) if held is not None else list(range(self.rank, self.num_experts, self.world))
 
     @property
     def count(self) -> int:
-        return len(self.local_experts)
+        return len(range(self.rank, self.num_experts, self.world))
 
-    def to_local(self, device: torch.device) -> Tensor:
-        """(E,) long: global id → local id, -1 for another rank's expert."""
+    def to_local(self, layer: int, device: torch.device) -> Tensor:
+        """(E,) long: global id → local id in `layer`, -1 for another rank's expert."""
         table = torch.full((self.num_experts,), -1, dtype=torch.long)
-        table[self.local_experts] = torch.arange(self.count)
+        table[self.experts(layer)] = torch.arange(self.count)
         return table.to(device)
 
-    def local_frequencies(self, frequencies: np.ndarray) -> np.ndarray:
-        return np.asarray(frequencies)[self.local_experts]
+    def local_frequencies(self, layer: int, frequencies: np.ndarray) -> np.ndarray:
+        return np.asarray(frequencies)[self.experts(layer)]
 
     def local_pins(self, pinned: dict[int, list[int]] | None) -> dict[int, list[int]] | None:
+        """Pins this rank holds, as local ids (another rank pins the rest)."""
         if pinned is None:
             return None
-        return {layer: [e // self.world for e in experts if e % self.world == self.rank]
-                for layer, experts in pinned.items()}
+        out = {}
+        for layer, experts in pinned.items():
+            local = {e: i for i, e in enumerate(self.experts(layer))}
+            out[layer] = [local[e] for e in experts if e in local]
+        return out
 
 
 class ShardStore:
@@ -59,7 +88,7 @@ class ShardStore:
 
     def __init__(self, store, placement: Placement):
         self.inner, self.placement = store, placement
-        self.global_ids = placement.local_experts
+        self.global_ids = {layer: placement.experts(layer) for layer in store.moe_layers}
         self.config = replace(store.config, num_experts=placement.count)
         self.num_experts = placement.count
 
@@ -67,10 +96,10 @@ class ShardStore:
         return getattr(self.inner, name)
 
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        self.inner.read_into(layer, self.global_ids[expert], fmt, out)
+        self.inner.read_into(layer, self.global_ids[layer][expert], fmt, out)
 
     def read_many(self, layer: int, experts: list[int], fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        self.inner.read_many(layer, [self.global_ids[e] for e in experts], fmt, out)
+        self.inner.read_many(layer, [self.global_ids[layer][e] for e in experts], fmt, out)
 
 
 class ShardedExperts:
@@ -78,7 +107,7 @@ class ShardedExperts:
 
     def __init__(self, bank, placement: Placement, group=None):
         self.bank, self.placement, self.group = bank, placement, group
-        self.local = placement.to_local(bank.device)
+        self.local = {layer: placement.to_local(layer, bank.device) for layer in bank.layers}
         # A fully resident bank counts no lookups itself: count this rank's pairs on the device
         # (no sync) and fold them into its statistics when they are read.
         self.owned = ({layer: torch.zeros((), dtype=torch.int64, device=bank.device) for layer in bank.layers}
@@ -95,7 +124,7 @@ class ShardedExperts:
         return self._sum(self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def _to_local(self, layer: int, expert_ids: Tensor) -> Tensor:
-        local = self.local[expert_ids]
+        local = self.local[layer][expert_ids]
         if self.owned is not None:
             self.owned[layer] += (local >= 0).sum()
         return local

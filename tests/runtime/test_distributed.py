@@ -110,3 +110,34 @@ def test_check_prints_one_plan_per_rank(tiny_qwen3, capsys):
     for rank, share in enumerate(shares):
         assert f"rank {rank}            cpu: {share} of the {E} experts of every layer" in out
     assert out.count("capacity          2/") == 3
+
+
+def test_a_profile_spreads_hot_experts_over_the_ranks():
+    from moestream.experts.sharded import Placement, balanced_owners
+
+    freq = [0.0, 9.0, 0.0, 8.0, 0.0, 7.0, 0.0, 6.0]            # round-robin would give rank 1 every hot expert
+    owners = balanced_owners(freq, 2)
+    assert sorted(owners[0] + owners[1]) == list(range(8)) and len(owners[0]) == len(owners[1]) == 4
+    loads = [sum(freq[e] for e in o) for o in owners]
+    assert max(loads) - min(loads) <= 1.0
+    p = Placement.balanced(1, 2, 8, {3: freq})
+    assert p.experts(3) == owners[1] and p.experts(0) == [1, 3, 5, 7]   # layers without a profile: round-robin
+    table = p.to_local(3, torch.device("cpu"))
+    assert [int(table[e]) for e in owners[1]] == [0, 1, 2, 3] and int(table[owners[0][0]]) == -1
+    assert p.local_pins({3: [owners[1][2], owners[0][0]]}) == {3: [2]}
+
+
+def test_two_ranks_placed_by_a_profile_equal_one_process(tiny_qwen3, tmp_path):
+    from moestream.warmstart.profile import Profile
+
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    want = single.generate(PROMPTS, max_tokens=10, ignore_eos=True)
+    config, E = single.config, single.config.num_experts
+    moe = [i for i, m in enumerate(config.moe_layers) if m]
+    hot = [float((e * 7) % E) for e in range(E)]
+    profile = Profile(config.arch, config.num_layers, E, config.top_k, "tiny", 100,
+                      {layer: [h / sum(hot) for h in hot] for layer in moe})
+    profile.save(tmp_path / "p.json")
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=config.top_k,
+                        profile=str(tmp_path / "p.json"), rank_timeout_s=60) as engine:
+        assert engine.generate(PROMPTS, max_tokens=10, ignore_eos=True) == want
