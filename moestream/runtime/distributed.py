@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -36,12 +35,6 @@ from moestream.runtime.model_runner import ModelRunner
 
 _POLL = timedelta(seconds=5)   # how often a waiting follower checks that rank 0 is still there
 _KEPT_CALLS = 4096             # published calls kept in the store
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend(devices: list[str]) -> str:
@@ -64,9 +57,9 @@ class RankGroup:
         if dist.is_initialized():
             raise DistributedError("this process already belongs to a process group; one expert-parallel engine "
                                    "per process (close the other engine first).")
-        port = _free_port()
-        self.store = dist.TCPStore("127.0.0.1", port, self.world, is_master=True, timeout=self.timeout,
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=self.timeout,
+                                   wait_for_workers=False)   # port 0: the system picks a free one, no race
+        port = self.store.port
         self.store.set("config", pickle.dumps(cfg))
         self.procs = [subprocess.Popen([sys.executable, "-m", "moestream.runtime.distributed", str(rank), str(port),
                                         str(self.world), str(cfg.runtime.rank_timeout_s)], stdout=subprocess.DEVNULL)
