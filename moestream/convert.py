@@ -32,7 +32,7 @@ from moestream.errors import InputError
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.store import CheckpointExpertStore
 from moestream.fileio import write_atomic, write_json_atomic
-from moestream.model.decoder import MoECausalLM
+from moestream.model.decoder import MoECausalLM, parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear, quantize_modules
 from moestream.quant import QuantizedTensor, quantize
 from moestream.quant.mlx import mlx_quantization
@@ -75,7 +75,7 @@ def _dense_layout(model: MoECausalLM, config: ModelConfig, dtype: torch.dtype) -
         quant = isinstance(module, (QuantLinear, QuantEmbedding))
         for name, p in module.named_parameters(recurse=False):
             keep = quant and name in ("qweight", "scales", "biases")
-            out.append((f"{path}.{name}", tuple(p.shape), p.dtype if keep else dtype, path))
+            out.append((f"{path}.{name}", tuple(p.shape), p.dtype if keep else parameter_dtype(module, name, dtype), path))
     return out
 
 
@@ -200,7 +200,7 @@ class Converter:
                     weight = self.index.read(f"{module_path}.weight", floating=True).to(self.device)
                     cache[module_path] = quantize(weight, module.spec)
                 return cache[module_path].parts()[part]
-            return self.index.read(name, floating=True).to(self.dtype)
+            return self.index.read(name, floating=True).to(parameter_dtype(module, part, self.dtype))
 
         write_atomic(self.work / DENSE, lambda f: write_safetensors(
             f, [(n, s, d) for n, s, d, _ in layout], produce, {"format": "moestream-packed-dense"}))

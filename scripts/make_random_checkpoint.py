@@ -27,6 +27,12 @@ Design notes:
   (``model.safetensors.index.json``) is written last, so its presence marks a
   complete checkpoint.
 * No tokenizer is written: the checkpoints are driven with token ids.
+* GLM-4.5's multi-token-prediction layer (``num_nextn_predict_layers``, stored after the last
+  decoder layer) is not written: transformers neither builds nor loads it, and neither do we.
+* A tensor transformers keeps in fp32 whatever the model dtype (GLM's router
+  ``e_score_correction_bias``) is written as F32 in every ``--dtype``, as the Hub files hold it.
+* Qwen3-Next: its zero-centred norms (scale 1 + weight) are written as zeros, as HF initialises
+  them; its multi-token-prediction weights (``mtp.*``) are not written (transformers ignores them).
 """
 
 from __future__ import annotations
@@ -183,6 +189,84 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # zai-org/GLM-4.5-Air
+    "glm-4.5-air": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "pad_token_id": 151329,
+        "eos_token_id": [151329, 151336, 151338],
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "partial_rotary_factor": 0.5,
+        "initializer_range": 0.02,
+        "intermediate_size": 10944,
+        "max_position_embeddings": 131072,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": True,
+        "num_attention_heads": 96,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 46,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_qk_norm": False,
+        "vocab_size": 151552,
+    },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: 3 of 4 layers Gated DeltaNet, the 4th gated attention
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_next",
+        "moe_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
 }
 
 PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
@@ -202,6 +286,16 @@ PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
         "do_sample": False,
         "eos_token_id": 151643,
         "max_new_tokens": 2048,
+    },
+    "glm-4.5-air": {"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329},
+    "qwen3-next-80b-a3b": {
+        "bos_token_id": 151643,
+        "do_sample": True,
+        "eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.8,
     },
 }
 
@@ -282,10 +376,14 @@ def _shrink(cfg: dict[str, Any]) -> dict[str, Any]:
     if "shared_expert_intermediate_size" in cfg:
         cfg["shared_expert_intermediate_size"] = TINY_SHARED_INTERMEDIATE
     top_k = cfg["num_experts_per_tok"]
-    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    key = next(k for k in ("num_local_experts", "n_routed_experts", "num_experts") if k in cfg)
     cfg[key] = min(cfg[key], max(8, 2 * top_k))
     cfg["vocab_size"] = TINY_VOCAB
     cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], 512)
+    if "linear_num_key_heads" in cfg:  # Qwen3-Next's Gated DeltaNet: keep 2 value heads per key head
+        ratio = cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+        cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] = 2, 2 * ratio
+        cfg["linear_key_head_dim"] = cfg["linear_value_head_dim"] = TINY_HEAD_DIM
     return cfg
 
 
@@ -327,6 +425,7 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     init: str  # "normal" | "ones" | "zeros"
+    fp32: bool = False  # F32 whatever the checkpoint dtype (transformers keeps it so)
 
     @property
     def numel(self) -> int:
@@ -335,6 +434,10 @@ class TensorSpec:
             n *= s
         return n
 
+    def nbytes(self, itemsize: int) -> int:
+        """Bytes on disk when the checkpoint's dtype has ``itemsize`` bytes."""
+        return self.numel * (4 if self.fp32 else itemsize)
+
 
 def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
     """List every tensor of the checkpoint in file order (embeddings, layers 0..N-1, final norm, lm_head)."""
@@ -342,7 +445,7 @@ def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
     specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "normal")]
     for layer in range(cfg["num_hidden_layers"]):
         specs += _layer_specs(cfg, layer)
-    specs.append(TensorSpec("model.norm.weight", (hidden,), "ones"))
+    specs.append(TensorSpec("model.norm.weight", (hidden,), _norm_init(cfg)))
     if not cfg.get("tie_word_embeddings", False):
         specs.append(TensorSpec("lm_head.weight", (vocab, hidden), "normal"))
     return specs
@@ -351,11 +454,13 @@ def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
 def _layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
     """Tensors of one decoder layer: norms, attention, then the (sparse or dense) MLP."""
     p = f"model.layers.{layer}."
-    hidden = cfg["hidden_size"]
+    hidden, norm = cfg["hidden_size"], _norm_init(cfg)
+    mixer = _linear_attention_specs(cfg, p + "linear_attn.") if _is_linear_layer(cfg, layer) else (
+        _attention_specs(cfg, p + "self_attn."))
     specs = [
-        TensorSpec(p + "input_layernorm.weight", (hidden,), "ones"),
-        *_attention_specs(cfg, p + "self_attn."),
-        TensorSpec(p + "post_attention_layernorm.weight", (hidden,), "ones"),
+        TensorSpec(p + "input_layernorm.weight", (hidden,), norm),
+        *mixer,
+        TensorSpec(p + "post_attention_layernorm.weight", (hidden,), norm),
     ]
     return specs + (
         _moe_specs(cfg, p) if _is_sparse_layer(cfg, layer) else _mlp_specs(p + "mlp.", hidden, cfg["intermediate_size"])
@@ -363,13 +468,14 @@ def _layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
 
 
 def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
-    """q/k/v/o projections plus the per-model extras (Qwen2 biases, Qwen3 per-head norms, OLMoE full-width norms)."""
+    """q/k/v/o projections plus the per-model extras (Qwen2/GLM biases, Qwen3/GLM per-head norms, OLMoE full-width norms)."""
     mt, hidden = cfg["model_type"], cfg["hidden_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    gated = 2 if mt == "qwen3_next" else 1  # Qwen3-Next's q_proj also yields the output gate
     specs = [
-        TensorSpec(p + "q_proj.weight", (q_out, hidden), "normal"),
+        TensorSpec(p + "q_proj.weight", (gated * q_out, hidden), "normal"),
         TensorSpec(p + "k_proj.weight", (kv_out, hidden), "normal"),
         TensorSpec(p + "v_proj.weight", (kv_out, hidden), "normal"),
         TensorSpec(p + "o_proj.weight", (hidden, q_out), "normal"),
@@ -380,26 +486,59 @@ def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
             TensorSpec(p + "k_proj.bias", (kv_out,), "zeros"),
             TensorSpec(p + "v_proj.bias", (kv_out,), "zeros"),
         ]
-    if mt == "qwen3_moe":  # RMSNorm over each head
+    if mt in ("qwen3_moe", "qwen3_next") or cfg.get("use_qk_norm", False):  # RMSNorm over each head
         specs += [
-            TensorSpec(p + "q_norm.weight", (head_dim,), "ones"),
-            TensorSpec(p + "k_norm.weight", (head_dim,), "ones"),
+            TensorSpec(p + "q_norm.weight", (head_dim,), _norm_init(cfg)),
+            TensorSpec(p + "k_norm.weight", (head_dim,), _norm_init(cfg)),
         ]
     elif mt == "olmoe":  # RMSNorm over the whole projection
         specs += [TensorSpec(p + "q_norm.weight", (q_out,), "ones"), TensorSpec(p + "k_norm.weight", (kv_out,), "ones")]
     return specs
 
 
+def _norm_init(cfg: dict[str, Any]) -> str:
+    """Qwen3-Next's norms scale by (1 + weight): HF initialises them to zeros, the others to ones."""
+    return "zeros" if cfg["model_type"] == "qwen3_next" else "ones"
+
+
+def _is_linear_layer(cfg: dict[str, Any], layer: int) -> bool:
+    """Mirror transformers' Qwen3-Next rule: layer_types, else every full_attention_interval-th layer
+    is full attention and the rest Gated DeltaNet. Other families have no linear layers."""
+    if cfg["model_type"] != "qwen3_next":
+        return False
+    if cfg.get("layer_types"):
+        return cfg["layer_types"][layer] == "linear_attention"
+    return (layer + 1) % cfg.get("full_attention_interval", 4) != 0
+
+
+def _linear_attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
+    """Gated DeltaNet: per-key-head qkvz and ba in-projections, depthwise conv over q/k/v, decay
+    parameters (A_log zeros: A = 1; dt_bias ones as HF), the gated output norm and out_proj."""
+    hidden, kernel = cfg["hidden_size"], cfg["linear_conv_kernel_dim"]
+    key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    heads = cfg["linear_num_value_heads"]
+    value = heads * cfg["linear_value_head_dim"]
+    return [
+        TensorSpec(p + "in_proj_qkvz.weight", (2 * key + 2 * value, hidden), "normal"),
+        TensorSpec(p + "in_proj_ba.weight", (2 * heads, hidden), "normal"),
+        TensorSpec(p + "conv1d.weight", (2 * key + value, 1, kernel), "normal"),
+        TensorSpec(p + "dt_bias", (heads,), "ones"),
+        TensorSpec(p + "A_log", (heads,), "zeros"),
+        TensorSpec(p + "norm.weight", (cfg["linear_value_head_dim"],), "ones"),
+        TensorSpec(p + "out_proj.weight", (hidden, value), "normal"),
+    ]
+
+
 def _is_sparse_layer(cfg: dict[str, Any], layer: int) -> bool:
-    """Mirror transformers' rule for Qwen MoE configs (mlp_only_layers / decoder_sparse_step); others are all sparse."""
-    if layer in cfg.get("mlp_only_layers", []):
+    """Mirror transformers' rules: Qwen MoE's mlp_only_layers / decoder_sparse_step, GLM's first_k_dense_replace."""
+    if layer < cfg.get("first_k_dense_replace", 0) or layer in cfg.get("mlp_only_layers", []):
         return False
     step = cfg.get("decoder_sparse_step", 1)
     return step > 0 and (layer + 1) % step == 0
 
 
 def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
-    """Router + per-expert matrices (+ Qwen2-MoE shared expert and its sigmoid gate)."""
+    """Router + per-expert matrices (+ Qwen2-MoE shared expert and its sigmoid gate, GLM's router bias and shared experts)."""
     mt, hidden = cfg["model_type"], cfg["hidden_size"]
     if mt == "mixtral":
         n_exp, inter = cfg["num_local_experts"], cfg["intermediate_size"]
@@ -412,12 +551,16 @@ def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
                 TensorSpec(q + "w3.weight", (inter, hidden), "normal"),  # up
             ]
         return specs
-    n_exp = cfg["num_experts"]
+    n_exp = cfg.get("n_routed_experts") or cfg["num_experts"]
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     specs = [TensorSpec(p + "mlp.gate.weight", (n_exp, hidden), "normal")]
+    if mt == "glm4_moe":  # selection-only router bias, zero at init like HF's
+        specs.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", (n_exp,), "zeros", fp32=True))
     for e in range(n_exp):
         specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, inter)
-    if mt == "qwen2_moe":
+    if mt == "glm4_moe":  # n_shared_experts stored as one MLP of that many times the expert width
+        specs += _mlp_specs(p + "mlp.shared_experts.", hidden, inter * cfg.get("n_shared_experts", 1))
+    if mt in ("qwen2_moe", "qwen3_next"):
         specs += _mlp_specs(p + "mlp.shared_expert.", hidden, cfg["shared_expert_intermediate_size"])
         specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, hidden), "normal"))
     return specs
@@ -452,7 +595,7 @@ def split_shards(specs: Sequence[TensorSpec], itemsize: int, shard_bytes: int) -
     shards: list[list[TensorSpec]] = [[]]
     used = 0
     for s in specs:
-        nbytes = s.numel * itemsize
+        nbytes = s.nbytes(itemsize)
         if shards[-1] and used + nbytes > shard_bytes:
             shards.append([])
             used = 0
@@ -475,8 +618,8 @@ def safetensors_header(specs: Sequence[TensorSpec], st_dtype: str, itemsize: int
     meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
     for s in specs:
-        end = off + s.numel * itemsize
-        meta[s.name] = {"dtype": st_dtype, "shape": list(s.shape), "data_offsets": [off, end]}
+        end = off + s.nbytes(itemsize)
+        meta[s.name] = {"dtype": "F32" if s.fp32 else st_dtype, "shape": list(s.shape), "data_offsets": [off, end]}
         off = end
     js = json.dumps(meta, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
@@ -530,13 +673,14 @@ class ChunkGenerator:
     def __call__(self, c: Chunk) -> torch.Tensor:
         """Return the chunk as a contiguous CPU tensor."""
         shape = (c.rows, *c.spec.shape[1:]) if len(c.spec.shape) >= 2 else c.spec.shape
+        dtype = torch.float32 if c.spec.fp32 else self.dtype
         if c.spec.init == "ones":
-            return torch.ones(shape, dtype=self.dtype)
+            return torch.ones(shape, dtype=dtype)
         if c.spec.init == "zeros":
-            return torch.zeros(shape, dtype=self.dtype)
+            return torch.zeros(shape, dtype=dtype)
         g = self._gen()
         g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
-        t = torch.empty(shape, dtype=self.dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
+        t = torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
         return t.cpu() if t.device.type != "cpu" else t
 
 
@@ -595,7 +739,7 @@ def write_shards(
             name = shard_name(si, n)
             tmp = out / (name + ".tmp")
             t0 = time.perf_counter()
-            shard_bytes = sum(s.numel for s in specs) * itemsize
+            shard_bytes = sum(s.nbytes(itemsize) for s in specs)
             with open(tmp, "wb") as f:
                 f.write(safetensors_header(specs, st_dtype, itemsize))
                 for _ in range(sum(1 for s in specs for _ in chunks_of(s))):
@@ -605,7 +749,7 @@ def write_shards(
                     assert sj == si, "chunk order mismatch"
                     t = fut.result()
                     f.write(_as_bytes(t))
-                    progress.add(t.numel() * itemsize)
+                    progress.add(t.numel() * t.element_size())
                     refill()
             os.replace(tmp, out / name)
             weight_map.update({s.name: name for s in specs})
@@ -656,7 +800,7 @@ def write_checkpoint(
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     cfg = build_config(shape, layers, dtype, tiny)
     specs = plan_tensors(cfg)
-    total = sum(s.numel for s in specs) * itemsize
+    total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
     _prepare_out_dir(out, overwrite)
@@ -727,7 +871,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = build_config(a.shape, a.layers, a.dtype, a.tiny)
         specs = plan_tensors(cfg)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
-        total = sum(s.numel for s in specs) * itemsize
+        total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
         print(json.dumps(cfg, indent=2))
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")

@@ -14,7 +14,7 @@ import moestream
 from moestream import cli
 
 REPO = Path(moestream.__file__).resolve().parent.parent
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe"]
 
 
 def _python_m(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -27,7 +27,38 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "olmoe":
         return transformers.OlmoeConfig(**COMMON, intermediate_size=16, num_hidden_layers=2, num_experts=8,
                                         num_experts_per_tok=2, clip_qkv=4.0, eos_token_id=1, pad_token_id=0)
+    if arch == "glm4_moe":
+        # 2 groups of 4 experts with 1 kept: group-limited routing decides; layer 0 dense; partial
+        # rotary on 8 of 16 dims per head; q/k norm; q/k/v biases; routed scaling.
+        return transformers.Glm4MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                                          head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                          topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                          routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                                          eos_token_id=1)
+    if arch == "qwen3_next":
+        # layers 0-2 Gated DeltaNet (layer 1 dense), layer 3 gated attention with rotary on 4 of 16
+        # dims; 2 key heads serving 4 value heads in the linear layers.
+        return transformers.Qwen3NextConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=24, num_hidden_layers=4, head_dim=16,
+                                            num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+                                            linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=8, linear_value_head_dim=8, eos_token_id=1)
+    if arch == "qwen3_5_moe":   # the text-only export: the same hybrid, split linear in-projections
+        return transformers.Qwen3_5MoeTextConfig(**COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                 num_hidden_layers=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                 linear_conv_kernel_dim=4, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=8,
+                                                 linear_value_head_dim=8, eos_token_id=1)
     raise ValueError(arch)
+
+
+def randomise_correction_bias(model: transformers.PreTrainedModel) -> None:
+    """Give selection-only router biases (a buffer, zero at init) values large enough to change
+    which experts win, so that using them for the choice and not for the weights is tested."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
 
 
 def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.PreTrainedModel:
@@ -42,11 +73,12 @@ def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.Pr
                 p.normal_(0, 0.1)
             elif name.endswith("gate.weight"):  # routers and the shared-expert gate
                 p.normal_(0, 0.5)
+    randomise_correction_bias(model)
     model.save_pretrained(out)
     return model
 
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe"]
 
 
 QUANT_COMMON = dict(vocab_size=160, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -69,6 +101,22 @@ def quant_tiny_config(arch: str = "qwen3_moe") -> transformers.PretrainedConfig:
     if arch == "olmoe":
         return transformers.OlmoeConfig(**QUANT_COMMON, intermediate_size=64, num_hidden_layers=2, num_experts=8,
                                         num_experts_per_tok=2, pad_token_id=0)
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(**QUANT_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=64,
+                                          num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                          topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                          use_qk_norm=True, attention_bias=True)
+    if arch == "qwen3_next":
+        return transformers.Qwen3NextConfig(**QUANT_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=64,
+                                            shared_expert_intermediate_size=64, num_hidden_layers=4, num_experts=8,
+                                            num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=32, linear_value_head_dim=32)
+    if arch == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeTextConfig(**QUANT_COMMON, head_dim=32, moe_intermediate_size=64,
+                                                 shared_expert_intermediate_size=64, num_hidden_layers=4,
+                                                 num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=32,
+                                                 linear_value_head_dim=32)
     raise ValueError(arch)
 
 
@@ -79,6 +127,7 @@ def make_quant_tiny_checkpoint(out: Path, seed: int = 0, arch: str = "qwen3_moe"
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
                 p.normal_(0, 0.5)
+    randomise_correction_bias(model)
     model.save_pretrained(out)
     return model
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.archs import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moestream.archs import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from moestream.archs.config import model_config_from_hf
 from moestream.archs.spec import ArchSpec, ModelConfig, RopeConfig
 from moestream.errors import UnsupportedArchError
 
-ARCHS: dict[str, ArchSpec] = {m.SPEC.name: m.SPEC for m in (qwen3_moe, qwen2_moe, mixtral, olmoe)}
+ARCHS: dict[str, ArchSpec] = {m.SPEC.name: m.SPEC for m in (qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, qwen3_next,
+                                                              qwen3_5_moe)}
 
 
 def supported_model_types() -> list[str]:
@@ -26,18 +27,28 @@ def detect_arch(raw_config: dict[str, Any]) -> ArchSpec:
     )
 
 
-_CACHE_KINDS = {"gqa": "KV (per position)"}
+_CACHE_KINDS = {"gqa": "KV (per position)", "gated_gqa": "KV (per position)",
+                "gated_deltanet": "recurrent state (fixed size)"}
+_MIXER_NAMES = {"gqa": "GQA", "gated_gqa": "gated GQA", "gated_deltanet": "Gated DeltaNet"}
+_ROUTER_KINDS = {"softmax_topk": "softmax → top-k (renorm per config)", "topk_softmax": "top-k → softmax",
+                 "sigmoid_grouped": "sigmoid + bias → group-limited top-k, scaled"}
 
 
 def describe_archs() -> list[dict[str, str]]:
     """One row per family for `moestream archs`."""
     rows = []
     for spec in ARCHS.values():
-        attention = "GQA" + {"none": "", "per_head": " + per-head q/k norm", "full": " + full q/k norm"}[spec.qk_norm]
-        router = {"softmax_topk": "softmax → top-k (renorm per config)", "topk_softmax": "top-k → softmax"}[spec.router]
+        norm = {"none": "", "per_head": " + per-head q/k norm", "full": " + full q/k norm"}[spec.qk_norm]
+        if spec.qk_norm_switch is not None:
+            norm = f"{norm} if {spec.qk_norm_switch}"
+        mixers = list(dict.fromkeys(spec.layer_mixers.values())) or [spec.mixer]   # hybrids: every kind
+        attention = " / ".join(_MIXER_NAMES[m] for m in mixers)
+        attention += (" + partial rotary" if spec.partial_rotary else "") + norm
+        cache = " + ".join(dict.fromkeys(_CACHE_KINDS[m] for m in mixers))
+        router = _ROUTER_KINDS[spec.router]
         shared = "yes, sigmoid-gated" if spec.shared_expert_gate else ("yes" if spec.shared_expert else "no")
         rows.append({"arch": spec.name, "model types": ", ".join(spec.model_types), "router": router,
-                     "attention": attention, "cache": _CACHE_KINDS[spec.mixer], "shared experts": shared})
+                     "attention": attention, "cache": cache, "shared experts": shared})
     return rows
 
 

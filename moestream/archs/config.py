@@ -3,8 +3,9 @@
 Each ModelConfig field comes from the config.json keys the family's ArchSpec names (first present
 key wins, then the spec's defaults) and is checked against one rule of `RULES` (its type and
 range) before any tensor is created; combinations that cannot work (heads not dividing, top-k
-above the expert count, ids outside the vocabulary) are checked after. A bad value is one
-sentence naming the key, the value and what it must be.
+above the expert count, ids outside the vocabulary, expert groups that do not split the experts)
+are checked after, and a family variant moestream does not implement (the spec's `variants`) is
+refused. A bad value is one sentence naming the key, the value and what it must be.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.archs.spec import ArchSpec, ModelConfig, RopeConfig
+from moestream.archs.spec import ArchSpec, LinearAttentionConfig, ModelConfig, RopeConfig
 from moestream.errors import CheckpointError
 
 _MISSING = object()
@@ -24,10 +25,12 @@ class Rule:
     kind: str              # "int" | "float" | "bool"
     minimum: float | None = None
     exclusive: bool = False   # minimum itself is not allowed (floats that must be > 0)
+    maximum: float | None = None   # inclusive
 
     def check(self, key: str, value: Any) -> Any:
         what = {"int": "an integer", "float": "a number", "bool": "true or false"}[self.kind]
         bound = "" if self.minimum is None else f" {'>' if self.exclusive else '>='} {self.minimum:g}"
+        bound += "" if self.maximum is None else f"{' and' if bound else ''} <= {self.maximum:g}"
         fail = CheckpointError(f"config.json has {key} = {value!r}, which must be {what}{bound}; fix the config.")
         if self.kind == "bool":
             if not isinstance(value, bool):
@@ -43,6 +46,8 @@ class Rule:
             raise fail
         if self.minimum is not None and (value < self.minimum or (self.exclusive and value == self.minimum)):
             raise fail
+        if self.maximum is not None and value > self.maximum:
+            raise fail
         return value
 
 
@@ -57,6 +62,15 @@ RULES: dict[str, Rule] = {
     "rope_theta": Rule("float", 0, exclusive=True), "factor": Rule("float", 0, exclusive=True),
     "norm_topk_prob": Rule("bool"), "attention_bias": Rule("bool"), "qkv_bias": Rule("bool"),
     "tie_word_embeddings": Rule("bool"),
+    # group-limited sigmoid routing, shared experts counted in experts, leading dense layers (GLM, DeepSeek)
+    "n_group": Rule("int", 1), "topk_group": Rule("int", 1), "routed_scaling_factor": Rule("float", 0, exclusive=True),
+    "n_shared_experts": Rule("int", 0), "first_k_dense_replace": Rule("int", 0),
+    "partial_rotary_factor": Rule("float", 0, exclusive=True, maximum=1), "use_qk_norm": Rule("bool"),
+    "o_bias": Rule("bool"),
+    # hybrid layer patterns and Gated DeltaNet sizes (Qwen3-Next)
+    "full_attention_interval": Rule("int", 1), "linear_conv_kernel_dim": Rule("int", 1),
+    "linear_num_key_heads": Rule("int", 1), "linear_num_value_heads": Rule("int", 1),
+    "linear_key_head_dim": Rule("int", 1), "linear_value_head_dim": Rule("int", 1),
 }
 
 
@@ -85,6 +99,7 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
         if not isinstance(value, dict):
             raise CheckpointError(f"config.json has {key} = {value!r}, which must be an object; fix the config.")
     merged = {**scaling, **params}
+    merged.pop("partial_rotary_factor", None)   # a head's share, not a frequency setting: see _rotary_dim
     theta = RULES["rope_theta"].check("rope_theta", merged.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     kind = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
@@ -96,6 +111,80 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     if kind not in supported:
         raise CheckpointError(f"rope type {kind!r} in config.json is not supported (supported: {', '.join(sorted(supported))}).")
     return RopeConfig(float(theta), kind, float(factor), original, tuple(sorted(merged.items())))
+
+
+def _rotary_dim(raw: dict[str, Any], spec: ArchSpec, head_dim: int) -> int:
+    """Dims of each head that rotary rotates, as transformers computes them: int(head_dim * factor),
+    the factor read from rope_parameters / rope_scaling first, then the top-level key (older configs)."""
+    if not spec.partial_rotary:
+        return head_dim
+    key, factor = "partial_rotary_factor", None
+    for block in ("rope_parameters", "rope_scaling"):
+        if factor is None:
+            factor = (raw.get(block) or {}).get(key)
+    factor = RULES[key].check(key, factor) if factor is not None else _lookup(raw, spec, key, 1.0)
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise CheckpointError(f"config.json has partial_rotary_factor = {factor!r}, which rotates {dim} of the "
+                              f"{head_dim} dims of each head; that must be an even number of at least 2, fix the config.")
+    return dim
+
+
+def _layer_mixers(raw: dict[str, Any], spec: ArchSpec, layers: int) -> tuple[str, ...]:
+    """Each layer's MIXERS kind, for families that mix kinds: from layer_types, else (as transformers
+    derives them for Qwen3-Next) every full_attention_interval-th layer full attention, the rest linear."""
+    if not spec.layer_mixers:
+        return ()
+    types = raw.get("layer_types")
+    if types is None:
+        interval = _lookup(raw, spec, "full_attention_interval")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(f"config.json has layer_types = {types!r}, which must list one layer type for each of "
+                              f"its {layers} layers; fix the config.")
+    for i, kind in enumerate(types):
+        if kind not in spec.layer_mixers:
+            raise CheckpointError(f"config.json makes layer {i} a {kind!r} layer, a layer type {spec.name} does not "
+                                  f"have (supported: {', '.join(spec.layer_mixers)}); fix layer_types.")
+    return tuple(spec.layer_mixers[kind] for kind in types)
+
+
+def _linear_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...]) -> LinearAttentionConfig | None:
+    """Gated DeltaNet's sizes, read only when some layer is one."""
+    if "gated_deltanet" not in mixers:
+        return None
+    key_heads, value_heads = _lookup(raw, spec, "linear_num_key_heads"), _lookup(raw, spec, "linear_num_value_heads")
+    if value_heads % key_heads:
+        raise CheckpointError(f"config.json has {key_heads} linear_num_key_heads and {value_heads} "
+                              "linear_num_value_heads; the key heads must divide the value heads, fix the config.")
+    return LinearAttentionConfig(key_heads, value_heads, _lookup(raw, spec, "linear_key_head_dim"),
+                                 _lookup(raw, spec, "linear_value_head_dim"),
+                                 _lookup(raw, spec, "linear_conv_kernel_dim"))
+
+
+def _check_variants(raw: dict[str, Any], spec: ArchSpec) -> None:
+    for key, allowed in spec.variants.items():
+        value = raw.get(key)
+        if value is not None and value not in allowed:
+            raise CheckpointError(f"config.json has {key} = {value!r}, a {spec.name} variant moestream does not "
+                                  f"implement (supported: {', '.join(map(repr, allowed))}); use a supported checkpoint.")
+
+
+def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Group-limited routing must be able to pick top_k experts from the topk_group best groups."""
+    if topk_group > n_group:
+        raise CheckpointError(f"config.json keeps topk_group = {topk_group} of n_group = {n_group} expert groups; "
+                              "topk_group must not exceed n_group, fix the config.")
+    if num_experts % n_group:
+        raise CheckpointError(f"config.json splits {num_experts} experts into n_group = {n_group} groups, which "
+                              "does not divide them evenly; fix n_group.")
+    per_group = num_experts // n_group
+    if n_group > 1 and per_group < 2:
+        raise CheckpointError(f"config.json splits {num_experts} experts into {n_group} groups of {per_group}, but "
+                              "a group is scored by its best two experts; fix n_group.")
+    if top_k > topk_group * per_group:
+        raise CheckpointError(f"config.json routes {top_k} experts per token from topk_group = {topk_group} groups of "
+                              f"{per_group} experts; fix num_experts_per_tok, topk_group or n_group.")
 
 
 def _token_ids(raw: dict[str, Any], key: str, vocab: int) -> tuple[int, ...]:
@@ -120,6 +209,7 @@ def _layer_list(raw: dict[str, Any], key: str, layers: int) -> set[int]:
 
 
 def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
+    _check_variants(raw, spec)
     hidden = _lookup(raw, spec, "hidden_size")
     heads = _lookup(raw, spec, "num_attention_heads")
     layers = _lookup(raw, spec, "num_hidden_layers")
@@ -128,6 +218,8 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     vocab = _lookup(raw, spec, "vocab_size")
     if top_k > num_experts:
         raise CheckpointError(f"config.json routes {top_k} of {num_experts} experts per token; fix num_experts_per_tok.")
+    n_group, topk_group = _lookup(raw, spec, "n_group", 1), _lookup(raw, spec, "topk_group", 1)
+    _check_groups(num_experts, top_k, n_group, topk_group)
     kv_heads = _optional(raw, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise CheckpointError(f"config.json has {heads} attention heads and {kv_heads} key/value heads; the key/value "
@@ -140,12 +232,28 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
         head_dim = hidden // heads
     mlp_only = _layer_list(raw, "mlp_only_layers", layers)
     step = _optional(raw, "decoder_sparse_step", 1)
-    moe_layers = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(layers))
+    first_dense = _lookup(raw, spec, "first_k_dense_replace", 0)
+    moe_layers = tuple(i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(layers))
+    if not any(moe_layers):
+        raise CheckpointError(f"config.json keeps all {layers} layers dense (first_k_dense_replace, mlp_only_layers "
+                              "or decoder_sparse_step), so this is not a Mixture-of-Experts model; fix the config.")
     bias = _lookup(raw, spec, "attention_bias", False)
     dense = _lookup(raw, spec, "intermediate_size", 0)
     if dense == 0 and not all(moe_layers):
         raise CheckpointError("config.json keeps some layers dense but gives no intermediate_size for them; fix the config.")
     tie = raw.get("tie_word_embeddings", False)
+    moe_intermediate = _lookup(raw, spec, "moe_intermediate_size")
+    shared = 0
+    if spec.shared_expert:
+        # GLM / DeepSeek count shared experts of the routed width, stored as one MLP n_shared_experts wide.
+        n_shared = _lookup(raw, spec, "n_shared_experts", None)
+        shared = (n_shared * moe_intermediate if n_shared is not None
+                  else _lookup(raw, spec, "shared_expert_intermediate_size", 0))
+    qk_norm = spec.qk_norm
+    if spec.qk_norm_switch is not None and not _lookup(raw, spec, spec.qk_norm_switch, False):
+        qk_norm = "none"
+    rope = _rope(raw)
+    mixers = _layer_mixers(raw, spec, layers)
     return ModelConfig(
         arch=spec.name,
         vocab_size=vocab,
@@ -155,20 +263,27 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(_lookup(raw, spec, "rms_norm_eps", 1e-6)),
-        rope=_rope(raw),
+        rope=rope,
         max_position=_lookup(raw, spec, "max_position_embeddings", 4096),
         tie_embeddings=RULES["tie_word_embeddings"].check("tie_word_embeddings", tie),
         num_experts=num_experts,
         top_k=top_k,
-        moe_intermediate=_lookup(raw, spec, "moe_intermediate_size"),
+        moe_intermediate=moe_intermediate,
         dense_intermediate=dense,
-        shared_intermediate=_lookup(raw, spec, "shared_expert_intermediate_size", 0) if spec.shared_expert else 0,
+        shared_intermediate=shared,
         norm_topk_prob=_lookup(raw, spec, "norm_topk_prob", False),
         moe_layers=moe_layers,
         qkv_bias=_lookup(raw, spec, "qkv_bias", bias),
-        o_bias=bias,
+        o_bias=_lookup(raw, spec, "o_bias", bias),
         clip_qkv=_optional(raw, "clip_qkv", None),
         eos_token_ids=_token_ids(raw, "eos_token_id", vocab),
         bos_token_id=(_token_ids(raw, "bos_token_id", vocab) or (None,))[0],
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        qk_norm=qk_norm,
+        rotary_dim=_rotary_dim(raw, spec, head_dim),
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(_lookup(raw, spec, "routed_scaling_factor", 1.0)),
+        layer_mixers=mixers,
+        linear_attention=_linear_attention(raw, spec, mixers),
     )

@@ -6,10 +6,10 @@ every module is built from) and what its tensors are called on disk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-RouterKind = Literal["softmax_topk", "topk_softmax"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped"]
 QKNorm = Literal["none", "per_head", "full"]
 
 
@@ -19,9 +19,23 @@ class ArchSpec:
 
     `router`: a kind of `model.routers.ROUTERS`: softmax_topk = softmax over all experts, then top-k
     (renormalised when the config's norm_topk_prob says so); topk_softmax = top-k on the logits,
-    then softmax over those k (Mixtral).
+    then softmax over those k (Mixtral); sigmoid_grouped = sigmoid scores, a correction bias that
+    steers the choice only, group-limited top-k, routed scaling (GLM-4.5, DeepSeek-V3).
     `mixer`: a kind of `model.attention.MIXERS` (the attention half of a layer and its cache kind).
     `qk_norm`: RMSNorm on queries and keys per head (Qwen3) or over the full projection (OLMoE).
+    `qk_norm_switch`: a config.json bool that turns `qk_norm` on or off per checkpoint (GLM's
+    use_qk_norm: GLM-4.5 has the norms, GLM-4.5-Air not); None when the family always has `qk_norm`.
+    `shared_expert_name`: the shared expert's module name on disk (`shared_expert` in Qwen2-MoE,
+    `shared_experts` in GLM / DeepSeek, where n_shared_experts of them are stored as one wide MLP).
+    `partial_rotary`: rotary applies to the leading partial_rotary_factor of each head only (GLM).
+    `layer_mixers`: for families that mix token mixers, config.json's layer type (`layer_types`,
+    else every `full_attention_interval`-th layer full attention) → its kind of `MIXERS`; empty:
+    every layer is `mixer`. `norm`: a kind of `model.norms.NORMS` for the layer and final norms.
+    `linear_projections`: how Gated DeltaNet's in-projections are stored: `per_key_head` =
+    in_proj_qkvz + in_proj_ba, grouped by key head (Qwen3-Next); `split` = in_proj_qkv, in_proj_z,
+    in_proj_b, in_proj_a in plain head order (Qwen3.5).
+    `variants`: config.json keys naming a variant of the family, with the values moestream implements;
+    any other value is refused when the config is read, rather than run wrongly.
     `keys`: for each ModelConfig field, the config.json keys that may hold it, first match wins.
     `defaults`: values used when config.json holds none of those keys (the transformers defaults).
     """
@@ -31,11 +45,18 @@ class ArchSpec:
     router: RouterKind
     mixer: str = "gqa"
     qk_norm: QKNorm = "none"
+    qk_norm_switch: str | None = None
     moe_prefix: str = "mlp"
     router_name: str = "gate"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_expert: bool = False
     shared_expert_gate: bool = False
+    shared_expert_name: str = "shared_expert"
+    partial_rotary: bool = False
+    layer_mixers: dict[str, str] = field(default_factory=dict)
+    norm: str = "rms"
+    linear_projections: Literal["per_key_head", "split"] = "per_key_head"
+    variants: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -43,6 +64,17 @@ class ArchSpec:
         """On-disk names of one expert's gate, up and down projection weights."""
         base = f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}"
         return tuple(f"{base}.{n}.weight" for n in self.expert_names)  # type: ignore[return-value]
+
+    def mixer_of(self, config: ModelConfig, layer: int) -> str:
+        """The MIXERS kind of one layer: as config.json's layer types say, else the family's one kind."""
+        return config.layer_mixers[layer] if config.layer_mixers else self.mixer
+
+    def resolved(self, config: ModelConfig) -> ArchSpec:
+        """This spec with what config.json switches per checkpoint (GLM's use_qk_norm) applied, so
+        that modules reading the spec build exactly the tensors the checkpoint holds."""
+        if config.qk_norm is None or config.qk_norm == self.qk_norm:
+            return self
+        return replace(self, qk_norm=config.qk_norm)
 
 
 @dataclass(frozen=True)
@@ -55,6 +87,19 @@ class RopeConfig:
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.extra).get(key, default)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet's sizes (Qwen3-Next's linear_* keys): each key head serves value_heads //
+    key_heads value heads, as GQA's key/value heads serve query heads; a causal conv of
+    `conv_kernel` taps runs over q, k and v before the delta rule."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -85,6 +130,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     checkpoint_dtype: str | None
+    # Defaults keep configs built by hand (tests, tools) valid; config.py always sets them.
+    qk_norm: QKNorm | None = None         # as the spec says, unless config.json switches it (GLM)
+    rotary_dim: int | None = None         # leading dims of each head that rotary rotates; None: all
+    n_group: int = 1                      # expert groups (group-limited routing)
+    topk_group: int = 1                   # groups kept per token before the top-k
+    routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
+    layer_mixers: tuple[str, ...] = ()    # MIXERS kind per layer where the family mixes them; (): spec.mixer
+    linear_attention: LinearAttentionConfig | None = None   # sizes of the linear-attention layers, if any
 
     @property
     def num_moe_layers(self) -> int:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from moestream.archs import ModelConfig
 from moestream.checkpoint import TensorIndex
 from moestream.errors import CheckpointError
+from moestream.model.decoder import parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear
 from moestream.quant import QuantSpec, dequantize, quantize
 
@@ -107,7 +108,8 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
                                           f"expects {param.dtype} {list(param.shape)}; the checkpoint does not match.")
                 tensor = tensor.to(device)
             else:
-                tensor = _read_float(index, source, name, tuple(param.shape), stored).to(device=device, dtype=dtype)
+                tensor = _read_float(index, source, name, tuple(param.shape), stored).to(
+                    device=device, dtype=parameter_dtype(module, name, dtype))
             setattr(module, name, nn.Parameter(tensor, requires_grad=False))
         if isinstance(module, QuantEmbedding):
             module.dtype = dtype

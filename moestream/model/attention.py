@@ -9,6 +9,8 @@ from torch import nn
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.cache import KVCache
 from moestream.model.context import ForwardContext
+from moestream.model.gated_attention import GatedAttention
+from moestream.model.linear_attention import GatedDeltaNet
 from moestream.model.norms import RMSNorm
 from moestream.model.rotary import apply_rotary
 
@@ -68,6 +70,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
 
 
-# Mixer kinds an ArchSpec may name (`ArchSpec.mixer`): the token-mixing half of a decoder layer.
-# MLA, sliding-window/sink attention and gated DeltaNet add their classes here.
-MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention}
+# Mixer kinds an ArchSpec may name (`ArchSpec.mixer`, or per layer `ArchSpec.layer_mixers`): the
+# token-mixing half of a decoder layer. MLA and sliding-window/sink attention add their classes here.
+MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention, "gated_gqa": GatedAttention, "gated_deltanet": GatedDeltaNet}

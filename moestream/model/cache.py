@@ -7,10 +7,12 @@ memory plan and the runtime never assume one KV layout. Kinds today:
   KVCache   GQA keys and values, preallocated (rows, max_len, kv_heads, head_dim); slot j of row b
             holds position j of the sequence in row b, so sequences of different lengths share a
             batch and a row is written in place.
+  RecurrentCache  linear attention (Gated DeltaNet): per row the last conv inputs and the state
+            matrices, a fixed size whatever the context; kept twice, by parity of the tokens
+            consumed, so that a step never overwrites the state it reads.
 
-The shape admits the kinds still to come beside it: an MLA latent cache (compressed kv + rope
-key per position), a sliding-window ring (window positions, written modulo), and a recurrent
-state for linear attention (conv state + state matrix per row, fixed size). Every kind can copy
+The shape admits the kinds still to come beside them: an MLA latent cache (compressed kv + rope
+key per position) and a sliding-window ring (window positions, written modulo). Every kind can copy
 one row to another (`move_row`: the scheduler keeps running sequences in the first rows) and
 snapshot a row's first positions into a compact, standalone copy and restore it into any row
 (`snapshot` / `restore`): the runtime's prefix cache keeps finished conversations that way. A
@@ -20,6 +22,7 @@ kind whose state cannot be cut at an arbitrary position (a recurrent state) answ
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -86,6 +89,73 @@ class KVCache(LayerCache):
         k, v = state
         self.k[row, :length].copy_(k[:length])
         self.v[row, :length].copy_(v[:length])
+
+
+class RecurrentCache(LayerCache):
+    """A linear-attention layer's state for `rows` sequences: the last K-1 inputs of its causal conv
+    (conv_shape = (K-1, channels), compute dtype) and its recurrent state (state_shape, fp32 as the
+    delta rule computes it). Its size does not depend on the context length.
+
+    Each row keeps two copies, addressed by the parity of the number of tokens consumed: the state
+    after n tokens lives in slot n % 2. A step over positions s..e-1 reads slot s % 2 and writes
+    slot e % 2, so it never overwrites what it reads: running one decode step twice (a CUDA graph's
+    warm-up, then its replay) leaves the state of running it once. A row starting a sequence
+    (s = 0) reads zeros, whatever an earlier sequence left in it. Everything is addressed on the
+    device (rows and positions are tensors): nothing is read back.
+
+    The state after n tokens cannot give the state after fewer, so `can_cut` is False: a snapshot
+    is only reused whole (by a prompt that extends exactly those n tokens).
+    """
+
+    kind = "recurrent"
+    can_cut = False
+
+    def __init__(self, rows: int, conv_shape: tuple[int, ...], state_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, state_dtype: torch.dtype = torch.float32):
+        self.conv = torch.zeros(rows, 2, *conv_shape, dtype=dtype, device=device)
+        self.state = torch.zeros(rows, 2, *state_shape, dtype=state_dtype, device=device)
+
+    @staticmethod
+    def bytes_per_row(conv_shape: tuple[int, ...], state_shape: tuple[int, ...], dtype: torch.dtype,
+                      state_dtype: torch.dtype = torch.float32) -> int:
+        """Both parity copies of the conv inputs and of the state."""
+        conv, state = math.prod(conv_shape), math.prod(state_shape)
+        return 2 * (conv * torch.empty((), dtype=dtype).element_size()
+                    + state * torch.empty((), dtype=state_dtype).element_size())
+
+    def read(self, rows: Tensor, start: Tensor) -> tuple[Tensor, Tensor]:
+        """(conv inputs, state) of row rows[b] before its position start[b]; zeros where start is 0.
+        rows, start: (B,) long on the device."""
+        slot, fresh = start % 2, start > 0
+
+        def kept(x: Tensor) -> Tensor:   # where, not a product: stale NaNs in a reused row stay out
+            return torch.where(fresh.view(-1, *[1] * (x.dim() - 1)), x, x.new_zeros(()))
+
+        return kept(self.conv[rows, slot]), kept(self.state[rows, slot])
+
+    def write(self, rows: Tensor, end: Tensor, conv: Tensor, state: Tensor) -> None:
+        """Store row rows[b]'s conv inputs and state after its first end[b] tokens."""
+        slot = end % 2
+        self.conv[rows, slot] = conv.to(self.conv.dtype)
+        self.state[rows, slot] = state.to(self.state.dtype)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.conv[dst].copy_(self.conv[src])
+        self.state[dst].copy_(self.state[src])
+
+    def copy_rows_from(self, other: LayerCache, rows: int) -> None:
+        self.conv[:rows].copy_(other.conv[:rows])
+        self.state[:rows].copy_(other.state[:rows])
+
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        """The state after the row's first `length` tokens (the runtime passes how many it consumed)."""
+        return self.conv[row, length % 2].clone(), self.state[row, length % 2].clone()
+
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        """Put a whole snapshot of `length` tokens back (a recurrent state is never cut shorter)."""
+        conv, matrix = state
+        self.conv[row, length % 2].copy_(conv)
+        self.state[row, length % 2].copy_(matrix)
 
 
 class ModelCache:

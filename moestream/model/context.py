@@ -23,6 +23,8 @@ class ForwardContext:
     cache_rows: slice | None = None         # rows of the cache this batch uses
     write_rows: torch.Tensor | None = None  # (B, L) cache row of every token
     kv_len: int = 0                         # cache positions attended to (host-known)
+    valid: torch.Tensor | None = None       # (B, L) bool, False at padding: no-cache batches only, so that
+                                            # recurrent mixers keep padded tokens out of their state
 
 
 def _rotary(table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, dtype: torch.dtype):
@@ -43,7 +45,7 @@ def no_cache_context(table, input_ids: torch.Tensor, attention_mask: torch.Tenso
     mask = causal[None] & valid[:, None, :]
     mask = mask | torch.eye(L, dtype=torch.bool, device=device)[None]  # padded queries attend to themselves: no NaN
     cos, sin = _rotary(table, positions, dtype)
-    return ForwardContext(positions, cos, sin, mask.unsqueeze(1))
+    return ForwardContext(positions, cos, sin, mask.unsqueeze(1), valid=valid)
 
 
 def prefill_context(table, cache: ModelCache, row: int, start: int, length: int, dtype: torch.dtype) -> ForwardContext:

@@ -1,7 +1,8 @@
 """The decoder stack shared by every family; parameter names match the checkpoint's names.
 
-A layer is a mixer (the ArchSpec names its kind in `MIXERS`: GQA attention today) and a
-feed-forward part (an MoE block, or a dense SwiGLU for the layers config.json keeps dense).
+A layer is a mixer (the ArchSpec names its kind in `MIXERS`, per layer where config.json mixes
+kinds, as Qwen3-Next's Gated DeltaNet and gated attention) and a feed-forward part (an MoE
+block, or a dense SwiGLU for the layers config.json keeps dense).
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from moestream.model.cache import ModelCache
 from moestream.model.context import ForwardContext
 from moestream.model.mlp import SwiGLU
 from moestream.model.moe import MoEBlock, RoutedExperts
-from moestream.model.norms import RMSNorm
+from moestream.model.norms import NORMS
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
         super().__init__()
-        mixer = MIXERS[spec.mixer]
+        mixer = MIXERS[spec.mixer_of(config, layer)]
         self._mixer_name = mixer.prefix
         self.add_module(mixer.prefix, mixer(config, spec, layer))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = NORMS[spec.norm](config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = NORMS[spec.norm](config.hidden_size, config.rms_norm_eps)
         if config.moe_layers[layer]:
             self._ffn_name = spec.moe_prefix
             self.add_module(spec.moe_prefix, MoEBlock(config, spec, layer))
@@ -54,7 +55,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = NORMS[spec.norm](config.hidden_size, config.rms_norm_eps)
 
 
 class MoECausalLM(nn.Module):
@@ -63,7 +64,7 @@ class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig, spec: ArchSpec):
         super().__init__()
         self.config = config
-        self.model = Backbone(config, spec)
+        self.model = Backbone(config, spec.resolved(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def moe_blocks(self) -> list[MoEBlock]:
@@ -93,4 +94,12 @@ class MoECausalLM(nn.Module):
 
 def cache_bytes(config: ModelConfig, spec: ArchSpec, rows: int, max_len: int, dtype: torch.dtype) -> int:
     """What `MoECausalLM.new_cache` allocates, from the config alone (the memory plan)."""
-    return sum(MIXERS[spec.mixer].cache_bytes(config, rows, max_len, dtype) for _ in range(config.num_layers))
+    return sum(MIXERS[spec.mixer_of(config, layer)].cache_bytes(config, rows, max_len, dtype)
+               for layer in range(config.num_layers))
+
+
+def parameter_dtype(module: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter is loaded (and converted) in: the compute dtype, except the ones a module
+    keeps in fp32 (`full_precision`, e.g. a router's selection bias, whose small differences decide
+    near-ties between experts)."""
+    return torch.float32 if name in getattr(module, "full_precision", ()) else dtype

@@ -1,4 +1,4 @@
-"""The MoE block: router on the device, routed experts through a small protocol, optional shared expert.
+"""The MoE block: router on the device, routed experts through a small protocol, optional shared expert(s).
 
 The block owns only the always-resident tensors (router, shared expert). Routed expert weights
 live elsewhere, behind `RoutedExperts`: the engine's bank implements it (slots on the device,
@@ -38,9 +38,17 @@ class MoEBlock(nn.Module):
         # Named as on disk, so the loader maps parameter names to checkpoint names one to one.
         self._router_name = spec.router_name
         self.add_module(spec.router_name, ROUTERS[spec.router](config))
-        self.shared_expert = SwiGLU(config.hidden_size, config.shared_intermediate) if spec.shared_expert else None
+        # The shared expert too is named as on disk (`shared_expert` in Qwen2-MoE, `shared_experts` in GLM).
+        self._shared_name = spec.shared_expert_name if spec.shared_expert else None
+        if self._shared_name is not None:
+            self.add_module(self._shared_name, SwiGLU(config.hidden_size, config.shared_intermediate))
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if spec.shared_expert_gate else None
         self.experts: RoutedExperts | None = None   # attached after loading (not a submodule: no parameters)
+
+    @property
+    def shared(self) -> nn.Module | None:
+        """The shared expert(s): one SwiGLU every token goes through beside the routed experts."""
+        return getattr(self, self._shared_name) if self._shared_name is not None else None
 
     @property
     def router(self) -> nn.Module:
@@ -60,8 +68,8 @@ class MoEBlock(nn.Module):
         """Routed experts (+ the shared expert) for routed tokens. `resident`: the caller made sure
         every routed expert is in the bank, so nothing is read back (graph-capturable)."""
         out = (self.experts.dispatch if resident else self.experts.forward)(self.layer, h, ids, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(h)
+        if self.shared is not None:
+            shared = self.shared(h)
             if self.shared_expert_gate is not None:
                 shared = F.sigmoid(self.shared_expert_gate(h)) * shared
             out = out + shared

@@ -1,8 +1,16 @@
-"""RMSNorm as these families define it: normalise in fp32, cast back, then scale."""
+"""RMSNorm as these families define it: normalise in fp32, then scale; one class per way of scaling.
+
+`RMSNorm` casts back, then multiplies by the weight (Llama, Qwen2/3, Mixtral, OLMoE).
+`ZeroCentredRMSNorm` stores the weight centred on zero and multiplies by (1 + weight) in fp32
+before casting back (Qwen3-Next): the same numbers as transformers' Qwen3NextRMSNorm in bf16 too.
+`GatedRMSNorm` normalises, scales, then multiplies by silu(gate) (Gated DeltaNet's output norm).
+`NORMS` is the registry an ArchSpec's `norm` names for the decoder's own norms.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -17,3 +25,25 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCentredRMSNorm(RMSNorm):
+    """Scale by (1 + weight): a zero weight is the identity scale (Qwen3-Next's layer and q/k norms)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(RMSNorm):
+    """Normalise, scale, then gate by silu(gate) in fp32 (the norm before Gated DeltaNet's out-projection)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "zero_centred_rms": ZeroCentredRMSNorm}

@@ -2,6 +2,9 @@
 
 The table is built exactly as transformers builds its per-call cos/sin (fp32 outer product of
 positions and inverse frequencies, times the attention scaling), so lookups match it bit for bit.
+Partial rotary (GLM: `ModelConfig.rotary_dim` < head_dim) needs no other code: the table is only
+rotary_dim wide, and `apply_rotary` rotates the leading dims that wide and passes the rest through.
+The layout is the half-split one (rotate_half) in every family so far, GLM-4.5 included.
 """
 
 from __future__ import annotations
@@ -47,8 +50,13 @@ def _yarn(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, 
     return inv_freq, float(attention_factor)
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    """Leading dims of each head that rotate: the whole head unless the config makes it partial."""
+    return config.rotary_dim or config.head_dim
+
+
 def inv_freq_and_scaling(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    rope, dim = config.rope, config.head_dim
+    rope, dim = config.rope, rotary_dim(config)
     if rope.kind == "yarn":
         return _yarn(rope, dim, config.max_position)
     inv_freq = _default_inv_freq(rope.theta, dim)
@@ -58,7 +66,7 @@ def inv_freq_and_scaling(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def rotary_table(config: ModelConfig, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (length, head_dim) in fp32, for positions 0..length-1."""
+    """cos and sin, each (length, rotary_dim) in fp32, for positions 0..length-1."""
     inv_freq, scaling = inv_freq_and_scaling(config)
     positions = torch.arange(length, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
@@ -67,7 +75,11 @@ def rotary_table(config: ModelConfig, length: int, device: torch.device) -> tupl
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, L, D); cos/sin (B, 1, L, D) already in x's dtype."""
-    half = x.shape[-1] // 2
+    """x (B, heads, L, D); cos/sin (B, 1, L, R) already in x's dtype, R <= D: the leading R dims of
+    each head rotate (half-split layout within them), the other D - R pass through unchanged."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

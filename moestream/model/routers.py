@@ -1,9 +1,9 @@
 """Routers: from a token's hidden state to its k experts and their weights, one class per kind.
 
-A router owns its parameters under the names the checkpoint uses (`weight`, and for later kinds
-`bias` or `e_score_correction_bias`), so the MoE block registers it as `gate` / `router` and the
-loader maps names one to one. `ROUTERS` is the registry an ArchSpec's `router` names; a new kind
-(sigmoid scores + correction bias + group-limited top-k + routed scaling) is one more class.
+A router owns its parameters under the names the checkpoint uses (`weight`, and for
+`sigmoid_grouped` `e_score_correction_bias`), so the MoE block registers it as `gate` / `router`
+and the loader maps names one to one. `ROUTERS` is the registry an ArchSpec's `router` names; a
+new kind is one more class.
 
 Every router returns (weights (T, k) fp32, ids (T, k)). `logits` and `predict` are separate so
 that benchmarks can swap the expert *choice* while keeping the model's own probabilities, and so
@@ -64,7 +64,60 @@ class TopKSoftmax(Router):
         return values.softmax(dim=-1), ids
 
 
-ROUTERS: dict[str, type[Router]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax}
+class SigmoidGrouped(Router):
+    """Sigmoid scores, a correction bias that steers the choice only, group-limited top-k, routed
+    scaling: GLM-4.5's router, and DeepSeek-V3's (its `noaux_tc`).
+
+    `e_score_correction_bias` (per expert, learnt for load balance without an auxiliary loss) is
+    added to the scores to *choose* experts; the weights are the chosen experts' unbiased scores.
+    The experts form `n_group` equal groups, each scored by the sum of its two best biased scores;
+    only the `topk_group` best groups compete for the top-k (DeepSeek-V3 keeps a token's experts on
+    few devices that way). The weights are renormalised to sum 1 when norm_topk_prob says so, then
+    multiplied by `routed_scaling_factor`. Logits are computed in fp32 from fp32 inputs, as
+    transformers does: scores are close together, and a bf16 router would choose differently.
+    Everything stays on the device (no value is read back), so it captures in CUDA graphs.
+    """
+
+    full_precision = ("e_score_correction_bias",)   # loaded in fp32, as transformers keeps it
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        # Kept in fp32 whatever the compute dtype (`full_precision`), as transformers does: a rounded
+        # bias would break near-ties between experts differently.
+        self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts), requires_grad=False)
+        self.groups, self.kept_groups = config.n_group, config.topk_group
+        self.renormalise, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+
+    def logits(self, h: Tensor) -> Tensor:
+        return F.linear(h.float(), self.weight.float())
+
+    def choose(self, scores: Tensor) -> Tensor:
+        """Expert ids (T, k) for sigmoid scores (T, E): biased top-k within the best groups."""
+        biased = scores + self.e_score_correction_bias.float()
+        if self.kept_groups < self.groups:   # with every group kept, the group step changes nothing
+            T, E = biased.shape
+            grouped = biased.view(T, self.groups, E // self.groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.kept_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+        return biased.topk(self.top_k, dim=-1).indices
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        scores = logits.float().sigmoid()
+        ids = self.choose(scores)
+        weights = scores.gather(-1, ids)
+        if self.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+    def predict(self, h: Tensor) -> Tensor:
+        """The experts this router picks (the bias and the groups decide them, not the logits alone)."""
+        return self.choose(self.logits(h).sigmoid())
+
+
+ROUTERS: dict[str, type[Router]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax,
+                                    "sigmoid_grouped": SigmoidGrouped}
 
 
 class ChosenRouter(nn.Module):

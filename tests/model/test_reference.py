@@ -37,6 +37,57 @@ def test_greedy_tokens_match_transformers_generate(arch, tiny_checkpoints):
     # one at a time, and both together in one batch of different lengths
     assert engine.generate(prompts[0], max_tokens=32, ignore_eos=True) == expected[0]
     assert engine.generate(prompts, max_tokens=32, ignore_eos=True) == expected
+    # and through a bank holding 3 of the 8 experts per layer: fetched misses keep it exact
+    bounded = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
+    assert bounded.generate(prompts, max_tokens=32, ignore_eos=True) == expected
+    assert bounded.stats()["misses"] > 0
+
+
+GLM_VARIANTS = {
+    # GLM-4.5-Air's switches: no q/k norm, one expert group, all layers MoE, weights not renormalised
+    "air": dict(use_qk_norm=False, n_group=1, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False),
+    # an older config.json layout: rope_theta and partial_rotary_factor at the top level
+    "legacy_rope": dict(n_group=4, topk_group=2, num_experts_per_tok=3, partial_rotary_factor=0.25),
+}
+
+
+@pytest.mark.parametrize("variant", GLM_VARIANTS)
+def test_glm4_moe_variants_match_transformers(variant, tmp_path):
+    import json
+
+    import transformers
+
+    from tiny_models import COMMON, randomise_correction_bias
+
+    overrides = dict(GLM_VARIANTS[variant])
+    partial = overrides.pop("partial_rotary_factor", None)
+    config = transformers.Glm4MoeConfig(**{**COMMON, "intermediate_size": 48, "moe_intermediate_size": 16,
+                                           "num_hidden_layers": 2, "head_dim": 16, "n_routed_experts": 8,
+                                           "num_experts_per_tok": 2, "attention_bias": True, "eos_token_id": 1,
+                                           "rope_parameters": {"rope_type": "default", "rope_theta": 5e5,
+                                                               "partial_rotary_factor": partial or 0.5},
+                                           **overrides})
+    torch.manual_seed(5)
+    ref_model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+            elif name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    randomise_correction_bias(ref_model)
+    ref_model.save_pretrained(tmp_path)
+    if partial is not None:
+        raw = json.loads((tmp_path / "config.json").read_text())
+        rope = raw.pop("rope_parameters")
+        raw.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"])
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        assert transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["partial_rotary_factor"] == partial
+    engine = moestream.load(tmp_path, device="cpu", dtype="float32")
+    ids = torch.randint(2, 160, (2, 15), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    assert (engine.logits(ids) - ref).abs().max() / ref.abs().max() <= 1e-4
 
 
 def test_prefill_in_chunks_equals_one_pass(tiny_qwen3):

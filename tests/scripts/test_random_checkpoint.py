@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b")
+SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "glm-4.5-air", "qwen3-next-80b-a3b")
 
 
 def _load_script() -> ModuleType:
@@ -52,7 +52,8 @@ def _read_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 @pytest.fixture(scope="module")
 def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Write every shape with --tiny once; a small shard size forces several shards."""
+    """Write every shape with --tiny once; a small shard size forces several shards. Qwen3-Next gets 4
+    layers, so that its every-4th full-attention layer is there."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
     for shape in SHAPES:
@@ -64,7 +65,7 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     shape,
                     "--tiny",
                     "--layers",
-                    "2",
+                    "4" if shape == "qwen3-next-80b-a3b" else "2",  # transformers needs one attention layer
                     "--out",
                     str(out[shape]),
                     "--shard-size",
@@ -92,8 +93,11 @@ def test_tiny_loads_and_runs_with_transformers(tiny_ckpts: dict[str, Path], shap
         logits = model(ids).logits
     assert logits.shape == (1, 5, model.config.vocab_size)
     assert torch.isfinite(logits).all()
-    # A layer's q_proj must be the random values we wrote, not a fresh init.
+    # A layer's q_proj (Qwen3-Next's first layers: the linear attention's in-projection) must be the
+    # random values we wrote, not a fresh init.
     name = "model.layers.0.self_attn.q_proj.weight"
+    if mrc.PUBLISHED_CONFIGS[shape]["model_type"] == "qwen3_next":
+        name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
     index = json.loads((tiny_ckpts[shape] / mrc.INDEX_NAME).read_text())
     with safe_open(str(tiny_ckpts[shape] / index["weight_map"][name]), "pt") as h:
         assert torch.equal(model.get_parameter(name), h.get_tensor(name).float())
@@ -167,6 +171,8 @@ EXPECTED_FULL = {
     "mixtral-8x7b": (4096, "num_local_experts", 8, 2, 14336, 32, 32, 8, 32000),
     "olmoe-1b-7b": (2048, "num_experts", 64, 8, 1024, 16, 16, 16, 50304),
     "qwen1.5-moe-a2.7b": (2048, "num_experts", 60, 4, 1408, 24, 16, 16, 151936),
+    "glm-4.5-air": (4096, "n_routed_experts", 128, 8, 1408, 46, 96, 8, 151552),
+    "qwen3-next-80b-a3b": (2048, "num_experts", 512, 10, 512, 48, 16, 2, 151936),
 }
 
 
@@ -219,7 +225,8 @@ def test_full_size_param_count_matches_transformers(shape: str, tmp_path: Path) 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     ours = sum(s.numel for s in mrc.plan_tensors(cfg))
-    assert sum(p.numel() for p in model.parameters()) == ours
+    # everything save_pretrained writes: parameters and persistent buffers (GLM's router bias)
+    assert sum(t.numel() for t in model.state_dict().values()) == ours
 
 
 def test_parse_size() -> None:
@@ -266,3 +273,55 @@ def test_dense_mlp_layers_follow_mlp_only_layers(tmp_path: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
     model.save_pretrained(tmp_path / "ref")
     assert {k: v[0] for k, v in _read_tensors(tmp_path / "ref").items()} == names
+
+
+def test_glm_air_specifics(tiny_ckpts: dict[str, Path]) -> None:
+    """Layer 0 dense, then routed + shared experts; q/k/v biases without q/k norms; the router bias
+    stays F32 in a bf16 checkpoint, as on the Hub; moestream reads it as a glm4_moe model."""
+    specs = {s.name: s for s in mrc.plan_tensors(mrc.build_config("glm-4.5-air", layers=2))}
+    assert specs["model.layers.0.mlp.gate_proj.weight"].shape == (10944, 4096)
+    assert "model.layers.0.mlp.gate.weight" not in specs and "model.layers.0.self_attn.q_norm.weight" not in specs
+    assert specs["model.layers.1.mlp.experts.127.down_proj.weight"].shape == (4096, 1408)
+    assert specs["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (1408, 4096)
+    assert specs["model.layers.1.self_attn.k_proj.bias"].shape == (1024,)
+    assert "model.layers.1.self_attn.o_proj.bias" not in specs
+    bias = specs["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.shape == (128,) and bias.fp32
+    tensors = _read_tensors(tiny_ckpts["glm-4.5-air"])
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"][1] == "F32"
+    assert tensors["model.layers.1.mlp.gate.weight"][1] == "BF16"
+    from moestream.archs import detect_arch, model_config_from_hf
+
+    raw = mrc.build_config("glm-4.5-air")
+    config = model_config_from_hf(raw, detect_arch(raw))
+    assert (config.rotary_dim, config.qk_norm, config.num_experts, config.shared_intermediate) == (64, "none", 128, 1408)
+    assert config.moe_layers[:2] == (False, True) and config.num_moe_layers == 45
+
+
+def test_qwen3_next_specifics(tmp_path: Path) -> None:
+    """Layers 0-2 Gated DeltaNet, layer 3 gated attention (q_proj twice the heads), zero-centred norms
+    written as zeros, a sigmoid-gated shared expert; the layout is transformers' own and moestream
+    reads the config as a qwen3_next model."""
+    cfg = mrc.build_config("qwen3-next-80b-a3b", layers=4)
+    specs = {s.name: s for s in mrc.plan_tensors(cfg)}
+    assert specs["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (12288, 2048)
+    assert specs["model.layers.0.linear_attn.in_proj_ba.weight"].shape == (64, 2048)
+    assert specs["model.layers.0.linear_attn.conv1d.weight"].shape == (8192, 1, 4)
+    assert specs["model.layers.0.linear_attn.out_proj.weight"].shape == (2048, 4096)
+    assert "model.layers.2.self_attn.q_proj.weight" not in specs
+    assert specs["model.layers.3.self_attn.q_proj.weight"].shape == (8192, 2048)
+    assert specs["model.layers.3.self_attn.q_norm.weight"].init == "zeros"
+    assert specs["model.norm.weight"].init == "zeros"
+    assert specs["model.layers.3.mlp.experts.511.down_proj.weight"].shape == (2048, 512)
+    assert specs["model.layers.3.mlp.shared_expert_gate.weight"].shape == (1, 2048)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    # transformers holds the experts fused in memory (and saves them per expert): compare the rest
+    dense = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".experts." not in k}
+    assert dense == {k: s.shape for k, s in specs.items() if ".experts." not in k}
+    from moestream.archs import detect_arch, model_config_from_hf
+
+    config = model_config_from_hf(cfg, detect_arch(cfg))
+    assert config.layer_mixers == ("gated_deltanet",) * 3 + ("gated_gqa",)
+    assert (config.rotary_dim, config.num_experts, config.top_k, config.shared_intermediate) == (64, 512, 10, 512)
