@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,8 +35,9 @@ class LayerSlots:
     def views(self, slot: int) -> dict[str, Tensor]:
         return {name: t[slot] for name, t in self.tensors.items()}
 
-    def resident(self) -> list[int]:
-        return [e for e in self.owner if e >= 0]
+    def resident(self) -> np.ndarray:
+        owner = np.asarray(self.owner, dtype=np.int64)
+        return owner[owner >= 0]
 
 
 @dataclass
