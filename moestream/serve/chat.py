@@ -97,6 +97,27 @@ def _function_tool(name: Any, description: Any, parameters: Any, where: str) -> 
     return {"type": "function", "function": fn}
 
 
+# A custom (freeform) tool takes raw text, not JSON arguments: the model sees it as a function with
+# one string parameter, and a call to it is answered as a `custom_tool_call` with that string.
+CUSTOM_TOOL_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string", "description":
+                          "the tool's whole input, as raw text in the format the description gives"}},
+                          "required": ["input"]}
+
+
+def _custom_description(tool: dict) -> str:
+    text = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        text += f"\n\nThe input follows this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
+    return text
+
+
+def custom_tool_names(body: dict) -> set[str]:
+    """Names of the request's custom (freeform) tools, whose calls are answered as custom_tool_call items."""
+    return {t["name"] for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "custom"
+            and isinstance(t.get("name"), str)}
+
+
 def openai_tools(body: dict) -> list[dict] | None:
     tools = get(body, "tools", list)
     if not tools or body.get("tool_choice") == "none":
@@ -105,6 +126,9 @@ def openai_tools(body: dict) -> list[dict] | None:
     for tool in tools:
         if not isinstance(tool, dict):
             raise bad_request("'tools' must be an array of objects.", "tools")
+        if tool.get("type") == "custom":   # Responses freeform tools (Codex's apply_patch): one string input
+            out.append(_function_tool(tool.get("name"), _custom_description(tool), CUSTOM_TOOL_PARAMETERS, "tools"))
+            continue
         if tool.get("type", "function") != "function":
             log.debug("dropped a non-function tool: %r", tool.get("type"))
             continue
@@ -221,11 +245,18 @@ def responses_messages(body: dict) -> list[Message]:
         elif kind == "function_call":
             call = _tool_call(str(item.get("call_id", "")), str(item.get("name", "")), item.get("arguments"))
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and not last.get("_closed"):
+            if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            call = _tool_call(str(item.get("call_id", "")), str(item.get("name", "")), {"input": str(item.get("input", ""))})
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, f"input[{i}].output") if isinstance(output, list) else json.dumps(output)
             out.append({"role": "tool", "content": text, "tool_call_id": str(item.get("call_id", ""))})

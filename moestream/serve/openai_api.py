@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 from moestream.errors import InputError
-from moestream.serve.chat import openai_messages, openai_tools, responses_messages
+from moestream.serve.chat import custom_tool_names, openai_messages, openai_tools, responses_messages
 from moestream.serve.errors import bad_request, get
 from moestream.serve.generation import Generation, Outcome
 from moestream.serve.state import ServerState, new_id
@@ -137,7 +137,7 @@ def start_responses(state: ServerState, body: dict) -> tuple[Generation, bool, d
     params = state.sampling(body, ("max_output_tokens",))
     ids = state.check_prompt(state.renderer.render(messages, tools))
     gen = Generation(state.worker, ids, params, tools, state.parser)
-    echo = {"instructions": body.get("instructions"), "tools": body.get("tools") or [],
+    echo = {"_custom": custom_tool_names(body), "instructions": body.get("instructions"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": params.temperature, "top_p": params.top_p,
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
@@ -151,6 +151,8 @@ class ResponseBuilder:
     and the final object come from here, so they agree by construction)."""
 
     def __init__(self, state: ServerState, echo: dict):
+        echo = dict(echo)
+        self.custom = echo.pop("_custom", set())   # tools whose calls are custom_tool_call items (raw text input)
         self.body = {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()),
                      "status": "in_progress", "model": state.model_name, "output": [], "error": None,
                      "incomplete_details": None, "usage": None, **echo}
@@ -192,8 +194,12 @@ class ResponseBuilder:
 
     def call_start(self, e: ToolCallStart) -> list[tuple[str, dict]]:
         events = self.close_text()
-        item = {"type": "function_call", "id": new_id("fc_"), "call_id": e.id, "name": e.name, "arguments": "",
-                "status": "in_progress"}
+        if e.name in self.custom:
+            item = {"type": "custom_tool_call", "id": new_id("ctc_"), "call_id": e.id, "name": e.name, "input": "",
+                    "status": "in_progress"}
+        else:
+            item = {"type": "function_call", "id": new_id("fc_"), "call_id": e.id, "name": e.name, "arguments": "",
+                    "status": "in_progress"}
         self.body["output"].append(item)
         self.calls[e.index] = item
         events.append(("response.output_item.added", {"output_index": self._index(item), "item": _copy(item)}))
@@ -201,6 +207,8 @@ class ResponseBuilder:
 
     def call_arguments(self, e: ToolArgumentsDelta) -> list[tuple[str, dict]]:
         item = self.calls[e.index]
+        if item["type"] == "custom_tool_call":
+            return []   # its raw input is known when the call ends
         item["arguments"] += e.json
         return [("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": self._index(item),
                                                             "delta": e.json})]
@@ -209,6 +217,14 @@ class ResponseBuilder:
         item = self.calls.pop(e.index)
         item["status"] = "completed"
         index = self._index(item)
+        if item["type"] == "custom_tool_call":
+            raw = e.call.arguments.get("input")
+            item["input"] = raw if isinstance(raw, str) else e.call.arguments_json()
+            return [("response.custom_tool_call_input.delta", {"item_id": item["id"], "output_index": index,
+                                                              "delta": item["input"]}),
+                    ("response.custom_tool_call_input.done", {"item_id": item["id"], "output_index": index,
+                                                             "input": item["input"]}),
+                    ("response.output_item.done", {"output_index": index, "item": _copy(item)})]
         return [("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
                                                            "name": item["name"], "arguments": item["arguments"]}),
                 ("response.output_item.done", {"output_index": index, "item": _copy(item)})]

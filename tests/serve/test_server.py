@@ -251,3 +251,24 @@ def test_health_metrics_and_cache_stats(server, oai):
         assert name in metrics
     stats = httpx.get(f"{server.url}/v1/cache/stats").json()
     assert stats["prefix_cache"]["entries"] >= 1 and "hit_rate" in stats["bank"]
+
+
+def test_responses_custom_tools_round_trip_as_raw_text(oai, force):
+    patch = "*** Begin Patch\n*** Add File: hello.txt\n+hi\n*** End Patch"
+    force("CUSTOMTOOL", '<tool_call>\n' + json.dumps({"name": "apply_patch", "arguments": {"input": patch}}) + '\n</tool_call>')
+    tool = {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}}
+    r = oai.responses.create(model="codex", input="CUSTOMTOOL", tools=[tool], temperature=0, max_output_tokens=80)
+    calls = [item for item in r.output if item.type == "custom_tool_call"]
+    assert len(calls) == 1 and calls[0].name == "apply_patch" and calls[0].input == patch
+    with oai.responses.stream(model="codex", input="CUSTOMTOOL", tools=[tool], temperature=0,
+                              max_output_tokens=80) as stream:
+        events = list(stream)
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert len(done) == 1 and done[0].input == patch
+    nxt = oai.responses.create(model="codex", tools=[tool], temperature=0, max_output_tokens=2,
+                               input=[{"role": "user", "content": "CUSTOMTOOL"},
+                                      {"type": "custom_tool_call", "call_id": calls[0].call_id, "name": "apply_patch",
+                                       "input": patch},
+                                      {"type": "custom_tool_call_output", "call_id": calls[0].call_id, "output": "Done!"}])
+    assert nxt.usage.input_tokens > r.usage.input_tokens
