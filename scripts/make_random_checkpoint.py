@@ -27,10 +27,16 @@ Design notes:
   (``model.safetensors.index.json``) is written last, so its presence marks a
   complete checkpoint.
 * No tokenizer is written: the checkpoints are driven with token ids.
-* GLM-4.5's multi-token-prediction layer (``num_nextn_predict_layers``, stored after the last
-  decoder layer) is not written: transformers neither builds nor loads it, and neither do we.
+* GLM-4.5's and GLM-4.7-Flash's multi-token-prediction layer (``num_nextn_predict_layers``, stored
+  after the last decoder layer) is not written: transformers neither builds nor loads it, and neither do we.
 * A tensor transformers keeps in fp32 whatever the model dtype (GLM's router
   ``e_score_correction_bias``) is written as F32 in every ``--dtype``, as the Hub files hold it.
+* DeepSeek-V2-Lite and GLM-4.7-Flash: multi-head latent attention's tensors (``kv_a_proj_with_mqa``,
+  ``kv_b_proj``, a plain ``q_proj`` or ``q_a_proj``/``q_b_proj``); ``--tiny`` keeps a null q_lora_rank null.
+* GPT-OSS (``gpt-oss-20b``): the bf16 export's layout (the Hub's MXFP4 ``*_blocks`` / ``*_scales``
+  are what it dequantizes to): experts stacked per layer, ``mlp.experts.gate_up_proj`` (E, H, 2I) with
+  gate and up columns interleaved, ``down_proj`` (E, I, H), their biases, and ``layer_types`` repeated
+  to ``--layers``.
 * Qwen3-Next: its zero-centred norms (scale 1 + weight) are written as zeros, as HF initialises
   them; its multi-token-prediction weights (``mtp.*``) are not written (transformers ignores them).
 """
@@ -267,6 +273,136 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # deepseek-ai/DeepSeek-V2-Lite: multi-head latent attention with a plain q_proj (q_lora_rank null),
+    # yarn rope, softmax greedy routing, 2 shared experts, layer 0 dense
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "aux_loss_alpha": 0.001,
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 10944,
+        "kv_lora_rank": 512,
+        "max_position_embeddings": 163840,
+        "model_type": "deepseek_v2",
+        "moe_intermediate_size": 1408,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": 27,
+        "num_key_value_heads": 16,
+        "pretraining_tp": 1,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "seq_aux": True,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "topk_method": "greedy",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+    },
+    # zai-org/GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's layer at 30B-A3B, low-rank queries, sigmoid
+    # routing with the selection bias, one shared expert, layer 0 dense
+    "glm-4.7-flash": {
+        "architectures": ["Glm4MoeLiteForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "pad_token_id": 154820,
+        "eos_token_id": [154820, 154827, 154829],
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 10240,
+        "max_position_embeddings": 202752,
+        "model_type": "glm4_moe_lite",
+        "moe_intermediate_size": 1536,
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "num_attention_heads": 20,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_routed_experts": 64,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.8,
+        "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1,
+        "num_hidden_layers": 47,
+        "num_key_value_heads": 20,
+        "num_nextn_predict_layers": 1,
+        "partial_rotary_factor": 1.0,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 256,
+        "vocab_size": 154880,
+    },
+    # openai/gpt-oss-20b as its bf16 export: the published config less its quantization_config (the Hub
+    # weights are MXFP4 blocks + scales; the export holds them dequantized, in transformers' layout).
+    # Sinks, sliding / full layers, biases everywhere, experts stacked per layer with interleaved gate/up.
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 201088,
+    },
 }
 
 PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
@@ -297,6 +433,11 @@ PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
         "top_k": 20,
         "top_p": 0.8,
     },
+    # special ids only: the sampling defaults of these two were not verified
+    "deepseek-v2-lite": {"bos_token_id": 100000, "eos_token_id": 100001},
+    "glm-4.7-flash": {"eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820},
+    "gpt-oss-20b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
+                    "pad_token_id": 199999},
 }
 
 SHAPES: tuple[str, ...] = tuple(PUBLISHED_CONFIGS)
@@ -347,6 +488,9 @@ def build_config(shape: str, layers: int | None = None, dtype: str = "bf16", tin
         cfg["num_hidden_layers"] = layers
     elif tiny:
         cfg["num_hidden_layers"] = TINY_DEFAULT_LAYERS
+    if "layer_types" in cfg:   # GPT-OSS lists one type per layer: the published pattern, repeated to the count
+        pattern = PUBLISHED_CONFIGS[shape]["layer_types"]
+        cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(cfg["num_hidden_layers"])]
     cfg["torch_dtype"] = DTYPES[dtype][2]
     return cfg
 
@@ -380,6 +524,10 @@ def _shrink(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg[key] = min(cfg[key], max(8, 2 * top_k))
     cfg["vocab_size"] = TINY_VOCAB
     cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], 512)
+    if "kv_lora_rank" in cfg:  # MLA: narrower latent, rope key and heads; a null q_lora_rank stays null
+        cfg.update(kv_lora_rank=32, qk_nope_head_dim=TINY_HEAD_DIM, qk_rope_head_dim=8, v_head_dim=TINY_HEAD_DIM)
+        if cfg.get("q_lora_rank") is not None:
+            cfg["q_lora_rank"] = 48
     if "linear_num_key_heads" in cfg:  # Qwen3-Next's Gated DeltaNet: keep 2 value heads per key head
         ratio = cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
         cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] = 2, 2 * ratio
@@ -469,6 +617,8 @@ def _layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
 
 def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     """q/k/v/o projections plus the per-model extras (Qwen2/GLM biases, Qwen3/GLM per-head norms, OLMoE full-width norms)."""
+    if "kv_lora_rank" in cfg:
+        return _mla_specs(cfg, p)
     mt, hidden = cfg["model_type"], cfg["hidden_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -493,6 +643,34 @@ def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
         ]
     elif mt == "olmoe":  # RMSNorm over the whole projection
         specs += [TensorSpec(p + "q_norm.weight", (q_out,), "ones"), TensorSpec(p + "k_norm.weight", (kv_out,), "ones")]
+    if mt == "gpt_oss":  # o_proj's bias too, and one sink logit per head (HF draws them normal)
+        specs += [TensorSpec(p + "o_proj.bias", (hidden,), "zeros"), TensorSpec(p + "sinks", (heads,), "normal")]
+    return specs
+
+
+def _mla_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): the query plain or through its low-rank
+    bottleneck, the joint kv + rope-key down-projection and its norm, the per-head up-projection, o_proj;
+    attention_bias adds biases to q_a, kv_a and o only."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rank, rope, q_rank = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg.get("q_lora_rank")
+    qk, v = cfg["qk_nope_head_dim"] + rope, cfg["v_head_dim"]
+    specs = [TensorSpec(p + "q_proj.weight", (heads * qk, hidden), "normal")] if q_rank is None else [
+        TensorSpec(p + "q_a_proj.weight", (q_rank, hidden), "normal"),
+        TensorSpec(p + "q_a_layernorm.weight", (q_rank,), "ones"),
+        TensorSpec(p + "q_b_proj.weight", (heads * qk, q_rank), "normal"),
+    ]
+    specs += [
+        TensorSpec(p + "kv_a_proj_with_mqa.weight", (rank + rope, hidden), "normal"),
+        TensorSpec(p + "kv_a_layernorm.weight", (rank,), "ones"),
+        TensorSpec(p + "kv_b_proj.weight", (heads * (cfg["qk_nope_head_dim"] + v), rank), "normal"),
+        TensorSpec(p + "o_proj.weight", (hidden, heads * v), "normal"),
+    ]
+    if cfg.get("attention_bias", False):
+        specs += [TensorSpec(p + "kv_a_proj_with_mqa.bias", (rank + rope,), "zeros"),
+                  TensorSpec(p + "o_proj.bias", (hidden,), "zeros")]
+        if q_rank is not None:
+            specs.append(TensorSpec(p + "q_a_proj.bias", (q_rank,), "zeros"))
     return specs
 
 
@@ -530,7 +708,11 @@ def _linear_attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
 
 
 def _is_sparse_layer(cfg: dict[str, Any], layer: int) -> bool:
-    """Mirror transformers' rules: Qwen MoE's mlp_only_layers / decoder_sparse_step, GLM's first_k_dense_replace."""
+    """Mirror transformers' rules: Qwen MoE's mlp_only_layers / decoder_sparse_step, GLM's and DeepSeek's
+    first_k_dense_replace, GLM-4.7-Flash's mlp_layer_types (default: layer 0 dense)."""
+    if cfg["model_type"] == "glm4_moe_lite":
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (cfg["num_hidden_layers"] - 1)
+        return types[layer] == "sparse"
     if layer < cfg.get("first_k_dense_replace", 0) or layer in cfg.get("mlp_only_layers", []):
         return False
     step = cfg.get("decoder_sparse_step", 1)
@@ -551,14 +733,26 @@ def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
                 TensorSpec(q + "w3.weight", (inter, hidden), "normal"),  # up
             ]
         return specs
+    if mt == "gpt_oss":  # a router with a bias; experts stacked (E, H, 2I) with gate/up columns interleaved
+        n_exp, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+        q = p + "mlp.experts."
+        return [
+            TensorSpec(p + "mlp.router.weight", (n_exp, hidden), "normal"),
+            TensorSpec(p + "mlp.router.bias", (n_exp,), "zeros"),
+            TensorSpec(q + "gate_up_proj", (n_exp, hidden, 2 * inter), "normal"),
+            TensorSpec(q + "gate_up_proj_bias", (n_exp, 2 * inter), "zeros"),
+            TensorSpec(q + "down_proj", (n_exp, inter, hidden), "normal"),
+            TensorSpec(q + "down_proj_bias", (n_exp, hidden), "zeros"),
+        ]
     n_exp = cfg.get("n_routed_experts") or cfg["num_experts"]
     inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     specs = [TensorSpec(p + "mlp.gate.weight", (n_exp, hidden), "normal")]
-    if mt == "glm4_moe":  # selection-only router bias, zero at init like HF's
+    if mt in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):  # selection-only router bias, zero at init like HF's
         specs.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", (n_exp,), "zeros", fp32=True))
     for e in range(n_exp):
         specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, inter)
-    if mt == "glm4_moe":  # n_shared_experts stored as one MLP of that many times the expert width
+    if mt in ("glm4_moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3"):
+        # n_shared_experts stored as one MLP of that many times the expert width
         specs += _mlp_specs(p + "mlp.shared_experts.", hidden, inter * cfg.get("n_shared_experts", 1))
     if mt in ("qwen2_moe", "qwen3_next"):
         specs += _mlp_specs(p + "mlp.shared_expert.", hidden, cfg["shared_expert_intermediate_size"])

@@ -1,6 +1,6 @@
 import pytest
 
-from tiny_models import ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint
+from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -17,9 +17,10 @@ def tiny_qwen3(tiny_checkpoints):
 
 @pytest.fixture(scope="session")
 def tiny_quant_checkpoints(tmp_path_factory):
-    """arch → (folder, transformers model): tiny checkpoints whose widths fit quantization groups of 32 and 64."""
+    """arch → (folder, transformers model): tiny checkpoints whose widths fit quantization groups of 32 and 64
+    (the families whose experts can be quantized)."""
     root = tmp_path_factory.mktemp("tiny_quant")
-    return {arch: (root / arch, make_quant_tiny_checkpoint(root / arch, arch=arch)) for arch in ARCHS}
+    return {arch: (root / arch, make_quant_tiny_checkpoint(root / arch, arch=arch)) for arch in QUANT_ARCHS}
 
 
 @pytest.fixture(scope="session")

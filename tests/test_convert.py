@@ -13,7 +13,7 @@ from moestream.cli import main as cli_main
 from moestream.convert import Converter, convert
 from moestream.errors import CheckpointError, InputError
 from moestream.quant.recipe import QuantRecipe
-from tiny_models import ARCHS
+from tiny_models import QUANT_ARCHS
 
 PROMPT = torch.randint(2, 160, (13,), generator=torch.Generator().manual_seed(4)).tolist()
 RECIPE = QuantRecipe(experts="int4", attention="int8", layer_formats={-1: "int8"})
@@ -35,7 +35,7 @@ def packed(tiny_quant, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", QUANT_ARCHS)
 def test_convert_then_run_equals_quantize_on_load(tiny_quant_checkpoints, tmp_path, arch):
     source = tiny_quant_checkpoints[arch][0]
     out = tmp_path / "packed"

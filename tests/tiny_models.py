@@ -49,7 +49,45 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
                                                  linear_conv_kernel_dim=4, linear_num_key_heads=2,
                                                  linear_num_value_heads=4, linear_key_head_dim=8,
                                                  linear_value_head_dim=8, eos_token_id=1)
+    if arch in MLA_TINY:
+        return mla_config(arch, MLA_TINY[arch], **{**COMMON, "num_key_value_heads": 4}, intermediate_size=48,
+                          moe_intermediate_size=16, num_hidden_layers=3, num_experts_per_tok=2, eos_token_id=1)
+    if arch == "gpt_oss":
+        # layers sliding / full / sliding with a window of 6 (shorter than the test prompts); sinks; the
+        # experts' SwiGLU clamped at 0.15 (so the clamp binds on these small weights) with alpha 1.3;
+        # YaRN rotary as the published config has it.
+        return transformers.GptOssConfig(**COMMON, intermediate_size=16, num_hidden_layers=3, head_dim=8,
+                                         num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                                         swiglu_limit=0.15, swiglu_alpha=1.3, eos_token_id=1)
     raise ValueError(arch)
+
+
+# Multi-head latent attention families: every head expands the one latent (kv heads = heads); v_head_dim
+# differs from the 12-wide q/k heads; rope key 4 wide.
+MLA_SIZES = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=8)
+MLA_TINY = {
+    # a plain q_proj (q_lora_rank null, as V2-Lite); softmax routing limited to the 2 best of 4 groups, each
+    # scored by its best expert; 2 shared experts as one wide MLP; layer 0 dense; biases on kv_a and o
+    "deepseek_v2": dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=1.5, n_shared_experts=2, first_k_dense_replace=1, attention_bias=True),
+    # the low-rank query; sigmoid + correction bias in 2 groups of 4 with 1 kept; interleaved rope under
+    # yarn whose mscale_all_dim sharpens the softmax (and mscale / mscale_all_dim scales cos and sin)
+    "deepseek_v3": dict(q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                        first_k_dense_replace=1,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # half-split rope (rope_interleave false); the middle layer dense as mlp_layer_types says
+    "glm4_moe_lite": dict(q_lora_rank=24, rope_interleave=False, n_shared_experts=1,
+                          mlp_layer_types=["sparse", "dense", "sparse"]),
+}
+MLA_CONFIGS = {"deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config",
+               "glm4_moe_lite": "Glm4MoeLiteConfig"}
+
+
+def mla_config(arch: str, overrides: dict, **common) -> transformers.PretrainedConfig:
+    """A tiny config of an MLA family: its MLA_TINY settings over `common`."""
+    return getattr(transformers, MLA_CONFIGS[arch])(**{**MLA_SIZES, **common, **overrides})
 
 
 def randomise_correction_bias(model: transformers.PreTrainedModel) -> None:
@@ -71,14 +109,24 @@ def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.Pr
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif name.endswith("gate.weight"):  # routers and the shared-expert gate
+            elif name.endswith("gate.weight") or name.endswith("router.weight"):  # routers, shared-expert gate
                 p.normal_(0, 0.5)
+            elif name.endswith("sinks"):   # GPT-OSS's attention sinks: large enough to take real mass
+                p.normal_(0, 1.0)
+            elif arch in MLA_TINY and ".self_attn." in name and p.dim() == 2:
+                # MLA at init std 0.02 barely moves the residual stream: unit-scale projections make
+                # its scale, rope layout and latent norms show in the logits
+                p.normal_(0, p.shape[1] ** -0.5)
     randomise_correction_bias(model)
     model.save_pretrained(out)
     return model
 
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v2",
+         "deepseek_v3", "glm4_moe_lite", "gpt_oss"]
+# Families whose experts can be kept quantized (quantize-on-load, `moestream convert`, MLX): GPT-OSS's
+# experts (biases, clamped SwiGLU) are kept unquantized only so far.
+QUANT_ARCHS = [arch for arch in ARCHS if arch != "gpt_oss"]
 
 
 QUANT_COMMON = dict(vocab_size=160, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -117,6 +165,11 @@ def quant_tiny_config(arch: str = "qwen3_moe") -> transformers.PretrainedConfig:
                                                  num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
                                                  linear_num_value_heads=4, linear_key_head_dim=32,
                                                  linear_value_head_dim=32)
+    if arch in MLA_TINY:   # every linear's input width (128, 64, 4 x 32) a multiple of 64
+        return mla_config(arch, {**MLA_TINY[arch], **({"q_lora_rank": 64} if MLA_TINY[arch]["q_lora_rank"] else {})},
+                          **{**QUANT_COMMON, "num_key_value_heads": 4}, intermediate_size=64, moe_intermediate_size=64,
+                          num_hidden_layers=3, num_experts_per_tok=2, kv_lora_rank=64, qk_nope_head_dim=32,
+                          qk_rope_head_dim=32, v_head_dim=32)
     raise ValueError(arch)
 
 

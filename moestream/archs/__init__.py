@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from moestream.archs import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from moestream.archs import deepseek_v2, deepseek_v3, glm4_moe_lite
+from moestream.archs import gpt_oss
 from moestream.archs.config import model_config_from_hf
 from moestream.archs.spec import ArchSpec, ModelConfig, RopeConfig
 from moestream.errors import UnsupportedArchError
 
 ARCHS: dict[str, ArchSpec] = {m.SPEC.name: m.SPEC for m in (qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, qwen3_next,
-                                                              qwen3_5_moe)}
+                                                              qwen3_5_moe, deepseek_v2, deepseek_v3, glm4_moe_lite,
+                                                              gpt_oss)}
 
 
 def supported_model_types() -> list[str]:
@@ -28,10 +31,13 @@ def detect_arch(raw_config: dict[str, Any]) -> ArchSpec:
 
 
 _CACHE_KINDS = {"gqa": "KV (per position)", "gated_gqa": "KV (per position)",
-                "gated_deltanet": "recurrent state (fixed size)"}
-_MIXER_NAMES = {"gqa": "GQA", "gated_gqa": "gated GQA", "gated_deltanet": "Gated DeltaNet"}
+                "gated_deltanet": "recurrent state (fixed size)", "mla": "latent (compressed kv + rope key per position)",
+                "sink_gqa": "KV (per position)", "sink_swa": "KV ring (window positions)"}
+_MIXER_NAMES = {"gqa": "GQA", "gated_gqa": "gated GQA", "gated_deltanet": "Gated DeltaNet", "mla": "MLA",
+                "sink_gqa": "GQA + sinks", "sink_swa": "sliding-window GQA + sinks"}
 _ROUTER_KINDS = {"softmax_topk": "softmax → top-k (renorm per config)", "topk_softmax": "top-k → softmax",
-                 "sigmoid_grouped": "sigmoid + bias → group-limited top-k, scaled"}
+                 "sigmoid_grouped": "sigmoid + bias → group-limited top-k, scaled",
+                 "softmax_grouped": "softmax → (group-limited) top-k, scaled"}
 
 
 def describe_archs() -> list[dict[str, str]]:
@@ -45,7 +51,7 @@ def describe_archs() -> list[dict[str, str]]:
         attention = " / ".join(_MIXER_NAMES[m] for m in mixers)
         attention += (" + partial rotary" if spec.partial_rotary else "") + norm
         cache = " + ".join(dict.fromkeys(_CACHE_KINDS[m] for m in mixers))
-        router = _ROUTER_KINDS[spec.router]
+        router = _ROUTER_KINDS[spec.router] + (" (logits with a bias)" if spec.router_bias else "")
         shared = "yes, sigmoid-gated" if spec.shared_expert_gate else ("yes" if spec.shared_expert else "no")
         rows.append({"arch": spec.name, "model types": ", ".join(spec.model_types), "router": router,
                      "attention": attention, "cache": cache, "shared experts": shared})

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.archs.spec import ArchSpec, LinearAttentionConfig, ModelConfig, RopeConfig
+from moestream.archs.spec import ArchSpec, LatentAttentionConfig, LinearAttentionConfig, ModelConfig, RopeConfig
 from moestream.errors import CheckpointError
 
 _MISSING = object()
@@ -71,6 +71,13 @@ RULES: dict[str, Rule] = {
     "full_attention_interval": Rule("int", 1), "linear_conv_kernel_dim": Rule("int", 1),
     "linear_num_key_heads": Rule("int", 1), "linear_num_value_heads": Rule("int", 1),
     "linear_key_head_dim": Rule("int", 1), "linear_value_head_dim": Rule("int", 1),
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash); the rope key rotates in pairs
+    "q_lora_rank": Rule("int", 1), "kv_lora_rank": Rule("int", 1), "qk_nope_head_dim": Rule("int", 1),
+    "qk_rope_head_dim": Rule("int", 2), "v_head_dim": Rule("int", 1), "rope_interleave": Rule("bool"),
+    "mscale_all_dim": Rule("float", 0),
+    # sliding-window layers and the clamped SwiGLU of the experts (GPT-OSS)
+    "sliding_window": Rule("int", 1), "swiglu_alpha": Rule("float", 0, exclusive=True),
+    "swiglu_limit": Rule("float", 0, exclusive=True),
 }
 
 
@@ -132,13 +139,15 @@ def _rotary_dim(raw: dict[str, Any], spec: ArchSpec, head_dim: int) -> int:
 
 def _layer_mixers(raw: dict[str, Any], spec: ArchSpec, layers: int) -> tuple[str, ...]:
     """Each layer's MIXERS kind, for families that mix kinds: from layer_types, else (as transformers
-    derives them for Qwen3-Next) every full_attention_interval-th layer full attention, the rest linear."""
+    derives them for Qwen3-Next and GPT-OSS) every full_attention_interval-th layer full attention, the
+    rest of the family's other layer type (linear attention, sliding-window attention)."""
     if not spec.layer_mixers:
         return ()
     types = raw.get("layer_types")
     if types is None:
         interval = _lookup(raw, spec, "full_attention_interval")
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        other = next(kind for kind in spec.layer_mixers if kind != "full_attention")
+        types = ["full_attention" if (i + 1) % interval == 0 else other for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers:
         raise CheckpointError(f"config.json has layer_types = {types!r}, which must list one layer type for each of "
                               f"its {layers} layers; fix the config.")
@@ -147,6 +156,37 @@ def _layer_mixers(raw: dict[str, Any], spec: ArchSpec, layers: int) -> tuple[str
             raise CheckpointError(f"config.json makes layer {i} a {kind!r} layer, a layer type {spec.name} does not "
                                   f"have (supported: {', '.join(spec.layer_mixers)}); fix layer_types.")
     return tuple(spec.layer_mixers[kind] for kind in types)
+
+
+def _sliding_window(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...]) -> int | None:
+    """The window of the sliding-window layers (layer type sliding_attention), read only when some
+    layer is one; an explicit null is refused (transformers has no window to apply then either)."""
+    kind = spec.layer_mixers.get("sliding_attention")
+    if kind is None or kind not in mixers:
+        return None
+    if "sliding_window" in raw and raw["sliding_window"] is None:
+        raise CheckpointError("config.json makes some layers sliding_attention layers but has sliding_window = null; "
+                              "set the window size, fix the config.")
+    return _lookup(raw, spec, "sliding_window")
+
+
+def _expert_kind(raw: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
+    """Router bias, expert biases and activation (with the clamped SwiGLU's alpha and limit) as ModelConfig fields."""
+    out = dict(router_bias=spec.router_bias, expert_bias=spec.expert_bias, expert_activation=spec.expert_activation)
+    if spec.expert_activation == "swiglu_clamped":
+        out.update(swiglu_alpha=float(_lookup(raw, spec, "swiglu_alpha")),
+                   swiglu_limit=float(_lookup(raw, spec, "swiglu_limit")))
+    return out
+
+
+def _check_quantization(raw: dict[str, Any]) -> None:
+    """A Hugging Face quantization moestream does not read is refused by name before any tensor is
+    (MLX's quantization, which it reads, is `quantization` with bits and group_size: quant/mlx.py)."""
+    q = raw.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
+        raise CheckpointError("config.json says the weights are MXFP4-quantized (quantization_config.quant_method = "
+                              "'mxfp4'), which moestream does not read yet; use a bf16 export of the model (its "
+                              "experts dequantized) for now.")
 
 
 def _linear_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...]) -> LinearAttentionConfig | None:
@@ -162,6 +202,57 @@ def _linear_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ..
                                  _lookup(raw, spec, "linear_conv_kernel_dim"))
 
 
+def _latent_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...],
+                      rope: RopeConfig) -> LatentAttentionConfig | None:
+    """MLA's sizes, read only when some layer is MLA. q_lora_rank may be null on purpose (a plain
+    q_proj: DeepSeek-V2-Lite), so an explicit null is kept rather than replaced by the default."""
+    if "mla" not in (mixers or (spec.mixer,)):
+        return None
+    if "q_lora_rank" in raw:
+        q_rank = None if raw["q_lora_rank"] is None else RULES["q_lora_rank"].check("q_lora_rank", raw["q_lora_rank"])
+    else:
+        q_rank = spec.defaults.get("q_lora_rank")
+    rope_dim = _lookup(raw, spec, "qk_rope_head_dim")
+    if rope_dim % 2:
+        raise CheckpointError(f"config.json has qk_rope_head_dim = {rope_dim}, which rotary splits into pairs; it "
+                              "must be even, fix the config.")
+    for factor in (raw.get("partial_rotary_factor"), *((raw.get(b) or {}).get("partial_rotary_factor")
+                                                       for b in ("rope_parameters", "rope_scaling"))):
+        if factor is not None and factor != 1:
+            raise CheckpointError(f"config.json has partial_rotary_factor = {factor!r}, but multi-head latent "
+                                  "attention rotates the whole rope key (qk_rope_head_dim); fix the config.")
+    nope, v_dim = _lookup(raw, spec, "qk_nope_head_dim"), _lookup(raw, spec, "v_head_dim")
+    scale = (nope + rope_dim) ** -0.5
+    # transformers' yarn_apply_mscale: any scaled rope with mscale_all_dim sharpens the softmax by mscale².
+    mscale_all_dim = rope.get("mscale_all_dim")
+    if rope.kind != "default" and mscale_all_dim:
+        m = RULES["mscale_all_dim"].check("mscale_all_dim", mscale_all_dim)
+        mscale = 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0
+        scale = scale * mscale * mscale
+    return LatentAttentionConfig(q_rank, _lookup(raw, spec, "kv_lora_rank"), nope, rope_dim, v_dim,
+                                 _lookup(raw, spec, "rope_interleave", True), scale)
+
+
+def _mlp_layer_types(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """Which layers are MoE, from mlp_layer_types ("dense" / "sparse" per layer)."""
+    types = raw["mlp_layer_types"]
+    if not isinstance(types, list) or len(types) != layers or any(t not in ("dense", "sparse") for t in types):
+        raise CheckpointError(f"config.json has mlp_layer_types = {types!r}, which must list 'dense' or 'sparse' for "
+                              f"each of its {layers} layers; fix the config.")
+    return tuple(t == "sparse" for t in types)
+
+
+def _groups(raw: dict[str, Any], spec: ArchSpec) -> tuple[int, int]:
+    """(n_group, topk_group) as routing uses them: (1, 1) where the family's switch (DeepSeek-V2's
+    topk_method) says the groups do not limit the choice, whatever config.json's n_group says."""
+    if spec.grouped_by is not None:
+        key, grouped = spec.grouped_by
+        method = raw.get(key) if raw.get(key) is not None else spec.defaults.get(key)
+        if method not in grouped:
+            return 1, 1
+    return _lookup(raw, spec, "n_group", 1), _lookup(raw, spec, "topk_group", 1)
+
+
 def _check_variants(raw: dict[str, Any], spec: ArchSpec) -> None:
     for key, allowed in spec.variants.items():
         value = raw.get(key)
@@ -170,8 +261,9 @@ def _check_variants(raw: dict[str, Any], spec: ArchSpec) -> None:
                                   f"implement (supported: {', '.join(map(repr, allowed))}); use a supported checkpoint.")
 
 
-def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
-    """Group-limited routing must be able to pick top_k experts from the topk_group best groups."""
+def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int, scored_by: int = 2) -> None:
+    """Group-limited routing must be able to pick top_k experts from the topk_group best groups;
+    `scored_by`: how many of a group's best experts score it (2 for sigmoid routing, 1 for DeepSeek-V2's)."""
     if topk_group > n_group:
         raise CheckpointError(f"config.json keeps topk_group = {topk_group} of n_group = {n_group} expert groups; "
                               "topk_group must not exceed n_group, fix the config.")
@@ -179,9 +271,10 @@ def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -
         raise CheckpointError(f"config.json splits {num_experts} experts into n_group = {n_group} groups, which "
                               "does not divide them evenly; fix n_group.")
     per_group = num_experts // n_group
-    if n_group > 1 and per_group < 2:
+    if n_group > 1 and per_group < scored_by:
         raise CheckpointError(f"config.json splits {num_experts} experts into {n_group} groups of {per_group}, but "
-                              "a group is scored by its best two experts; fix n_group.")
+                              f"a group is scored by its best {'two experts' if scored_by == 2 else 'expert'}; "
+                              "fix n_group.")
     if top_k > topk_group * per_group:
         raise CheckpointError(f"config.json routes {top_k} experts per token from topk_group = {topk_group} groups of "
                               f"{per_group} experts; fix num_experts_per_tok, topk_group or n_group.")
@@ -210,6 +303,7 @@ def _layer_list(raw: dict[str, Any], key: str, layers: int) -> set[int]:
 
 def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     _check_variants(raw, spec)
+    _check_quantization(raw)
     hidden = _lookup(raw, spec, "hidden_size")
     heads = _lookup(raw, spec, "num_attention_heads")
     layers = _lookup(raw, spec, "num_hidden_layers")
@@ -218,13 +312,24 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     vocab = _lookup(raw, spec, "vocab_size")
     if top_k > num_experts:
         raise CheckpointError(f"config.json routes {top_k} of {num_experts} experts per token; fix num_experts_per_tok.")
-    n_group, topk_group = _lookup(raw, spec, "n_group", 1), _lookup(raw, spec, "topk_group", 1)
-    _check_groups(num_experts, top_k, n_group, topk_group)
+    n_group, topk_group = _groups(raw, spec)
+    _check_groups(num_experts, top_k, n_group, topk_group, 1 if spec.router == "softmax_grouped" else 2)
     kv_heads = _optional(raw, "num_key_value_heads", heads)
     if heads % kv_heads:
         raise CheckpointError(f"config.json has {heads} attention heads and {kv_heads} key/value heads; the key/value "
                               "heads must divide the attention heads, fix the config.")
-    head_dim = _optional(raw, "head_dim", None)
+    rope = _rope(raw)
+    mixers = _layer_mixers(raw, spec, layers)
+    latent = _latent_attention(raw, spec, mixers, rope)
+    # MLA: every head attends to its own expansion of the one latent, so there are no key/value head
+    # groups; a query/key head is qk_nope + qk_rope wide (config.json's head_dim is the rope part).
+    head_dim = None if latent is None else latent.qk_nope_head_dim + latent.qk_rope_head_dim
+    if latent is not None and kv_heads != heads:
+        raise CheckpointError(f"config.json has {heads} attention heads and {kv_heads} key/value heads, but multi-head "
+                              "latent attention expands its latent to every head; num_key_value_heads must equal "
+                              "num_attention_heads, fix the config.")
+    if head_dim is None:
+        head_dim = _optional(raw, "head_dim", None)
     if head_dim is None:
         if hidden % heads:
             raise CheckpointError(f"config.json has hidden_size {hidden} and {heads} attention heads but no head_dim, "
@@ -234,9 +339,12 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     step = _optional(raw, "decoder_sparse_step", 1)
     first_dense = _lookup(raw, spec, "first_k_dense_replace", 0)
     moe_layers = tuple(i >= first_dense and i not in mlp_only and (i + 1) % step == 0 for i in range(layers))
+    if spec.mlp_layer_types and raw.get("mlp_layer_types") is not None:
+        moe_layers = _mlp_layer_types(raw, layers)
     if not any(moe_layers):
-        raise CheckpointError(f"config.json keeps all {layers} layers dense (first_k_dense_replace, mlp_only_layers "
-                              "or decoder_sparse_step), so this is not a Mixture-of-Experts model; fix the config.")
+        raise CheckpointError(f"config.json keeps all {layers} layers dense (first_k_dense_replace, mlp_only_layers, "
+                              "decoder_sparse_step or mlp_layer_types), so this is not a Mixture-of-Experts model; "
+                              "fix the config.")
     bias = _lookup(raw, spec, "attention_bias", False)
     dense = _lookup(raw, spec, "intermediate_size", 0)
     if dense == 0 and not all(moe_layers):
@@ -252,8 +360,6 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     qk_norm = spec.qk_norm
     if spec.qk_norm_switch is not None and not _lookup(raw, spec, spec.qk_norm_switch, False):
         qk_norm = "none"
-    rope = _rope(raw)
-    mixers = _layer_mixers(raw, spec, layers)
     return ModelConfig(
         arch=spec.name,
         vocab_size=vocab,
@@ -280,10 +386,13 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
         bos_token_id=(_token_ids(raw, "bos_token_id", vocab) or (None,))[0],
         checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         qk_norm=qk_norm,
-        rotary_dim=_rotary_dim(raw, spec, head_dim),
+        rotary_dim=latent.qk_rope_head_dim if latent is not None else _rotary_dim(raw, spec, head_dim),
         n_group=n_group,
         topk_group=topk_group,
         routed_scaling_factor=float(_lookup(raw, spec, "routed_scaling_factor", 1.0)),
         layer_mixers=mixers,
         linear_attention=_linear_attention(raw, spec, mixers),
+        latent_attention=latent,
+        sliding_window=_sliding_window(raw, spec, mixers),
+        **_expert_kind(raw, spec),
     )

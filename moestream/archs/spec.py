@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped"]
 QKNorm = Literal["none", "per_head", "full"]
 
 
@@ -20,7 +20,9 @@ class ArchSpec:
     `router`: a kind of `model.routers.ROUTERS`: softmax_topk = softmax over all experts, then top-k
     (renormalised when the config's norm_topk_prob says so); topk_softmax = top-k on the logits,
     then softmax over those k (Mixtral); sigmoid_grouped = sigmoid scores, a correction bias that
-    steers the choice only, group-limited top-k, routed scaling (GLM-4.5, DeepSeek-V3).
+    steers the choice only, group-limited top-k, routed scaling (GLM-4.5, DeepSeek-V3);
+    softmax_grouped = softmax scores, group-limited top-k (a group scored by its best expert), routed
+    scaling (DeepSeek-V2's greedy / group_limited_greedy).
     `mixer`: a kind of `model.attention.MIXERS` (the attention half of a layer and its cache kind).
     `qk_norm`: RMSNorm on queries and keys per head (Qwen3) or over the full projection (OLMoE).
     `qk_norm_switch`: a config.json bool that turns `qk_norm` on or off per checkpoint (GLM's
@@ -34,6 +36,20 @@ class ArchSpec:
     `linear_projections`: how Gated DeltaNet's in-projections are stored: `per_key_head` =
     in_proj_qkvz + in_proj_ba, grouped by key head (Qwen3-Next); `split` = in_proj_qkv, in_proj_z,
     in_proj_b, in_proj_a in plain head order (Qwen3.5).
+    `grouped_by`: (config.json key, values) for families where a key switches group-limited routing
+    on: only those values keep `n_group` / `topk_group` (DeepSeek-V2's topk_method
+    "group_limited_greedy"); any other value routes over all experts whatever the groups say
+    ("greedy"). None: the groups always apply.
+    `mlp_layer_types`: config.json's `mlp_layer_types` ("dense" / "sparse" per layer) decides which
+    layers are MoE (GLM-4.7-Flash, as transformers reads it); else first_k_dense_replace and the
+    Qwen keys do.
+    `router_bias`: the router's linear layer has a bias (`<router>.bias`, GPT-OSS).
+    `expert_layout`: how routed experts are stored: `per_expert` = `experts.E.<gate/up/down>.weight`
+    (`expert_names`); `stacked` = GPT-OSS's `experts.gate_up_proj` (E, H, 2I), gate and up columns
+    interleaved, `experts.down_proj` (E, I, H) and their `_bias` tensors (`stacked_expert_names`).
+    `expert_bias`: the routed experts' projections carry biases. `expert_activation`: a kind of
+    `kernels.moe_reference.ACTIVATIONS` (`swiglu`, or GPT-OSS's `swiglu_clamped`, whose alpha and
+    limit config.json gives as swiglu_alpha / swiglu_limit).
     `variants`: config.json keys naming a variant of the family, with the values moestream implements;
     any other value is refused when the config is read, rather than run wrongly.
     `keys`: for each ModelConfig field, the config.json keys that may hold it, first match wins.
@@ -56,6 +72,12 @@ class ArchSpec:
     layer_mixers: dict[str, str] = field(default_factory=dict)
     norm: str = "rms"
     linear_projections: Literal["per_key_head", "split"] = "per_key_head"
+    grouped_by: tuple[str, tuple[Any, ...]] | None = None
+    mlp_layer_types: bool = False
+    router_bias: bool = False
+    expert_layout: Literal["per_expert", "stacked"] = "per_expert"
+    expert_bias: bool = False
+    expert_activation: str = "swiglu"
     variants: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -64,6 +86,12 @@ class ArchSpec:
         """On-disk names of one expert's gate, up and down projection weights."""
         base = f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}"
         return tuple(f"{base}.{n}.weight" for n in self.expert_names)  # type: ignore[return-value]
+
+    def stacked_expert_names(self, layer: int) -> dict[str, str]:
+        """On-disk names of one layer's stacked expert tensors (`expert_layout = "stacked"`)."""
+        base = f"model.layers.{layer}.{self.moe_prefix}.experts"
+        return {"gate_up": f"{base}.gate_up_proj", "gate_up_bias": f"{base}.gate_up_proj_bias",
+                "down": f"{base}.down_proj", "down_bias": f"{base}.down_proj_bias"}
 
     def mixer_of(self, config: ModelConfig, layer: int) -> str:
         """The MIXERS kind of one layer: as config.json's layer types say, else the family's one kind."""
@@ -103,6 +131,25 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3, GLM-4.7-Flash): a query through a low-rank
+    bottleneck of `q_lora_rank` (None: one plain q_proj), keys and values compressed together into a
+    `kv_lora_rank` latent plus one `qk_rope_head_dim` rope key shared by every head (what the cache
+    keeps), expanded per head to `qk_nope_head_dim` key and `v_head_dim` value dims.
+    `rope_interleave`: the rope dims rotate as adjacent pairs (DeepSeek's layout), not half-split.
+    `softmax_scale`: 1/sqrt(qk_nope + qk_rope), times yarn's mscale(factor, mscale_all_dim)² when
+    the rope is scaled, as transformers computes it."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The normalised shape of a model; every module is built from this, whatever the family."""
 
@@ -138,11 +185,19 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0    # multiplies the routed experts' weights
     layer_mixers: tuple[str, ...] = ()    # MIXERS kind per layer where the family mixes them; (): spec.mixer
     linear_attention: LinearAttentionConfig | None = None   # sizes of the linear-attention layers, if any
+    latent_attention: LatentAttentionConfig | None = None   # MLA sizes, if the layers use it
+    sliding_window: int | None = None     # keys a sliding-window layer attends to, its own included
+    router_bias: bool = False             # the router's linear layer has a bias (GPT-OSS)
+    expert_bias: bool = False             # the routed experts' projections have biases (GPT-OSS)
+    expert_activation: str = "swiglu"     # a kernels.moe_reference activation
+    swiglu_alpha: float = 1.702           # swiglu_clamped's sigmoid gain and clamp (GPT-OSS)
+    swiglu_limit: float = 7.0
 
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
     def expert_numel(self) -> int:
-        """Parameters of one routed expert: gate, up (I×H each) and down (H×I)."""
-        return 3 * self.moe_intermediate * self.hidden_size
+        """Parameters of one routed expert: gate, up (I×H each) and down (H×I), and their biases."""
+        biases = 2 * self.moe_intermediate + self.hidden_size if self.expert_bias else 0
+        return 3 * self.moe_intermediate * self.hidden_size + biases

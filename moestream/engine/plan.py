@@ -62,6 +62,10 @@ def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill
     hidden = 6 * T * H * e + T * (q + 2 * kv) * e * 2
     moe = T * k * (2 * I * 4 + I * e + H * 4) + T * k * 16   # gate_up fp32, activation, fp32 partials, indices
     attention = T * config.num_heads * min(max_context, T + 1) * 4 if T > 1 else 0
+    mla = config.latent_attention
+    if mla is not None:   # the expanded form up-projects every attended position to per-head K and V
+        per_position = config.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * e
+        attention += max(batch, 1) * max_context * per_position
     logits = batch * config.vocab_size * 4 * 3
     return hidden + max(moe, attention) + logits
 
@@ -156,7 +160,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
         raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
                           f"and has only {E}; pick a capacity in that range.")
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
-    shape = ExpertShape(config.hidden_size, config.moe_intermediate)
+    shape = ExpertShape.of(config)   # with the experts' biases (GPT-OSS) and activation
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
                 prefix_cache_bytes=prefix_cache_bytes,

@@ -38,7 +38,8 @@ MISS_POLICIES = ("fetch", "skip")
 class ExpertBank:
     def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device, capacity: int,
                  tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
-                 pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16):
+                 pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16,
+                 cpu_misses: float | str = 0.0):
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident)."""
@@ -51,14 +52,18 @@ class ExpertBank:
         self.policy: ResidencyPolicy = POLICIES[residency](self.num_experts)
         self.stats = BankStats()
         self.tier = tier
-        by_name = {fmt.name: fmt.dispatch(device) for fmt in formats.values()}
+        by_name = {fmt.name: fmt.dispatch(device, store.shape) for fmt in formats.values()}
         self._dispatch = {layer: by_name[fmt.name] for layer, fmt in formats.items()}
+        # A dispatch that reads back from the device (the plain-torch reference on CUDA, where Triton is
+        # missing) cannot be captured in a CUDA graph: decode then runs eagerly.
+        self.dispatch_syncs = any(fmt.dispatch_syncs(device, store.shape) for fmt in formats.values())
         self.slots = SlotTable(formats, capacity, self.num_experts, store.shape, device)
         self.transfers = Transfers(tier, device)
         self.prefetcher = Prefetcher(self.slots, self.transfers, self.policy) if prefetch and not self.fully_resident else None
+        host_stacks = getattr(tier, "layers", None)   # every expert in host RAM (the pinned tier)
         self.fetcher = None if self.fully_resident else Fetcher(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, store.shape, self.top_k,
-            staging_slots, self.prefetcher)
+            staging_slots, self.prefetcher, host_stacks, cpu_misses)
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
         self.decoding = False   # set per step by the runtime: skip applies to decode steps only
@@ -135,17 +140,27 @@ class ExpertBank:
     @property
     def graph_safe(self) -> bool:
         """A decode step reads nothing back: it can be captured and replayed as a CUDA graph."""
-        return self.fully_resident or self.skip is not None
+        return (self.fully_resident or self.skip is not None) and not self.dispatch_syncs
 
     def can_segment(self, batch: int) -> bool:
         """Decode of `batch` tokens can always be made resident before its experts run (fetch policy)."""
-        if self.fetcher is None or self.skip is not None:
+        if self.fetcher is None or self.skip is not None or self.dispatch_syncs:
             return False
         most_pinned = max((len(p) for p in self.policy.pinned.values()), default=0)
         return batch * self.top_k <= self.capacity - most_pinned and batch <= self.capacity
 
+    @property
+    def hybrid(self) -> bool:
+        """Some misses of decode steps are computed on the CPU from host RAM (`cpu_misses`)."""
+        return self.fetcher is not None and self.fetcher.host_stacks is not None
+
     def ensure_resident(self, layer: int, expert_ids: np.ndarray, wait: str = "host") -> None:
         self.fetcher.ensure_resident(layer, expert_ids, wait)
+
+    def ensure_resident_hybrid(self, layer: int, expert_ids: np.ndarray, hidden: Tensor, ids: Tensor, weights: Tensor,
+                               wait: str = "host") -> Tensor | None:
+        """Like `ensure_resident`, computing a share of the misses on the CPU: their rows, to add."""
+        return self.fetcher.ensure_resident_hybrid(layer, expert_ids, hidden, ids, weights, wait)
 
     def prefetch(self, layer: int, predicted: np.ndarray) -> None:
         if self.prefetcher is not None:

@@ -8,9 +8,14 @@ which dispatch runs over a layer's slots (`dispatch`: the fused kernel on CUDA, 
 reference elsewhere).
 
 The dense formats (bf16 / fp16 / fp32): `gate_up (2I, H)` with the gate rows first and
-`down (H, I)`, as transformers v5 and vLLM stack them. The quantized formats (affine int8/4/3/2,
-normal-float nf4/nf3, any group size of `moestream.quant`): each projection as `<proj>.qweight`
-(packed uint8), `<proj>.scales` and, for affine specs, `<proj>.biases`.
+`down (H, I)`, as transformers v5 and vLLM stack them, and for experts with biases (GPT-OSS,
+`ExpertShape.bias`) `gate_up_bias (2I,)` and `down_bias (H,)` beside them. The quantized formats
+(affine int8/4/3/2, normal-float nf4/nf3, any group size of `moestream.quant`): each projection as
+`<proj>.qweight` (packed uint8), `<proj>.scales` and, for affine specs, `<proj>.biases` (the
+quantization's offsets, not a layer bias); they hold plain SwiGLU experts without biases only.
+
+The expert's activation (`ExpertShape.activation`: SwiGLU, or GPT-OSS's clamped SwiGLU with its
+parameters) travels with the shape into `dispatch`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moestream.archs.spec import ModelConfig
 from moestream.errors import InputError
+from moestream.kernels.moe_reference import Activation
 from moestream.quant import QuantSpec, quantize
 from moestream.sizes import dtype_size
 
@@ -32,10 +39,26 @@ Dispatch = Callable[[Tensor, Mapping[str, Tensor], Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class ExpertShape:
-    """The sizes every format is laid out from: the model's hidden size and an expert's width."""
+    """What every format is laid out from: the model's hidden size and an expert's width, whether
+    its projections carry biases, and its activation (which the dispatch applies)."""
 
     hidden: int
     intermediate: int
+    bias: bool = False
+    activation: Activation = Activation()
+
+    @property
+    def plain(self) -> bool:
+        """SwiGLU without biases: the only experts the quantized formats (and their kernels) hold."""
+        return not self.bias and self.activation.name == "swiglu"
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ExpertShape:
+        """The routed experts of a model: sizes, biases and activation, as config.json gives them."""
+        activation = Activation(config.expert_activation)
+        if config.expert_activation == "swiglu_clamped":
+            activation = Activation("swiglu_clamped", config.swiglu_alpha, config.swiglu_limit)
+        return cls(config.hidden_size, config.moe_intermediate, config.expert_bias, activation)
 
 
 @dataclass(frozen=True)
@@ -79,12 +102,20 @@ class ExpertFormat(ABC):
         in place (same bytes, no conversion), or None when they must go through `encode`."""
 
     @abstractmethod
-    def encode(self, gate: Tensor, up: Tensor, down: Tensor, out: Mapping[str, Tensor]) -> None:
-        """Write one expert, given as its gate (I, H), up (I, H) and down (H, I) weights, into `out`."""
+    def encode(self, gate: Tensor, up: Tensor, down: Tensor, out: Mapping[str, Tensor],
+               biases: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        """Write one expert, given as its gate (I, H), up (I, H) and down (H, I) weights (and, for
+        experts with biases, the gate (I,), up (I,) and down (H,) biases), into `out`."""
 
     @abstractmethod
-    def dispatch(self, device: torch.device) -> Dispatch:
-        """The MoE dispatch over this format's slots on `device` (fused kernel or reference)."""
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+        """The MoE dispatch over this format's slots on `device` (fused kernel or reference), for
+        experts of `shape` (its biases and activation; None: plain SwiGLU)."""
+
+    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        """Whether `dispatch` reads from the device (the plain-torch reference on CUDA groups its
+        pairs on the host): such a dispatch cannot run inside a CUDA graph capture."""
+        return False
 
     def describe(self, shape: ExpertShape) -> dict:
         """JSON-ready layout (snapshots compare it to know a saved bank fits)."""
@@ -93,14 +124,18 @@ class ExpertFormat(ABC):
 
 
 class DenseFormat(ExpertFormat):
-    """Unquantized experts: `gate_up (2I, H)` (gate rows first) and `down (H, I)` in one float dtype."""
+    """Unquantized experts: `gate_up (2I, H)` (gate rows first) and `down (H, I)` in one float dtype,
+    plus `gate_up_bias (2I,)` and `down_bias (H,)` when the experts have biases."""
 
     def __init__(self, name: str, dtype: torch.dtype):
         self.name, self.dtype = name, dtype
 
     def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
         H, I = shape.hidden, shape.intermediate
-        return (TensorSpec("gate_up", (2 * I, H), self.dtype), TensorSpec("down", (H, I), self.dtype))
+        weights = (TensorSpec("gate_up", (2 * I, H), self.dtype), TensorSpec("down", (H, I), self.dtype))
+        if not shape.bias:
+            return weights
+        return weights + (TensorSpec("gate_up_bias", (2 * I,), self.dtype), TensorSpec("down_bias", (H,), self.dtype))
 
     def raw_views(self, expert, source_dtype):
         if source_dtype != self.dtype:
@@ -109,20 +144,42 @@ class DenseFormat(ExpertFormat):
         I = gate_up.shape[0] // 2
         return gate_up[:I], gate_up[I:], expert["down"]
 
-    def encode(self, gate, up, down, out):
+    def encode(self, gate, up, down, out, biases=None):
         I = gate.shape[0]
         out["gate_up"][:I].copy_(gate)
         out["gate_up"][I:].copy_(up)
         out["down"].copy_(down)
+        if biases is not None:
+            gate_bias, up_bias, down_bias = biases
+            out["gate_up_bias"][:I].copy_(gate_bias)
+            out["gate_up_bias"][I:].copy_(up_bias)
+            out["down_bias"].copy_(down_bias)
 
-    def dispatch(self, device: torch.device) -> Dispatch:
+    @staticmethod
+    def _fused(device: torch.device) -> bool:
+        """The Triton kernels on CUDA (biases and the clamped SwiGLU included); elsewhere, or without
+        Triton, the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
         from moestream import kernels
 
-        kernel = kernels.fused_moe if device.type == "cuda" and kernels.fused_moe_available() else kernels.moe_reference
+        return device.type == "cuda" and kernels.fused_moe_available()
 
-        def run(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
-            return kernel(hidden, slots["gate_up"], slots["down"], slot_ids, weights)
-        return run
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+        from moestream import kernels
+
+        activation = shape.activation if shape is not None else Activation()
+        if self._fused(device):
+            def fused(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
+                return kernels.fused_moe(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
+                                         slots.get("gate_up_bias"), slots.get("down_bias"))
+            return fused
+
+        def reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
+            return kernels.moe_reference(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
+                                         slots.get("gate_up_bias"), slots.get("down_bias"))
+        return reference
+
+    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        return device.type == "cuda" and not self._fused(device)
 
     def __repr__(self) -> str:
         return f"DenseFormat({self.name})"
@@ -144,6 +201,9 @@ class QuantizedFormat(ExpertFormat):
         return {"gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
 
     def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        if not shape.plain:
+            raise InputError(f"experts with biases or a {shape.activation.name} activation (GPT-OSS) cannot be kept "
+                             f"quantized ({self.name}) yet; load them unquantized (--experts bf16).")
         out = []
         for proj, (n, k) in self.projection_shapes(shape).items():
             self.spec.check_width(k, f"the {proj} input dimension")
@@ -157,12 +217,14 @@ class QuantizedFormat(ExpertFormat):
     def raw_views(self, expert, source_dtype):
         return None   # checkpoint weights are full precision: always through encode
 
-    def encode(self, gate, up, down, out):
+    def encode(self, gate, up, down, out, biases=None):
+        if biases is not None:
+            raise InputError(f"experts with biases cannot be quantized ({self.name}) yet; load them unquantized.")
         for proj, weight in (("gate_up", torch.cat([gate, up])), ("down", down)):
             for part, t in quantize(weight, self.spec).parts().items():
                 out[f"{proj}.{part}"].copy_(t)
 
-    def dispatch(self, device: torch.device) -> Dispatch:
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
         from moestream import kernels
 
         spec = self.spec
@@ -170,6 +232,11 @@ class QuantizedFormat(ExpertFormat):
             fused = kernels.fused_moe_quant
             return lambda hidden, slots, slot_ids, weights: fused(hidden, slots, slot_ids, weights, spec)
         return lambda hidden, slots, slot_ids, weights: kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec)
+
+    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        from moestream import kernels
+
+        return device.type == "cuda" and not kernels.fused_moe_quant_available()
 
     def describe(self, shape: ExpertShape) -> dict:
         return {**super().describe(shape), "bits": self.spec.bits, "group": self.spec.group, "kind": self.spec.kind}

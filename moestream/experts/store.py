@@ -4,7 +4,10 @@ Three layouts on disk, one interface (`read_into(layer, expert, fmt, out)`):
 
   CheckpointExpertStore  Hugging Face per-expert tensors (`...experts.E.gate_proj.weight`), full
                          precision: read by byte range, then written into the asked format in place
-                         (same bytes) or through `ExpertFormat.encode` (a dtype change, quantize-on-load)
+                         (same bytes) or through `ExpertFormat.encode` (a dtype change, quantize-on-load);
+                         or GPT-OSS's stacked tensors (`...experts.gate_up_proj` (E, H, 2I), gate and
+                         up columns interleaved, + biases): expert e is one byte range of each,
+                         de-interleaved and transposed through `encode`
   MLXExpertStore         MLX's stacked quantized tensors (`...switch_mlp.gate_proj.weight` (E, N, ·)
                          uint32 + scales + biases): expert e is one byte range of each, read as it is
   PackedExpertStore      `moestream convert` output: per layer one file, each expert one contiguous
@@ -45,7 +48,7 @@ class ExpertStore:
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         self.index, self.config, self.spec = index, config, spec
-        self.shape = ExpertShape(config.hidden_size, config.moe_intermediate)
+        self.shape = ExpertShape.of(config)
         self.num_experts = config.num_experts
         self.moe_layers = [i for i, is_moe in enumerate(config.moe_layers) if is_moe]
         self.dtype = torch.float32   # the stored float dtype (full-precision layouts)
@@ -69,19 +72,35 @@ class ExpertStore:
 
 
 class CheckpointExpertStore(ExpertStore):
-    """Full-precision per-expert tensors of a Hugging Face checkpoint."""
+    """Full-precision experts of a Hugging Face checkpoint, in the layout the ArchSpec names
+    (`expert_layout`): per-expert tensors, or stacked ones (GPT-OSS: transformers' GptOssExperts
+    parameters as saved, `gate_up_proj` (E, H, 2I) with gate and up columns interleaved,
+    `gate_up_proj_bias` (E, 2I), `down_proj` (E, I, H), `down_proj_bias` (E, H))."""
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         super().__init__(index, config, spec)
+        self.stacked = spec.expert_layout == "stacked"
         self.dtype = self._check_and_dtype()
+
+    def _expected(self, layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every checkpoint tensor holding part of one expert (stacked: whole stacks)."""
+        I, H, E = self.shape.intermediate, self.shape.hidden, self.num_experts
+        if not self.stacked:
+            return list(zip(self.spec.expert_tensor_names(layer, expert), ((I, H), (I, H), (H, I))))
+        names = self.spec.stacked_expert_names(layer)
+        base = names["gate_up"]
+        if f"{base}_blocks" in self.index or f"{base}_scales" in self.index:
+            raise CheckpointError(f"{base} is stored MXFP4-quantized (blocks and scales), which moestream does not "
+                                  "read yet; use a bf16 export of the model (its experts dequantized).")
+        return [(names["gate_up"], (E, H, 2 * I)), (names["gate_up_bias"], (E, 2 * I)),
+                (names["down"], (E, I, H)), (names["down_bias"], (E, H))]
 
     def _check_and_dtype(self) -> torch.dtype:
         """Validate every expert tensor's presence and shape up front: fail before loading, not midway."""
-        I, H = self.shape.intermediate, self.shape.hidden
         dtypes = set()
         for layer in self.moe_layers:
-            for e in range(self.num_experts):
-                for name, shape in zip(self.spec.expert_tensor_names(layer, e), ((I, H), (I, H), (H, I))):
+            for e in range(1 if self.stacked else self.num_experts):   # a stack holds every expert
+                for name, shape in self._expected(layer, e):
                     info = self.index.info(name)
                     if info.shape != shape:
                         raise CheckpointError(
@@ -94,19 +113,37 @@ class CheckpointExpertStore(ExpertStore):
             raise CheckpointError(f"expert tensors mix dtypes {sorted(map(str, dtypes))}; re-convert the checkpoint to one dtype.")
         return dtypes.pop() if dtypes else torch.float32
 
+    def _read_row(self, name: str, expert: int, shape: tuple[int, ...]) -> Tensor:
+        """Row `expert` of a stacked tensor: one byte range."""
+        row = torch.empty(shape, dtype=self.dtype)
+        return self.index.read_into(self.index.info(name), row, start=expert * row.numel() * row.element_size())
+
     def read_raw(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor]:
         """gate (I, H), up (I, H), down (H, I) of one expert, in the checkpoint's dtype."""
         I, H = self.shape.intermediate, self.shape.hidden
+        if self.stacked:   # x @ W layout: gate_up (H, 2I), gate columns even, up columns odd; down (I, H)
+            names = self.spec.stacked_expert_names(layer)
+            gate_up = self._read_row(names["gate_up"], expert, (H, 2 * I))
+            down = self._read_row(names["down"], expert, (I, H))
+            return gate_up[:, 0::2].t(), gate_up[:, 1::2].t(), down.t()
         out = (torch.empty((I, H), dtype=self.dtype), torch.empty((I, H), dtype=self.dtype),
                torch.empty((H, I), dtype=self.dtype))
         for name, t in zip(self.spec.expert_tensor_names(layer, expert), out):
             self.index.read_into(self.index.info(name), t)
         return out
 
+    def read_raw_biases(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """gate (I,), up (I,) and down (H,) biases of one expert (stacked layout), else None."""
+        if not self.stacked:
+            return None
+        names = self.spec.stacked_expert_names(layer)
+        gate_up = self._read_row(names["gate_up_bias"], expert, (2 * self.shape.intermediate,))
+        return gate_up[0::2], gate_up[1::2], self._read_row(names["down_bias"], expert, (self.shape.hidden,))
+
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        views = fmt.raw_views(out, self.dtype)
+        views = None if self.stacked else fmt.raw_views(out, self.dtype)
         if views is None:
-            fmt.encode(*self.read_raw(layer, expert), out)
+            fmt.encode(*self.read_raw(layer, expert), out, biases=self.read_raw_biases(layer, expert))
             return
         for name, view in zip(self.spec.expert_tensor_names(layer, expert), views):
             self.index.read_into(self.index.info(name), view)

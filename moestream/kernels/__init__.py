@@ -31,12 +31,15 @@ def _triton_module(name: str):
 
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
-              weights: Tensor, activation: str = "swiglu") -> Tensor:
-    """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`.
+              weights: Tensor, activation="swiglu", gate_up_bias: Tensor | None = None,
+              down_bias: Tensor | None = None) -> Tensor:
+    """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`
+    (optional expert biases, an `Activation` with parameters).
 
     Loads Triton on first call; raises ImportError when it is not installed.
     """
-    return _triton_module("fused_moe").fused_moe(hidden, gate_up, down, slot_ids, weights, activation)
+    return _triton_module("fused_moe").fused_moe(hidden, gate_up, down, slot_ids, weights, activation,
+                                                 gate_up_bias, down_bias)
 
 
 @functools.lru_cache(maxsize=None)

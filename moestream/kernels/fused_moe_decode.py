@@ -9,7 +9,8 @@ than the work, so this path reads the routing directly. One kernel, launched twi
   fp32 into a (T*k, H) buffer.
 
 The caller then sums the k rows of each token in a fixed reduction order (deterministic, no
-atomics).
+atomics). Experts with biases add their slot's bias row in both epilogues (before the activation,
+before the routing weight), as the grouped path does.
 
 Program (p, n) belongs to pair p. It loads all T*k slot ids (a few hundred bytes) and does the
 work only if p is the *first* pair routed to its slot (the slot's owner); the owner computes the
@@ -75,14 +76,15 @@ QUANT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 512, 4, 1), down=Decod
 
 @triton.jit
 def _moe_decode_kernel(
-    a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr,
+    a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
     N, K, num_pairs, num_slots, top_k,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn,
+    stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn, stride_bias_e, alpha, limit,
     A_BY_TOKEN: tl.constexpr,     # A row of a pair = its token (hidden) or the pair (inter)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); activate
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight
+    HAS_BIAS: tl.constexpr,       # add the slot's bias row (gated: gate bias [0, N), up bias [N, 2N))
     PAIRS: tl.constexpr,          # power of two >= num_pairs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -115,6 +117,7 @@ def _moe_decode_kernel(
     b_base = b_ptr + slot.to(tl.int64) * stride_be
     s_base = s_ptr + slot.to(tl.int64) * stride_se
     z_base = z_ptr + slot.to(tl.int64) * stride_se
+    bias_row = bias_ptr + slot.to(tl.int64) * stride_bias_e
 
     if BITS > 0:
         if count == 1:   # one token on this expert (decode): the quantized GEMV, no padded dot
@@ -124,8 +127,12 @@ def _moe_decode_kernel(
                 a_row = pid
             acc, acc_up = quant_gemv(a_ptr + a_row.to(tl.int64) * stride_am, b_base, s_base, z_base, code_ptr, offs_bn,
                                      K, N, stride_ak, stride_bn, stride_sn, BLOCK_N, BLOCK_K, GATED, BITS, GROUP, NF)
+            if HAS_BIAS:
+                acc += tl.load(bias_row + offs_bn).to(tl.float32)
+                if GATED:
+                    acc_up += tl.load(bias_row + N + offs_bn).to(tl.float32)
             if GATED:
-                acc = activate(acc, acc_up, ACTIVATION)
+                acc = activate(acc, acc_up, ACTIVATION, alpha, limit)
             if MUL_WEIGHT:
                 acc = acc * tl.load(w_ptr + (pid // top_k) * stride_wt + (pid % top_k) * stride_wj).to(tl.float32)
             tl.store(c_ptr + pid.to(tl.int64) * stride_cm + offs_n * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -144,8 +151,12 @@ def _moe_decode_kernel(
         acc, acc_up = gated_dot(a_ptr + a_row * stride_am, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
                                 stride_ak, stride_bk, stride_bn, stride_sn,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
+        if HAS_BIAS:
+            acc += tl.load(bias_row + offs_bn).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(bias_row + N + offs_bn).to(tl.float32)[None, :]
         if GATED:
-            acc = activate(acc, acc_up, ACTIVATION)
+            acc = activate(acc, acc_up, ACTIVATION, alpha, limit)
         if MUL_WEIGHT:
             w = tl.load(w_ptr + (pair // top_k) * stride_wt + (pair % top_k) * stride_wj,
                         mask=row_mask, other=0.0)
@@ -184,16 +195,19 @@ def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
 
 def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
             num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
-            mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None) -> None:
+            mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None,
+            bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0) -> None:
     num_pairs = slot_ids.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n))
     b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, tile.block_k)
     _moe_decode_kernel[grid](
-        a, b, c, slot_ids, weights, s, z, code,
+        a, b, c, slot_ids, weights, s, z, code, bias if bias is not None else b,
         n, k, num_pairs, num_slots, slot_ids.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1), stride_se, stride_sn,
+        bias.stride(0) if bias is not None else 0, float(alpha), float(limit),
         A_BY_TOKEN=a_by_token, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
+        HAS_BIAS=bias is not None,
         PAIRS=max(16, triton.next_power_of_2(num_pairs)),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_K=(k % tile.block_k == 0) and quant is None,
@@ -206,7 +220,8 @@ def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, 
 def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                         weights: Tensor, inter: Tensor, per_pair: Tensor, activation_code: int,
                         config: DecodeConfig | None = None, quant: tuple[QuantOperand, QuantOperand] | None = None,
-                        intermediate: int | None = None) -> None:
+                        intermediate: int | None = None, biases: tuple[Tensor, Tensor] | None = None,
+                        alpha: float = 1.0, limit: float = 0.0) -> None:
     """The two decode launches: gate_up+activation into `inter` (T*k, I), hidden dtype; then
     down times routing weight into `per_pair` (T*k, H), fp32. Rows of unrouted pairs are left
     unwritten. Inputs are validated by the caller. With `quant` (gate_up, down operands), the
@@ -224,7 +239,8 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
         down_tile = replace(cfg.down, block_k=min(cfg.down.block_k, triton.next_power_of_2(I)))
     _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
-            block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None)
+            block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None,
+            bias=biases[0] if biases else None, alpha=alpha, limit=limit)
     _launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
             gated=False, activation_code=0, mul_weight=True, block_m=cfg.block_m,
-            tile=down_tile, quant=quant[1] if quant else None)
+            tile=down_tile, quant=quant[1] if quant else None, bias=biases[1] if biases else None)

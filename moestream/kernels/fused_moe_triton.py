@@ -21,6 +21,10 @@ of each token. 3 launches in all, memory-bound GEMV shapes.
 3. **down GEMM**, one launch, routing weight multiplied in the epilogue, written in fp32 to a
    (T*k, H) buffer.
 
+Experts with biases (GPT-OSS) add their slot's bias rows to the fp32 accumulators in the same
+epilogues (gate_up's before the activation, down's before the routing weight), and the clamped
+SwiGLU is one more activation code (`moe_activation.py`); both paths share those epilogues.
+
 Both paths end with the same launch (`_sum_over_k_kernel`): out[t] = sum over j of the fp32 rows
 of the routed pairs, in a fixed reduction order (deterministic, no atomics), cast to the hidden
 dtype. Rows of unrouted pairs (slot -1 or outside [0, S)) are never written and never read.
@@ -57,7 +61,7 @@ from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
 from .moe_tiles import fit_tile, gated_dot
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
-from .moe_reference import check_moe_inputs, get_activation
+from .moe_reference import Activation, check_expert_biases, check_moe_inputs, get_activation
 
 __all__ = [
     "fused_moe",
@@ -131,13 +135,15 @@ def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
 
 @triton.jit
 def _moe_grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr,
+    a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
     N, K, num_pairs, num_m_blocks,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
+    stride_bias_e, alpha, limit,
     A_ROW_DIV: tl.constexpr,      # A row of a pair = pair // A_ROW_DIV (top_k for hidden, 1 after)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,     # multiply each row by its routing weight w[pair]
+    HAS_BIAS: tl.constexpr,       # add the slot's bias row (gated: gate bias [0, N), up bias [N, 2N))
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
@@ -176,8 +182,13 @@ def _moe_grouped_gemm_kernel(
                             s_ptr + slot * stride_se, z_ptr + slot * stride_se, code_ptr, offs_bn, row_mask, K, N,
                             stride_ak, stride_bk, stride_bn, stride_sn,
                             BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
+    if HAS_BIAS:
+        bias_row = bias_ptr + slot * stride_bias_e
+        acc += tl.load(bias_row + offs_bn).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + N + offs_bn).to(tl.float32)[None, :]
     if GATED:
-        acc = activate(acc, acc_up, ACTIVATION)
+        acc = activate(acc, acc_up, ACTIVATION, alpha, limit)
     if MUL_WEIGHT:
         w = tl.load(w_ptr + pair, mask=row_mask, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
@@ -187,17 +198,20 @@ def _moe_grouped_gemm_kernel(
 def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: Tensor,
                          block_slot: Tensor, n: int, k: int, num_pairs: int, a_row_div: int,
                          gated: bool, activation_code: int, mul_weight: bool,
-                         block_m: int, cfg: GemmConfig, quant: QuantOperand | None = None) -> None:
-    """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles."""
+                         block_m: int, cfg: GemmConfig, quant: QuantOperand | None = None,
+                         bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0) -> None:
+    """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles; `bias` (S, N or 2N)
+    per-slot bias rows, or None."""
     num_m_blocks = block_slot.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, cfg.block_k)
     _moe_grouped_gemm_kernel[grid](
-        a, b, c, w, pair_ids, block_slot, s, z, code,
+        a, b, c, w, pair_ids, block_slot, s, z, code, bias if bias is not None else b,
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        stride_se, stride_sn,
+        stride_se, stride_sn, bias.stride(0) if bias is not None else 0, float(alpha), float(limit),
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
+        HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         EVEN_K=(k % cfg.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -251,9 +265,10 @@ def choose_path(num_tokens: int, top_k: int) -> str:
 
 
 def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
-                          weights: Tensor, activation: str = "swiglu",
+                          weights: Tensor, activation: str | Activation = "swiglu",
                           config: MoeConfig | DecodeConfig | None = None,
-                          path: str = "auto") -> Tensor:
+                          path: str = "auto", gate_up_bias: Tensor | None = None,
+                          down_bias: Tensor | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
@@ -262,20 +277,24 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
             (`DEFAULT_DECODE_CONFIG`, `select_config`).
     """
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
+    check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
     get_activation(activation)                   # same errors as the reference
-    if activation not in _ACTIVATION_CODES:
-        raise NotImplementedError(f"fused_moe has no Triton epilogue for activation {activation!r}")
+    act = Activation.of(activation)
+    if act.name not in _ACTIVATION_CODES:
+        raise NotImplementedError(f"fused_moe has no Triton epilogue for activation {act.name!r}")
     if not hidden.is_cuda and not _interpreting():
         raise ValueError(
             "fused_moe needs CUDA tensors (or TRITON_INTERPRET=1 for CPU debugging); "
             "use moe_reference on the CPU"
         )
     for name, t in (("gate_up", gate_up), ("down", down), ("slot_ids", slot_ids),
-                    ("weights", weights)):
-        if t.device != hidden.device:
+                    ("weights", weights), ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     path = resolve_path(path, config, T, k)
-    return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[activation], config, path, S, I)
+    biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
+    return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
+                     biases=biases, alpha=act.alpha, limit=act.limit)
 
 
 def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
@@ -297,8 +316,11 @@ def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
 
 def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation_code: int, config, path: str, num_slots: int, intermediate: int,
-              quant: tuple[QuantOperand, QuantOperand] | None = None) -> Tensor:
-    """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k."""
+              quant: tuple[QuantOperand, QuantOperand] | None = None,
+              biases: tuple[Tensor, Tensor] | None = None, alpha: float = 1.0, limit: float = 0.0) -> Tensor:
+    """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k. `biases`:
+    per-slot (gate_up_bias (S, 2I), down_bias (S, H)) rows added in the epilogues, or None;
+    `alpha` / `limit`: the activation's parameters (read by the clamped SwiGLU only)."""
     T, k = slot_ids.shape
     H = hidden.shape[1]
     num_pairs = T * k
@@ -314,10 +336,12 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
     with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
         if path == "decode":
             launch_decode_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
-                                activation_code, config, quant=quant, intermediate=intermediate)
+                                activation_code, config, quant=quant, intermediate=intermediate,
+                                biases=biases, alpha=alpha, limit=limit)
         else:
             _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
-                           activation_code, config, quant=quant, intermediate=intermediate)
+                           activation_code, config, quant=quant, intermediate=intermediate,
+                           biases=biases, alpha=alpha, limit=limit)
         _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
     return out
 
@@ -325,7 +349,8 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
 def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                    weights: Tensor, activated: Tensor, per_pair: Tensor, activation_code: int,
                    config: MoeConfig | None, quant: tuple[QuantOperand, QuantOperand] | None = None,
-                   intermediate: int | None = None) -> None:
+                   intermediate: int | None = None, biases: tuple[Tensor, Tensor] | None = None,
+                   alpha: float = 1.0, limit: float = 0.0) -> None:
     """Align + the two grouped GEMM launches; rows of unrouted pairs are left unwritten."""
     T, k = slot_ids.shape
     S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
@@ -345,15 +370,18 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
                          n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
                          activation_code=activation_code, mul_weight=False,
-                         block_m=cfg.block_m, cfg=gate_up_cfg, quant=quant[0] if quant else None)
+                         block_m=cfg.block_m, cfg=gate_up_cfg, quant=quant[0] if quant else None,
+                         bias=biases[0] if biases else None, alpha=alpha, limit=limit)
     _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
                          n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
                          activation_code=0, mul_weight=True,
-                         block_m=cfg.block_m, cfg=down_cfg, quant=quant[1] if quant else None)
+                         block_m=cfg.block_m, cfg=down_cfg, quant=quant[1] if quant else None,
+                         bias=biases[1] if biases else None)
 
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
-              activation: str = "swiglu") -> Tensor:
+              activation: str | Activation = "swiglu", gate_up_bias: Tensor | None = None,
+              down_bias: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over bank slots in Triton; contract of `moe_reference`.
 
     T*k <= DECODE_MAX_PAIRS takes the decode path (3 launches), larger batches the grouped
@@ -365,10 +393,12 @@ def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         down: (S, H, I) bank slots.
         slot_ids: (T, k) int32/int64; -1 (or any slot outside [0, S)) contributes nothing.
         weights: (T, k) routing weights, fp32 or hidden dtype.
-        activation: "swiglu".
+        activation: "swiglu", or an `Activation` ("swiglu_clamped" with alpha and limit).
+        gate_up_bias, down_bias: optional (S, 2*I) and (S, H) per-slot biases, same dtype.
 
     Returns:
         (T, H) in hidden's dtype, accumulated in fp32, deterministic (no atomics). No host
         sync; safe to capture in a CUDA graph (all shapes depend only on T, k, S, H, I).
     """
-    return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation)
+    return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
+                                 gate_up_bias=gate_up_bias, down_bias=down_bias)

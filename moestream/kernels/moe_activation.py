@@ -1,7 +1,8 @@
 """Activations of the fused MoE kernels' epilogues, as Triton code (spec: moe_reference).
 
 Add a new name to `moe_reference.ACTIVATIONS` first (the spec), then a code here and a branch
-in `activate`.
+in `activate`. Parameters (the clamped SwiGLU's alpha and limit) are fp32 kernel arguments;
+activations without parameters ignore them.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import triton
 import triton.language as tl
 
 # Activation name -> constexpr code understood by `activate`.
-ACTIVATION_CODES: dict[str, int] = {"swiglu": 0}
+ACTIVATION_CODES: dict[str, int] = {"swiglu": 0, "swiglu_clamped": 1}
 
 
 @triton.jit
-def activate(gate, up, ACTIVATION: tl.constexpr):
-    """Epilogue activation on fp32 accumulators; codes match ACTIVATION_CODES."""
-    tl.static_assert(ACTIVATION == 0, "unknown activation code")
-    # Hook: a clamped SwiGLU (GPT-OSS) becomes `elif ACTIVATION == 1:` with alpha/limit args.
+def activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+    """Epilogue activation on fp32 accumulators (biases already added); codes match ACTIVATION_CODES."""
+    tl.static_assert((ACTIVATION == 0) | (ACTIVATION == 1), "unknown activation code")
+    if ACTIVATION == 1:   # GPT-OSS: gate clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     return gate * tl.sigmoid(gate) * up

@@ -2,10 +2,13 @@
 
 What it computes, for every token t and routed position j (slot s = slot_ids[t, j]):
 
-    out[t] = sum_j  weights[t, j] * down[s] @ act(gate_up[s] @ hidden[t])     (s >= 0 only)
+    out[t] = sum_j  weights[t, j] * (down[s] @ act(gate_up[s] @ hidden[t] + gate_up_bias[s]) + down_bias[s])
 
-where `gate_up[s]` holds the gate rows first and the up rows second, and the activation
-`swiglu` is `silu(gate) * up`. A slot of -1 (expert not resident) contributes nothing.
+(s >= 0 only; the biases are optional, GPT-OSS's experts have them) where `gate_up[s]` holds the
+gate rows first and the up rows second (its bias likewise), and the activation is `swiglu`,
+`silu(gate) * up`, or GPT-OSS's `swiglu_clamped`: gate clamped above at `limit`, up to
+[-limit, limit], then `(up + 1) * gate * sigmoid(alpha * gate)`. A slot of -1 (expert not
+resident) contributes nothing, its biases included.
 
 Why this shape of code: the reference is also what the engine runs on the CPU, so it must be
 fast there, not just obviously right. It groups the (token, position) pairs by slot with one
@@ -24,46 +27,74 @@ in fp32 before one cast to the hidden dtype at the end. For fp32 inputs everythi
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["moe_reference", "ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
+__all__ = ["moe_reference", "Activation", "ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
            "get_activation"]
 
 
-def _swiglu(gate_up_out: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class Activation:
+    """An expert activation by name, with its parameters: an activation with parameters cannot be a
+    bare name. `alpha` and `limit` are read by `swiglu_clamped` only; their defaults are GPT-OSS's
+    (transformers' swiglu_alpha / swiglu_limit). A plain string names the activation with defaults."""
+
+    name: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @staticmethod
+    def of(activation: str | Activation) -> Activation:
+        return activation if isinstance(activation, Activation) else Activation(activation)
+
+
+def _swiglu(gate_up_out: Tensor, act: Activation) -> Tensor:
     """SwiGLU on a (n, 2I) gate_up product: `silu(gate) * up`, gate = first I columns."""
     gate, up = gate_up_out.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-# Activation name -> function on the (n, 2I) fp32 gate_up product, returning (n, I).
-# The Triton kernel has a matching integer code per name (see fused_moe._ACTIVATION_CODES);
-# a new activation is added in both places, reference first.
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"swiglu": _swiglu}
-
-# Names an ArchSpec may already ask for but whose kernels are not written yet. GPT-OSS's
-# clamped SwiGLU goes here: clamp(gate, max=limit), clamp(up, -limit, limit),
-# (up + 1) * gate * sigmoid(alpha * gate); it needs `alpha` and `limit` parameters, so it
-# will arrive with an extra keyword argument rather than a bare name.
-PLANNED_ACTIVATIONS: frozenset[str] = frozenset({"swiglu_clamped"})
+def _swiglu_clamped(gate_up_out: Tensor, act: Activation) -> Tensor:
+    """GPT-OSS's SwiGLU (transformers' GptOssExperts._apply_gate): the gate clamped above at `limit`,
+    up clamped to [-limit, limit], then `(up + 1) * gate * sigmoid(alpha * gate)`. Gate = first I
+    columns here: the checkpoint's interleaved gate/up columns are split when an expert is read."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
-def get_activation(name: str) -> Callable[[Tensor], Tensor]:
-    """Look up an activation by name; say clearly when it is planned but not implemented."""
+# Activation name -> function on the (n, 2I) fp32 gate_up product (and the activation's
+# parameters), returning (n, I). The Triton kernel has a matching integer code per name (see
+# moe_activation.ACTIVATION_CODES); a new activation is added in both places, reference first.
+ACTIVATIONS: dict[str, Callable[[Tensor, Activation], Tensor]] = {"swiglu": _swiglu,
+                                                                 "swiglu_clamped": _swiglu_clamped}
+
+# Names an ArchSpec may already ask for but whose reference is not written yet (none today).
+PLANNED_ACTIVATIONS: frozenset[str] = frozenset()
+
+
+def get_activation(activation: str | Activation) -> Callable[[Tensor], Tensor]:
+    """The function of an activation (its parameters bound); say clearly when it is planned but not
+    implemented, or unknown."""
+    act = Activation.of(activation)
     try:
-        return ACTIVATIONS[name]
+        fn = ACTIVATIONS[act.name]
     except KeyError:
-        if name in PLANNED_ACTIVATIONS:
+        if act.name in PLANNED_ACTIVATIONS:
             raise NotImplementedError(
-                f"MoE activation {name!r} is not implemented yet; the implemented ones are "
+                f"MoE activation {act.name!r} is not implemented yet; the implemented ones are "
                 f"{sorted(ACTIVATIONS)}"
             ) from None
         raise ValueError(
-            f"unknown MoE activation {name!r}; use one of {sorted(ACTIVATIONS)}"
+            f"unknown MoE activation {act.name!r}; use one of {sorted(ACTIVATIONS)}"
         ) from None
+    return functools.partial(fn, act=act)
 
 
 def check_moe_inputs(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
@@ -96,8 +127,25 @@ def check_moe_inputs(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Te
     return T, H, S, I, k
 
 
+def check_expert_biases(gate_up_bias: Tensor | None, down_bias: Tensor | None, S: int, H: int, I: int,
+                        dtype: torch.dtype) -> None:
+    """Optional per-slot biases: both or neither, (S, 2I) and (S, H), in the weights' dtype."""
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("gate_up_bias and down_bias come together: pass both or neither")
+    if gate_up_bias is None:
+        return
+    if tuple(gate_up_bias.shape) != (S, 2 * I):
+        raise ValueError(f"gate_up_bias must be (S={S}, 2*I={2 * I}), got shape {tuple(gate_up_bias.shape)}")
+    if tuple(down_bias.shape) != (S, H):
+        raise ValueError(f"down_bias must be (S={S}, H={H}), got shape {tuple(down_bias.shape)}")
+    if gate_up_bias.dtype != dtype or down_bias.dtype != dtype:
+        raise ValueError(f"the expert biases must be {dtype} like the weights, got "
+                         f"{gate_up_bias.dtype}, {down_bias.dtype}")
+
+
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
-                  weights: Tensor, activation: str = "swiglu") -> Tensor:
+                  weights: Tensor, activation: str | Activation = "swiglu",
+                  gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
 
     Args:
@@ -106,12 +154,17 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
         down: (S, H, I) bank slots.
         slot_ids: (T, k) int32/int64 slot per routed expert; -1 = not resident, contributes 0.
         weights: (T, k) routing weights (fp32 or hidden dtype).
-        activation: "swiglu" (silu(gate) * up).
+        activation: "swiglu" (silu(gate) * up), or an `Activation` (with parameters:
+            `Activation("swiglu_clamped", alpha, limit)`).
+        gate_up_bias: optional (S, 2*I) bias of the gate_up product (gate first, then up).
+        down_bias: optional (S, H) bias of the down product; added before the routing weight
+            multiplies the expert's output (as transformers' GptOssExperts does).
 
     Returns:
         (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
     """
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
+    check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
     act = get_activation(activation)
     if T == 0 or k == 0:
         return torch.zeros_like(hidden)
@@ -139,7 +192,12 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
         start += n
         tokens = group // k
         x = hidden.index_select(0, tokens)                  # (n, H)
-        h = act(torch.nn.functional.linear(x, gate_up[slot]).float())   # (n, I) fp32
+        h = torch.nn.functional.linear(x, gate_up[slot]).float()        # (n, 2I) fp32
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[slot].float()
+        h = act(h)                                          # (n, I) fp32
         y = torch.nn.functional.linear(h.to(hidden.dtype), down[slot]).float()  # (n, H)
+        if down_bias is not None:
+            y = y + down_bias[slot].float()
         per_pair[group] = y * flat_weights[group, None]
     return per_pair.view(T, k, H).sum(dim=1).to(hidden.dtype)

@@ -11,8 +11,10 @@ from moestream.model.cache import KVCache
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
 from moestream.model.linear_attention import GatedDeltaNet
+from moestream.model.mla import MultiLatentAttention
 from moestream.model.norms import RMSNorm
 from moestream.model.rotary import apply_rotary
+from moestream.model.sink_attention import SinkAttention, SlidingSinkAttention
 
 
 class Attention(nn.Module):
@@ -71,5 +73,8 @@ class Attention(nn.Module):
 
 
 # Mixer kinds an ArchSpec may name (`ArchSpec.mixer`, or per layer `ArchSpec.layer_mixers`): the
-# token-mixing half of a decoder layer. MLA and sliding-window/sink attention add their classes here.
-MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention, "gated_gqa": GatedAttention, "gated_deltanet": GatedDeltaNet}
+# token-mixing half of a decoder layer (MLA: model/mla.py; GPT-OSS's sink attention, full and sliding
+# window: model/sink_attention.py).
+MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention, "gated_gqa": GatedAttention, "gated_deltanet": GatedDeltaNet,
+                                      "mla": MultiLatentAttention, "sink_gqa": SinkAttention,
+                                      "sink_swa": SlidingSinkAttention}

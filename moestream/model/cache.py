@@ -10,9 +10,15 @@ memory plan and the runtime never assume one KV layout. Kinds today:
   RecurrentCache  linear attention (Gated DeltaNet): per row the last conv inputs and the state
             matrices, a fixed size whatever the context; kept twice, by parity of the tokens
             consumed, so that a step never overwrites the state it reads.
+  LatentCache  multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): per row and position
+            the compressed kv (kv_lora_rank, after its norm) and the rotated rope key shared by all
+            heads, (rows, max_len, kv_lora_rank + qk_rope_head_dim): a fraction of full K/V.
 
-The shape admits the kinds still to come beside them: an MLA latent cache (compressed kv + rope
-key per position) and a sliding-window ring (window positions, written modulo). Every kind can copy
+  RingKVCache  sliding-window attention (GPT-OSS's sliding layers): per row only the last `size`
+            positions' keys and values, position p in slot p % size, so memory does not grow with
+            the context; a step reads the ring as it was before the step and writes after.
+
+Every kind can copy
 one row to another (`move_row`: the scheduler keeps running sequences in the first rows) and
 snapshot a row's first positions into a compact, standalone copy and restore it into any row
 (`snapshot` / `restore`): the runtime's prefix cache keeps finished conversations that way. A
@@ -156,6 +162,111 @@ class RecurrentCache(LayerCache):
         conv, matrix = state
         self.conv[row, length % 2].copy_(conv)
         self.state[row, length % 2].copy_(matrix)
+
+
+class LatentCache(LayerCache):
+    """MLA's cache: for each row and position, the latent [compressed kv (rank) | rope key (rope_dim)]
+    in one tensor (rows, max_len, rank + rope_dim), addressed like `KVCache` (slot j of row b holds
+    position j). Keys and values are the latent expanded per head, so a prefix of positions is a
+    valid cache on its own: it cuts anywhere (`can_cut`), as KV does."""
+
+    kind = "latent"
+
+    def __init__(self, rows: int, max_len: int, rank: int, rope_dim: int, dtype: torch.dtype, device: torch.device):
+        self.rank = rank
+        self.latent = torch.zeros(rows, max_len, rank + rope_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(rank: int, rope_dim: int, dtype: torch.dtype) -> int:
+        return (rank + rope_dim) * torch.empty((), dtype=dtype).element_size()
+
+    def write(self, rows: Tensor, positions: Tensor, latent: Tensor) -> None:
+        """rows, positions: (B, L) long; latent: (B, L, rank + rope_dim), the compressed kv (normalised)
+        then the rope key (rotated)."""
+        self.latent[rows, positions] = latent.to(self.latent.dtype)
+
+    def read(self, rows: slice, kv_len: int) -> Tensor:
+        """A view (B, kv_len, rank + rope_dim) over the first kv_len positions of `rows`: the caller
+        splits it (or attends against it whole) without a copy."""
+        return self.latent[rows, :kv_len]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.latent[dst, :length].copy_(self.latent[src, :length])
+
+    def copy_rows_from(self, other: LayerCache, rows: int) -> None:
+        self.latent[:rows].copy_(other.latent[:rows])
+
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        return (self.latent[row, :length].clone(),)
+
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        self.latent[row, :length].copy_(state[0][:length])
+
+
+class RingKVCache(LayerCache):
+    """A sliding-window layer's keys and values: per row the last `size` positions (size = the
+    window, or the context when shorter), position p in slot p % size.
+
+    A step over positions s..s+L-1 of a row attends to the ring as it was before the step (slot j
+    then holds position `slot_positions(s)[j]`, the last position below s congruent to j, or a
+    negative one where the row has none yet) together with the step's own keys; only then are the
+    last min(L, size) of those written (`write`). So a prompt chunk longer than the window still
+    sees every key its window needs, a chunk boundary anywhere is exact, each row of a decode batch
+    follows its own length, and a slot left over from an earlier sequence in the row is masked (its
+    position is negative). Running a decode step twice (a CUDA graph's warm-up, then its replay)
+    is harmless: the slot a step overwrites holds position s - size, outside the window of s.
+    Everything is addressed on the device from the positions: no value is read back.
+
+    A ring after n tokens no longer holds what a shorter prefix needs, so `can_cut` is False: a
+    snapshot (the whole ring) is reused only for exactly those n tokens.
+    """
+
+    kind = "ring"
+    can_cut = False
+
+    def __init__(self, rows: int, size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.size = size
+        self.k = torch.zeros(rows, size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def slot_positions(self, start: Tensor) -> Tensor:
+        """(B, size) long: the position slot j of row b holds before a step starting at start[b]
+        ((B, 1) long): the last position below start[b] congruent to j mod size; negative where the
+        row has written no such position (start[b] <= j)."""
+        last = start - 1
+        return last - torch.remainder(last - torch.arange(self.size, device=start.device), self.size)
+
+    def read(self, rows: slice) -> tuple[Tensor, Tensor]:
+        """Views (B, kv_heads, size, head_dim) of the whole ring of `rows`."""
+        return self.k[rows].transpose(1, 2), self.v[rows].transpose(1, 2)
+
+    def write(self, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """rows, positions: (B, L) long; k, v: (B, L, kv_heads, head_dim). Only the last min(L, size)
+        positions are kept (the earlier ones of a long chunk would be overwritten within the step)."""
+        n = min(positions.shape[1], self.size)
+        rows, slots = rows[:, -n:], torch.remainder(positions[:, -n:], self.size)
+        self.k[rows, slots] = k[:, -n:]
+        self.v[rows, slots] = v[:, -n:]
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+    def copy_rows_from(self, other: LayerCache, rows: int) -> None:
+        self.k[:rows].copy_(other.k[:rows])
+        self.v[:rows].copy_(other.v[:rows])
+
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        """The whole ring after the row's first `length` tokens (slots keep their position mod size,
+        so it restores into any row)."""
+        return self.k[row].clone(), self.v[row].clone()
+
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        """Put a whole snapshot of `length` tokens back (a ring is never cut shorter)."""
+        k, v = state
+        self.k[row].copy_(k)
+        self.v[row].copy_(v)
 
 
 class ModelCache:

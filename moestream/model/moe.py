@@ -52,7 +52,13 @@ class MoEBlock(nn.Module):
 
     @property
     def router(self) -> nn.Module:
-        return getattr(self, self._router_name)
+        # Read from the registered modules, not by attribute: a router stored as `router` (GPT-OSS)
+        # would find this property again. Missing (during registration) is an AttributeError, as
+        # `nn.Module.add_module` expects of an attribute that is not there yet.
+        try:
+            return self._modules[self._router_name]
+        except KeyError:
+            raise AttributeError(self._router_name) from None
 
     def swap_router(self, router: nn.Module) -> nn.Module:
         """Put another router in place (observed or benchmark routing); returns the one it replaces."""

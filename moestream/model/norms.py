@@ -3,6 +3,8 @@
 `RMSNorm` casts back, then multiplies by the weight (Llama, Qwen2/3, Mixtral, OLMoE).
 `ZeroCentredRMSNorm` stores the weight centred on zero and multiplies by (1 + weight) in fp32
 before casting back (Qwen3-Next): the same numbers as transformers' Qwen3NextRMSNorm in bf16 too.
+`FP32ScaleRMSNorm` multiplies by the weight in fp32, then casts back (GPT-OSS: transformers keeps
+those norms in fp32, so in bf16 the product is rounded once, not twice).
 `GatedRMSNorm` normalises, scales, then multiplies by silu(gate) (Gated DeltaNet's output norm).
 `NORMS` is the registry an ArchSpec's `norm` names for the decoder's own norms.
 """
@@ -36,6 +38,15 @@ class ZeroCentredRMSNorm(RMSNorm):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
+class FP32ScaleRMSNorm(RMSNorm):
+    """Scale in fp32 before casting back (GPT-OSS's norms: the same numbers as transformers in bf16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
 class GatedRMSNorm(RMSNorm):
     """Normalise, scale, then gate by silu(gate) in fp32 (the norm before Gated DeltaNet's out-projection)."""
 
@@ -46,4 +57,5 @@ class GatedRMSNorm(RMSNorm):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "zero_centred_rms": ZeroCentredRMSNorm}
+NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "zero_centred_rms": ZeroCentredRMSNorm,
+                                   "rms_fp32_scale": FP32ScaleRMSNorm}

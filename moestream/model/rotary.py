@@ -4,7 +4,9 @@ The table is built exactly as transformers builds its per-call cos/sin (fp32 out
 positions and inverse frequencies, times the attention scaling), so lookups match it bit for bit.
 Partial rotary (GLM: `ModelConfig.rotary_dim` < head_dim) needs no other code: the table is only
 rotary_dim wide, and `apply_rotary` rotates the leading dims that wide and passes the rest through.
-The layout is the half-split one (rotate_half) in every family so far, GLM-4.5 included.
+The layout is the half-split one (rotate_half) in the GQA families, GLM-4.5 included; DeepSeek's
+multi-head latent attention rotates adjacent pairs instead (`apply_rotary_interleaved`), from the
+same table.
 """
 
 from __future__ import annotations
@@ -83,3 +85,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's layout: x (..., R) rotates as pairs (x0, x1), (x2, x3), … each by one frequency;
+    cos/sin (..., R) as the table holds them (cat(freqs, freqs): the first half is per pair).
+
+    The result is de-interleaved (all first members, then all second members), as transformers'
+    apply_rotary_pos_emb_interleave returns it. DeepSeek-V2's complex form keeps the pairs in
+    place instead; queries and keys share one permutation either way, so every q·k is the same."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,7 +1,7 @@
 """Routers: from a token's hidden state to its k experts and their weights, one class per kind.
 
-A router owns its parameters under the names the checkpoint uses (`weight`, and for
-`sigmoid_grouped` `e_score_correction_bias`), so the MoE block registers it as `gate` / `router`
+A router owns its parameters under the names the checkpoint uses (`weight`, `bias` where the
+config says the router has one (GPT-OSS), and for `sigmoid_grouped` `e_score_correction_bias`), so the MoE block registers it as `gate` / `router`
 and the loader maps names one to one. `ROUTERS` is the registry an ArchSpec's `router` names; a
 new kind is one more class.
 
@@ -25,11 +25,13 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # A bias on the logits (GPT-OSS's router): it shifts the choice and the weights alike.
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.top_k = config.top_k
 
     def logits(self, h: Tensor) -> Tensor:
         """Router logits (T, E) for hidden states (T, H)."""
-        return F.linear(h, self.weight)
+        return F.linear(h, self.weight, self.bias)
 
     def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -116,8 +118,50 @@ class SigmoidGrouped(Router):
         return self.choose(self.logits(h).sigmoid())
 
 
+class SoftmaxGrouped(Router):
+    """Softmax scores, group-limited top-k, routed scaling: DeepSeek-V2's router, as transformers'
+    DeepseekV2TopkRouter computes it.
+
+    Logits and softmax in fp32 from fp32 inputs. With `n_group` > 1 (topk_method
+    "group_limited_greedy"; the config reader leaves one group for "greedy") the experts form equal
+    groups, each scored by its best expert, and the others' scores are zeroed outside the
+    `topk_group` best groups before the top-k (zero, not -inf, as transformers masks: softmax scores
+    are positive, so a masked expert never beats a kept one). The chosen experts' scores are the
+    weights, renormalised when norm_topk_prob says so (DeepSeek-V2's readers refuse that: transformers
+    ignores the key), then multiplied by `routed_scaling_factor`. Device work only.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.groups, self.kept_groups = config.n_group, config.topk_group
+        self.renormalise, self.scale = config.norm_topk_prob, config.routed_scaling_factor
+
+    def logits(self, h: Tensor) -> Tensor:
+        return F.linear(h.float(), self.weight.float())
+
+    def _limited(self, scores: Tensor) -> Tensor:
+        """Scores with every expert outside the token's topk_group best groups set to zero."""
+        if self.kept_groups >= self.groups:   # every group kept: nothing to mask
+            return scores
+        T, E = scores.shape
+        grouped = scores.view(T, self.groups, E // self.groups)
+        kept = grouped.amax(dim=-1).topk(self.kept_groups, dim=-1).indices
+        keep = torch.zeros(T, self.groups, dtype=torch.bool, device=scores.device).scatter_(1, kept, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(T, E)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        weights, ids = self._limited(logits.float().softmax(dim=-1)).topk(self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+    def predict(self, h: Tensor) -> Tensor:
+        """The experts this router picks (the groups decide them, not the logits alone)."""
+        return self.select(self.logits(h))[1]
+
+
 ROUTERS: dict[str, type[Router]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax,
-                                    "sigmoid_grouped": SigmoidGrouped}
+                                    "sigmoid_grouped": SigmoidGrouped, "softmax_grouped": SoftmaxGrouped}
 
 
 class ChosenRouter(nn.Module):

@@ -23,11 +23,15 @@ SMEM = 227 * 1024
 FORMATS = [(0, 1, False), (8, 64, False), (4, 64, False), (4, 32, False), (3, 64, False), (2, 32, False),
            (4, 64, True), (3, 64, True)]
 INTS = ["N", "K", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
-        "stride_se", "stride_sn"]
+        "stride_se", "stride_sn", "stride_bias_e"]
+FLOATS = ["alpha", "limit"]   # the clamped SwiGLU's parameters
+# (activation code, expert biases): plain SwiGLU, and GPT-OSS's clamped SwiGLU with biases (dense experts)
+EPILOGUES = [(0, False), (1, True)]
 
 
 def _compile(fn, pointers: dict, ints: list[str], consts: dict, warps: int, stages: int):
-    sig = {**pointers, **{name: "i32" for name in ints}, **{name: "constexpr" for name in consts}}
+    sig = {**pointers, **{name: "i32" for name in ints}, **{name: "fp32" for name in FLOATS},
+           **{name: "constexpr" for name in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=H100,
                           options={"num_warps": warps, "num_stages": stages})
 
@@ -40,24 +44,29 @@ def _pointers(names: list[str], bits: int, nf: bool) -> dict:
 
 @pytest.mark.parametrize("bits,group,nf", FORMATS)
 @pytest.mark.parametrize("gated", [True, False])
-def test_decode_kernel_compiles(bits, group, nf, gated):
+@pytest.mark.parametrize("activation,bias", EPILOGUES)
+def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
     block_k = max(128 if nf else 512, quant_block_k(bits, group)) if bits else 128
-    consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": 0, "MUL_WEIGHT": not gated, "PAIRS": 16,
+    consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": activation, "MUL_WEIGHT": not gated,
+              "HAS_BIAS": bias, "PAIRS": 16,
               "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": block_k, "EVEN_K": bits == 0,
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf}
-    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr"], bits, nf)
+    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
+                         bits, nf)
     ints = INTS + ["num_pairs", "num_slots", "top_k", "stride_st", "stride_sj", "stride_wt", "stride_wj"]
     kernel = _compile(_moe_decode_kernel, pointers, ints, consts, 4, 4 if bits == 0 else 1)
     assert kernel.metadata.shared <= SMEM
 
 
 @pytest.mark.parametrize("bits,group,nf", FORMATS)
-def test_grouped_kernel_compiles(bits, group, nf):
-    consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": 0, "MUL_WEIGHT": False, "BLOCK_M": 128, "BLOCK_N": 64,
+@pytest.mark.parametrize("activation,bias", EPILOGUES)
+def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
+    consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": activation, "MUL_WEIGHT": False, "HAS_BIAS": bias,
+              "BLOCK_M": 128, "BLOCK_N": 64,
               "BLOCK_K": max(64, quant_block_k(bits, group)) if bits else 64, "GROUP_M": 8, "EVEN_K": bits == 0,
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
-                          "code_ptr"], bits, nf)
+                          "code_ptr", "bias_ptr"], bits, nf)
     kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8,
                       4 if bits == 0 else 2)
     assert kernel.metadata.shared <= SMEM

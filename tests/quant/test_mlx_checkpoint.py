@@ -8,7 +8,7 @@ import transformers
 import moestream
 from moestream.archs import ARCHS as SPECS
 from moestream.errors import InputError
-from tiny_models import ARCHS, make_mlx_checkpoint
+from tiny_models import QUANT_ARCHS, make_mlx_checkpoint
 
 IDS = torch.randint(2, 160, (2, 21), generator=torch.Generator().manual_seed(9))
 MASK = torch.ones_like(IDS)
@@ -19,14 +19,14 @@ MASK[1, :6] = 0   # a padded row
 def mlx_checkpoints(tiny_quant_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("mlx")
     out = {}
-    for arch in ARCHS:
+    for arch in QUANT_ARCHS:
         folder, ref = root / arch, root / f"{arch}-ref"
         make_mlx_checkpoint(tiny_quant_checkpoints[arch][0], folder, ref, SPECS[arch].moe_prefix)
         out[arch] = (folder, transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval())
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", QUANT_ARCHS)
 def test_mlx_checkpoint_matches_transformers_on_dequantized_weights(mlx_checkpoints, arch):
     folder, reference = mlx_checkpoints[arch]
     engine = moestream.load(folder, device="cpu", dtype="float32")

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "glm-4.5-air", "qwen3-next-80b-a3b")
+SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "glm-4.5-air", "qwen3-next-80b-a3b",
+          "deepseek-v2-lite", "glm-4.7-flash", "gpt-oss-20b")
 
 
 def _load_script() -> ModuleType:
@@ -98,6 +99,8 @@ def test_tiny_loads_and_runs_with_transformers(tiny_ckpts: dict[str, Path], shap
     name = "model.layers.0.self_attn.q_proj.weight"
     if mrc.PUBLISHED_CONFIGS[shape]["model_type"] == "qwen3_next":
         name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    elif mrc.PUBLISHED_CONFIGS[shape].get("q_lora_rank"):   # MLA with a low-rank query: no q_proj
+        name = "model.layers.0.self_attn.q_a_proj.weight"
     index = json.loads((tiny_ckpts[shape] / mrc.INDEX_NAME).read_text())
     with safe_open(str(tiny_ckpts[shape] / index["weight_map"][name]), "pt") as h:
         assert torch.equal(model.get_parameter(name), h.get_tensor(name).float())
@@ -173,6 +176,9 @@ EXPECTED_FULL = {
     "qwen1.5-moe-a2.7b": (2048, "num_experts", 60, 4, 1408, 24, 16, 16, 151936),
     "glm-4.5-air": (4096, "n_routed_experts", 128, 8, 1408, 46, 96, 8, 151552),
     "qwen3-next-80b-a3b": (2048, "num_experts", 512, 10, 512, 48, 16, 2, 151936),
+    "deepseek-v2-lite": (2048, "n_routed_experts", 64, 6, 1408, 27, 16, 16, 102400),
+    "glm-4.7-flash": (2048, "n_routed_experts", 64, 4, 1536, 47, 20, 20, 154880),
+    "gpt-oss-20b": (2880, "num_local_experts", 32, 4, 2880, 24, 64, 8, 201088),
 }
 
 
@@ -325,3 +331,27 @@ def test_qwen3_next_specifics(tmp_path: Path) -> None:
     config = model_config_from_hf(cfg, detect_arch(cfg))
     assert config.layer_mixers == ("gated_deltanet",) * 3 + ("gated_gqa",)
     assert (config.rotary_dim, config.num_experts, config.top_k, config.shared_intermediate) == (64, 512, 10, 512)
+
+
+@pytest.mark.parametrize("shape,q_proj,latent_per_token", [("deepseek-v2-lite", "q_proj", 576),
+                                                          ("glm-4.7-flash", "q_b_proj", 576)])
+def test_mla_specifics(shape: str, q_proj: str, latent_per_token: int) -> None:
+    """Multi-head latent attention's tensors at full size; moestream reads the config as an MLA model
+    whose cache holds kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    cfg = mrc.build_config(shape, layers=2)
+    specs = {s.name: s for s in mrc.plan_tensors(cfg)}
+    heads, qk, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    assert specs[f"model.layers.0.self_attn.{q_proj}.weight"].shape[0] == heads * qk
+    assert specs["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 2048)
+    assert specs["model.layers.0.self_attn.kv_b_proj.weight"].shape == (heads * (cfg["qk_nope_head_dim"] + v), 512)
+    assert specs["model.layers.0.self_attn.o_proj.weight"].shape == (2048, heads * v)
+    assert "model.layers.0.mlp.gate.weight" not in specs and "model.layers.1.mlp.gate.weight" in specs
+    assert specs["model.layers.1.mlp.shared_experts.up_proj.weight"].shape == (
+        cfg["n_shared_experts"] * cfg["moe_intermediate_size"], 2048)
+    from moestream.archs import detect_arch, model_config_from_hf
+    from moestream.model.decoder import cache_bytes
+
+    config = model_config_from_hf(cfg, detect_arch(cfg))
+    assert config.latent_attention.q_lora_rank == cfg["q_lora_rank"] and config.moe_layers == (False, True)
+    assert cache_bytes(config, detect_arch(cfg), 1, 1, torch.bfloat16) == 2 * latent_per_token * 2
+
