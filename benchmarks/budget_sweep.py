@@ -56,7 +56,7 @@ def budgets(args) -> dict:
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
                                 pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
-                                prefetch=prefetch)
+                                prefetch=prefetch, cpu_misses=args.cpu_misses if cap < config.num_experts else 0.0)
         load_s = time.perf_counter() - t0
         routing = None
         if args.routing == "uniform":
@@ -109,6 +109,8 @@ def main() -> None:
     ap = checkpoint_args(__doc__)
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
+    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), default=0.0,
+                    help="hybrid misses at bounded budgets: a share computed on the CPU, or auto (needs the pinned tier)")
     ap.add_argument("--hf-offload", action="store_true")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")

@@ -54,6 +54,11 @@ def number(low: float | None = None, high: float | None = None, low_open: bool =
     return parse
 
 
+def share_or_auto(text: str) -> float | str:
+    """--cpu-misses: `auto` or a share from 0 to 1."""
+    return "auto" if text == "auto" else number(0, 1)(text)
+
+
 def _range(low, high, low_open: bool = False, high_open: bool = False) -> str:
     if high is None:
         return f"{'>' if low_open else '>='} {low:g}"
@@ -123,6 +128,10 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
     p.add_argument("--miss-policy", default="fetch", choices=["fetch", "skip"], help="fetch = exact (default); skip = drop non-resident experts and renormalise (approximate)")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
+    p.add_argument("--cpu-misses", type=share_or_auto, default=0.0, metavar="SHARE|auto",
+                   help="a decode step's missing experts computed on the CPU from host RAM while the rest are copied: "
+                        "a share of them, or auto (split by costs measured at load) (exact; needs the pinned host "
+                        "tier; off by default)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
@@ -205,7 +214,8 @@ def engine_config(args):
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
-                      residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False))
+                      residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False),
+                      cpu_misses=getattr(args, "cpu_misses", 0.0))
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))

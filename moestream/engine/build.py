@@ -107,9 +107,12 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
         formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
+    if cfg.bank.cpu_misses and not memory.fully_resident and getattr(tier, "layers", None) is None:
+        raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
+                         "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")
     return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
-                      prefetch=cfg.bank.prefetch)
+                      prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses)
 
 
 def discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:

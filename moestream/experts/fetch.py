@@ -2,7 +2,10 @@
 
 A layer that can miss reads its routing back once (the one host sync it needs), copies the
 missing experts over evicted slots (the residency policy picks the victims), then dispatches over
-the updated slot map. A call that routes to more experts than the bank can take at once (long
+the updated slot map. With `cpu_share` > 0 and experts in host RAM, a share of a small call's
+missing experts (the ones fewest tokens routed to: a copy costs the same whatever the tokens, the
+CPU's work grows with them) is computed on the CPU from host RAM while the others are copied, and
+the CPU's rows are added to the device's: both paths are exact and run at once. A call that routes to more experts than the bank can take at once (long
 prompts) leaves the bank as it is and streams the missing experts through a double-buffered
 staging area instead, so a prompt neither thrashes the decode bank nor needs every expert.
 """
@@ -10,6 +13,8 @@ staging area instead, so a prompt neither thrashes the decode bank nor needs eve
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +28,54 @@ from moestream.experts.stats import BankStats
 from moestream.experts.transfer import Transfers
 
 
+CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misses are copied or staged
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """What a miss costs each way, measured on this machine when the bank is built: copying one
+    expert to the device, and computing one expert for one token on the CPU (plus the fixed cost
+    of a CPU call: hidden rows to the host and the result back)."""
+
+    copy_s: float
+    cpu_token_s: float
+    cpu_call_s: float
+
+    def split(self, missing: list[int], tokens: dict[int, int]) -> list[int]:
+        """The missing experts the CPU takes so that the CPU and the copies finish together: fewest
+        tokens first, while the CPU's total stays below the copies that remain."""
+        chosen, cpu_s, copies_s = [], self.cpu_call_s, len(missing) * self.copy_s
+        for e in sorted(missing, key=lambda e: (tokens[e], e)):
+            after = cpu_s + tokens[e] * self.cpu_token_s
+            if after > copies_s - self.copy_s:
+                break
+            chosen.append(e)
+            cpu_s, copies_s = after, copies_s - self.copy_s
+        return chosen
+
+    @classmethod
+    def measure(cls, host_stack: Mapping[str, Tensor], cpu_dispatch: Dispatch, device: torch.device,
+                hidden_size: int, dtype: torch.dtype, repeats: int = 5) -> MissCosts:
+        one = {name: t[:1] for name, t in host_stack.items()}
+        dest = {name: torch.empty_like(t, device=device) for name, t in one.items()}
+        x = torch.randn(1, hidden_size).to(dtype)
+        ids, w = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+        def timed(fn) -> float:
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            sync()
+            return (time.perf_counter() - t0) / repeats
+
+        copy_s = timed(lambda: [d.copy_(one[n], non_blocking=True) for n, d in dest.items()])
+        cpu_s = timed(lambda: cpu_dispatch(x, host_stack, ids, w))
+        return cls(copy_s=copy_s, cpu_token_s=cpu_s, cpu_call_s=timed(lambda: x.to(device).cpu()))
+
+
 def staging_half(staging_slots: int, top_k: int) -> int:
     """Slots in each of the two staging buffers (the memory plan gives the total)."""
     return max(1, staging_slots // 2) if staging_slots else max(top_k, 8)
@@ -31,10 +84,22 @@ def staging_half(staging_slots: int, top_k: int) -> int:
 class Fetcher:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], shape: ExpertShape, top_k: int, staging_slots: int,
-                 prefetcher: Prefetcher | None = None):
-        """`dispatch`: per MoE layer, the dispatch of that layer's expert format."""
+                 prefetcher: Prefetcher | None = None, host_stacks: dict[int, Mapping[str, Tensor]] | None = None,
+                 cpu_share: float | str = 0.0):
+        """`dispatch`: per MoE layer, the dispatch of that layer's expert format. `host_stacks`: every
+        expert of every layer in host RAM (the pinned tier), which hybrid misses compute from."""
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.prefetcher = dispatch, prefetcher
+        self.host_stacks = host_stacks if cpu_share != 0 else None
+        self.cpu_share = cpu_share
+        cpu = torch.device("cpu")
+        self.cpu_dispatch = ({layer: fmt.dispatch(cpu, shape) for layer, fmt in slots.formats.items()}
+                             if self.host_stacks is not None else {})
+        self.costs: MissCosts | None = None   # cpu_share "auto": split by measured costs
+        if self.host_stacks is not None and cpu_share == "auto":
+            layer = next(iter(self.host_stacks))
+            self.costs = MissCosts.measure(self.host_stacks[layer], self.cpu_dispatch[layer], slots.device,
+                                           shape.hidden, slots.formats[layer].dtype)
         half = staging_half(staging_slots, top_k)
         formats: dict[str, ExpertFormat] = {fmt.name: fmt for fmt in slots.formats.values()}
         self.staging = {name: [fmt.empty(shape, half, device=slots.device) for _ in range(2)]
@@ -51,6 +116,10 @@ class Fetcher:
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing)
+        if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
+            on_cpu = self._cpu_share_of(flat, missing)
+            if on_cpu:
+                return self._hybrid(layer, hidden, expert_ids, weights, flat, on_cpu)
         self.ensure_resident(layer, flat)
         return self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
 
@@ -80,6 +149,53 @@ class Fetcher:
             self.transfers.wait(settled.pending, wait)
             record.update(copy_wait_s=time.perf_counter() - t0)
         self.stats.record(layer, **record)
+
+    def _cpu_share_of(self, flat: np.ndarray, missing: list[int]) -> list[int]:
+        """The missing experts the CPU computes: as the measured costs say ("auto"), or `cpu_share` of
+        them, fewest routed tokens first."""
+        experts, counts = np.unique(flat, return_counts=True)
+        tokens = dict(zip(experts.tolist(), counts.tolist()))
+        if self.costs is not None:
+            return self.costs.split(missing, tokens)
+        n = int(round(len(missing) * self.cpu_share))
+        return sorted(missing, key=lambda e: (tokens[e], e))[:n] if n else []
+
+    def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
+                on_cpu: list[int]) -> Tensor:
+        """Copy the other missing experts in (the compute stream waits for them, the host does not),
+        compute `on_cpu`'s pairs on the CPU meanwhile, then add the two results."""
+        ls = self.slots[layer]
+        cpu_out = self.serve_on_cpu(layer, flat, on_cpu, hidden, expert_ids, weights, wait="device")
+        out = self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)   # on_cpu: no slot
+        return (out.float() + cpu_out.to(out.device, non_blocking=True).float()).to(out.dtype)
+
+    def ensure_resident_hybrid(self, layer: int, routed: np.ndarray, hidden: Tensor, expert_ids: Tensor,
+                               weights: Tensor, wait: str = "host") -> Tensor | None:
+        """`ensure_resident` for a decode segment, with hybrid misses: returns the CPU-computed rows
+        (T, H) on the CPU to add to the layer's output, or None when every miss was copied."""
+        routed = routed[routed >= 0]
+        ls = self.slots[layer]
+        missing = [e for e in np.unique(routed).tolist() if e not in ls.where]
+        on_cpu = self._cpu_share_of(routed, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
+        if not on_cpu:
+            self.ensure_resident(layer, routed, wait)
+            return None
+        return self.serve_on_cpu(layer, routed, on_cpu, hidden, expert_ids, weights, wait)
+
+    def serve_on_cpu(self, layer: int, routed: np.ndarray, on_cpu: list[int], hidden: Tensor, expert_ids: Tensor,
+                     weights: Tensor, wait: str) -> Tensor:
+        """Install the routed experts not in `on_cpu` (copies queued first, so they overlap the CPU
+        work), then compute `on_cpu`'s pairs from host RAM; returns those rows (T, H) on the CPU."""
+        at_cpu = np.isin(routed, on_cpu)
+        self.ensure_resident(layer, routed[~at_cpu], wait)
+        experts, counts = np.unique(routed[at_cpu], return_counts=True)
+        self.policy.record(layer, experts, counts)
+        ids = expert_ids.reshape(hidden.shape[0], -1).cpu()
+        cpu_ids = torch.where(torch.isin(ids, torch.tensor(on_cpu, dtype=ids.dtype)), ids, torch.full_like(ids, -1))
+        out = self.cpu_dispatch[layer](hidden.cpu(), self.host_stacks[layer], cpu_ids.to(torch.int32),
+                                       weights.reshape(cpu_ids.shape).cpu())
+        self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()))
+        return out
 
     def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
                 missing: list[int]) -> Tensor:

@@ -103,14 +103,15 @@ def read_stack(store: ExpertStore, fmt: ExpertFormat, layer: int, experts: list[
 def make_host_tier(kind, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device,
                    host_memory: int | None) -> PinnedHostTier | DiskHostTier:
     """auto: pinned RAM when every expert fits `host_memory` (default 60% of available RAM), else disk.
-    On the CPU the bank is RAM already: misses are read from disk into the slot. An existing tier
+    On the CPU the bank is RAM already: misses are read from disk into the slot (or, with "pinned",
+    from a RAM copy of every expert, which hybrid misses compute from). An existing tier
     (of the same checkpoint and format) is shared as it is: benchmarks load several banks over one."""
     if not isinstance(kind, str):
         return kind
     if kind not in HOST_TIERS:
         raise InputError(f"host tier {kind!r} is unknown; use one of {', '.join(HOST_TIERS)}.")
-    if device.type == "cpu":
-        return DiskHostTier(store, formats, device)
+    if device.type == "cpu":   # the bank is RAM already: misses read from disk, unless a RAM copy is asked for
+        return PinnedHostTier(store, formats, pin=False) if kind == "pinned" else DiskHostTier(store, formats, device)
     if kind == "auto":
         total = sum(fmt.nbytes(store.shape) for fmt in formats.values()) * store.num_experts
         limit = host_memory if host_memory is not None else int(0.6 * available_ram())

@@ -17,6 +17,7 @@ class LayerStats:
     predicted_total: int = 0  # routed experts (distinct per call) in calls that had a prediction
     prefetch_used: int = 0   # experts copied ahead that the call then routed to (their copy was hidden)
     demand_copies: int = 0   # experts such calls still had to copy while the layer waited
+    cpu_served: int = 0      # missed pairs computed on the CPU from host RAM instead of copied (hybrid misses)
 
     def add(self, other: "LayerStats") -> None:
         for k, v in asdict(other).items():
@@ -76,11 +77,12 @@ class BankStats:
                 "layers": per_layer}
 
     def table(self) -> str:
-        rows = [("layer", "hits", "misses", "hit rate", "evictions", "MB copied", "wait s", "prefetched", "pred acc", "hidden")]
+        rows = [("layer", "hits", "misses", "on CPU", "hit rate", "evictions", "MB copied", "wait s", "prefetched", "pred acc",
+                 "hidden")]
         items = sorted(self.layers.items()) + [("all", self.total())]
         for i, s in items:
             acc, hidden = s.prediction_accuracy, s.hidden_share
-            rows.append((str(i), str(s.hits), str(s.misses), f"{s.hit_rate:.1%}", str(s.evictions),
+            rows.append((str(i), str(s.hits), str(s.misses), str(s.cpu_served), f"{s.hit_rate:.1%}", str(s.evictions),
                          f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}", str(s.prefetched),
                          "-" if acc is None else f"{acc:.1%}", "-" if hidden is None else f"{hidden:.1%}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

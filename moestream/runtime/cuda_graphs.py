@@ -110,6 +110,12 @@ class SegmentedDecode:
         device = cache.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        # Hybrid misses: per MoE layer, the rows the CPU computed for experts it served, added to the
+        # layer's output by the next segment (zero when every miss was copied).
+        H = model.config.hidden_size
+        self.cpu_rows = ([torch.zeros(batch, H, dtype=dtype, device=device) for _ in self.moe_layers]
+                         if bank.hybrid else None)
+        self._rows_set = [False] * len(self.moe_layers)
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, _Carry]]] = {}
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
 
@@ -120,6 +126,8 @@ class SegmentedDecode:
         else:
             ctx, layer = prev.ctx, self.moe_layers[i - 1]
             routed = self.layers[layer].ffn.combine(prev.h, prev.ids, prev.weights, resident=True)
+            if self.cpu_rows is not None:
+                routed = routed + self.cpu_rows[i - 1]
             x, start = prev.x + routed.view_as(prev.x), layer + 1
         if i == len(self.moe_layers):
             for layer in self.layers[start:]:
@@ -145,7 +153,15 @@ class SegmentedDecode:
             both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
             actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
         wait = "device" if self.cache.device.type == "cuda" else "host"
-        bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
+        if self.cpu_rows is None:
+            bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
+        else:
+            rows = bank.ensure_resident_hybrid(self.moe_layers[i], actual, carry.h, carry.ids, carry.weights, wait=wait)
+            if rows is not None:
+                self.cpu_rows[i].copy_(rows, non_blocking=True)
+            elif self._rows_set[i]:
+                self.cpu_rows[i].zero_()
+            self._rows_set[i] = rows is not None
         if predicted is not None:
             bank.prefetch(self.moe_layers[i + 1], predicted)
 

@@ -1,0 +1,84 @@
+"""Hybrid misses: a share of a decode step's missing experts is computed on the CPU from host RAM
+while the others are copied, and the tokens stay those of the fully resident model (fp32). On this
+CPU-only machine "device" and "CPU" are both the CPU, but every step goes through the split: the
+CPU's rows are computed from the host tier and added to the bank's, decode through the segmented
+path and short prompts through the fetcher."""
+
+import pytest
+
+import moestream
+from moestream.errors import InputError
+
+PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_qwen3):
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    return engine, engine.generate(PROMPTS, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_hybrid_misses_give_the_resident_tokens(tiny_qwen3, resident, share):
+    engine, want = resident
+    k = engine.config.top_k
+    hybrid = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=k, host_tier="pinned",
+                            cpu_misses=share, discovery=False)
+    assert hybrid.bank.hybrid
+    assert hybrid.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want          # batched decode
+    assert [hybrid.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want   # alone
+    stats = hybrid.stats()
+    assert stats["cpu_served"] > 0 and stats["misses"] >= stats["cpu_served"]
+
+
+def test_without_hybrid_nothing_is_served_on_the_cpu(tiny_qwen3, resident):
+    engine, want = resident
+    plain = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
+                           host_tier="pinned", discovery=False)
+    assert not plain.bank.hybrid
+    assert plain.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+    assert plain.stats()["cpu_served"] == 0 and plain.stats()["misses"] > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cpu_misses=1.5), "from 0 to 1"),
+    (dict(cpu_misses=0.5, miss_policy="skip"), "needs --miss-policy fetch"),
+    (dict(cpu_misses=0.5, capacity=2), "host RAM"),                     # the disk tier holds nothing in RAM
+])
+def test_bad_hybrid_settings_are_refused(tiny_qwen3, kwargs, match):
+    with pytest.raises(InputError, match=match):
+        moestream.load(tiny_qwen3, device="cpu", dtype="float32", **kwargs)
+
+
+def test_measured_costs_split_the_misses_so_both_paths_finish_together():
+    from moestream.experts.fetch import MissCosts
+
+    costs = MissCosts(copy_s=1.0, cpu_token_s=0.4, cpu_call_s=0.1)
+    tokens = {10: 1, 11: 1, 12: 3, 13: 1, 14: 2}
+    chosen = costs.split(list(tokens), tokens)
+    # Fewest tokens first: 10, 11, 13 (1 token each) fit (CPU 0.5, 0.9, 1.3 s against 4, 3, 2 s of
+    # copies still to come); 14 (2 tokens: 2.1 s) would outlast the last copy.
+    assert chosen == [10, 11, 13]
+    cpu = costs.cpu_call_s + sum(tokens[e] for e in chosen) * costs.cpu_token_s
+    assert cpu <= (len(tokens) - len(chosen)) * costs.copy_s
+    assert MissCosts(copy_s=1.0, cpu_token_s=5.0, cpu_call_s=0.0).split([1, 2], {1: 1, 2: 1}) == []   # slow CPU: copy all
+    assert MissCosts(copy_s=1.0, cpu_token_s=0.0, cpu_call_s=0.0).split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [1, 2, 3]   # free CPU: all
+
+
+def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
+    engine, want = resident
+    auto = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
+                          host_tier="pinned", cpu_misses="auto", discovery=False)
+    costs = auto.bank.fetcher.costs
+    assert costs is not None and costs.copy_s > 0 and costs.cpu_token_s > 0
+    assert auto.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+
+
+def test_the_cli_flag_takes_a_share_or_auto(tiny_qwen3):
+    from moestream.cli import main
+
+    assert main(["run", str(tiny_qwen3), "--device", "cpu", "--capacity", "2", "--host-tier", "pinned",
+                 "--cpu-misses", "auto", "-p", "5 6 7", "--max-tokens", "3"]) == 0
+    with pytest.raises(SystemExit) as bad:
+        main(["run", str(tiny_qwen3), "--cpu-misses", "2", "-p", "5"])
+    assert bad.value.code == 1
