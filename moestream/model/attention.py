@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import KVCache
+from moestream.model.cache import FullKVMixer, KVCache
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
 from moestream.model.linear_attention import GatedDeltaNet
@@ -17,7 +17,7 @@ from moestream.model.rotary import apply_rotary
 from moestream.model.sink_attention import SinkAttention, SlidingSinkAttention
 
 
-class Attention(nn.Module):
+class Attention(FullKVMixer, nn.Module):
     """A mixer: `prefix` is its name in the checkpoint, `make_cache` / `cache_bytes` its cache kind."""
 
     prefix = "self_attn"
@@ -39,14 +39,6 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(kv_dim, config.rms_norm_eps)
         self.clip_qkv = config.clip_qkv
-
-    @staticmethod
-    def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        return rows * max_len * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
-
-    @staticmethod
-    def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, L, _ = x.shape

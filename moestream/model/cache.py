@@ -269,6 +269,19 @@ class RingKVCache(LayerCache):
         self.v[row].copy_(v)
 
 
+class FullKVMixer:
+    """What every mixer that keeps full-context GQA keys and values shares: its cache kind and the
+    bytes that cache takes (the memory plan reads `cache_bytes` without building the model)."""
+
+    @staticmethod
+    def cache_bytes(config, rows: int, max_len: int, dtype: torch.dtype) -> int:
+        return rows * max_len * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
+
+    @staticmethod
+    def make_cache(config, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
+
+
 class ModelCache:
     """The caches of every layer for `rows` sequences of at most `max_len` positions."""
 

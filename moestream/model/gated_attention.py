@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import KVCache
+from moestream.model.cache import FullKVMixer, KVCache
 from moestream.model.context import ForwardContext
 from moestream.model.norms import NORMS
 from moestream.model.rotary import apply_rotary
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(FullKVMixer, nn.Module):
     """A mixer (see `model.attention.MIXERS`): `prefix` is its checkpoint name."""
 
     prefix = "self_attn"
@@ -41,14 +41,6 @@ class GatedAttention(nn.Module):
             norm = NORMS[spec.norm]
             self.q_norm = norm(config.head_dim, config.rms_norm_eps)
             self.k_norm = norm(config.head_dim, config.rms_norm_eps)
-
-    @staticmethod
-    def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        return rows * max_len * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
-
-    @staticmethod
-    def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, L, _ = x.shape

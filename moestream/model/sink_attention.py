@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import KVCache, RingKVCache
+from moestream.model.cache import FullKVMixer, KVCache, RingKVCache
 from moestream.model.context import ForwardContext
 from moestream.model.rotary import apply_rotary
 
@@ -65,7 +65,7 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor 
     return out.reshape(B, Hq, L, D).to(q.dtype)
 
 
-class SinkAttention(nn.Module):
+class SinkAttention(FullKVMixer, nn.Module):
     """A mixer (see `model.attention.MIXERS`) over every position: the full KV cache."""
 
     prefix = "self_attn"
@@ -81,14 +81,6 @@ class SinkAttention(nn.Module):
         self.o_proj = nn.Linear(q_dim, H, bias=config.o_bias)
         self.sinks = nn.Parameter(torch.empty(config.num_heads))
         self.scale = config.head_dim ** -0.5
-
-    @staticmethod
-    def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        return rows * max_len * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
-
-    @staticmethod
-    def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-        return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries (B, heads, L, D), rotated keys and values (B, L, kv_heads, D)."""
