@@ -202,6 +202,24 @@ def parse_devices(text: str | None) -> list[str] | None:
     return devices
 
 
+def _torchrun():
+    """This process's place in a torchrun launch (None when not launched by torchrun)."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    from moestream.runtime.distributed import torchrun_env
+
+    return torchrun_env()
+
+
+def _follow_rank_0(launched) -> int:
+    """A torchrun rank other than 0: make rank 0's model calls until it stops (it owns the command's
+    output, the server socket and every error message)."""
+    from moestream.runtime.distributed import follow
+
+    follow(launched.rank, launched.store_port, launched.world, timeout_s=600.0, host=launched.master_addr)
+    return 0
+
+
 def engine_config(args):
     """The EngineConfig of a command's flags (run, bench, profile, perplexity, check)."""
     from moestream.engine import BankConfig, EngineConfig, RuntimeConfig, WarmStartConfig
@@ -209,8 +227,14 @@ def engine_config(args):
     if args.gpu_memory is not None and args.memory is not None:
         raise InputError("give either --gpu-memory or --memory (they are the same budget), not both.")
     check_output_folder(getattr(args, "prepack", None), "--prepack")
-    runtime = RuntimeConfig(device=args.device, dtype=args.dtype, max_context=args.max_context,
-                            devices=parse_devices(getattr(args, "devices", None)))
+    devices = parse_devices(getattr(args, "devices", None))
+    device = args.device
+    launched = _torchrun()
+    if launched is not None and devices is None:   # torchrun started one process per rank: place them
+        from moestream.runtime.distributed import torchrun_devices
+
+        devices, device = torchrun_devices(launched, args.device), "auto"
+    runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices)
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
@@ -755,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if not getattr(args, "verbose", False):
             _quiet_libraries()
+        launched = _torchrun()
+        if launched is not None and launched.rank != 0 and args.command in ("run", "serve", "bench", "profile", "perplexity"):
+            return _follow_rank_0(launched)
         return args.func(args)
     except MoestreamError as exc:
         print(f"moestream: error: {exc}", file=sys.stderr)

@@ -29,7 +29,7 @@ from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
 from moestream.experts.sharded import Placement, ShardedExperts, ShardStore
-from moestream.runtime.distributed import DistributedRunner, RankGroup, rank_config
+from moestream.runtime.distributed import DistributedRunner, RankGroup, checkpoint_digest, rank_config
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
@@ -162,7 +162,7 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
         try:
             cfg = rank_config(cfg, 0)
             engine = _build(cfg, 0, world, group)
-            group.wait_ready()
+            group.wait_ready(checkpoint_digest(engine.plan.folder))
         except BaseException:
             group.close()
             raise

@@ -19,6 +19,7 @@ from moestream.experts.bank import MISS_POLICIES
 from moestream.experts.host_tier import HOST_TIERS
 from moestream.experts.residency import POLICIES
 from moestream.quant.recipe import QuantRecipe
+from moestream.runtime.distributed import torchrun_env
 from moestream.sizes import parse_bytes
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -87,7 +88,7 @@ class RuntimeConfig:
             raise InputError(f"devices must all be CUDA devices or all be cpu, got {', '.join(devices)}.")
         cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
         named = [d if d.index is not None else torch.device("cuda", 0) for d in cuda]
-        if len(set(named)) != len(named):
+        if len(set(named)) != len(named) and torchrun_env() is None:   # under torchrun ranks span hosts
             raise InputError(f"devices names the same GPU twice ({', '.join(devices)}); give each rank its own.")
         if cuda:
             count = torch.cuda.device_count()

@@ -10,6 +10,11 @@ row grown or moved) is published in the store first, every follower makes the sa
 MoE layers' all-reduces keep the ranks in step inside it. Tensors stay on the ranks; only ids,
 positions and sizes travel through the store.
 
+Under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, possibly across hosts) nothing is
+started: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT+1, the other ranks run `follow` there
+(the CLI does that for them), and each rank checks that it loaded the same checkpoint (a digest of
+config.json and the shard names and sizes).
+
 The store carries calls rather than a collective so that an idle engine (a server waiting for
 requests) keeps its followers waiting without tripping collective timeouts. The collectives
 themselves (gloo on CPU, NCCL on CUDA) time out after `rank_timeout_s`, so a rank that dies ends
@@ -19,12 +24,15 @@ exits by itself.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -39,6 +47,54 @@ _KEPT_CALLS = 4096             # published calls kept in the store
 
 def _backend(devices: list[str]) -> str:
     return "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """Where `torchrun` (or SLURM through it) put this process: its rank, the world, the master."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def store_port(self) -> int:
+        return self.master_port + 1   # torchrun's own rendezvous store holds MASTER_PORT
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """This process's place in a torchrun launch of two or more processes, else None."""
+    env = os.environ
+    try:
+        world = int(env["WORLD_SIZE"])
+        if world < 2:
+            return None
+        return TorchrunEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)),
+                           int(env.get("LOCAL_WORLD_SIZE", world)), env.get("MASTER_ADDR", "127.0.0.1"),
+                           int(env.get("MASTER_PORT", 29500)))
+    except (KeyError, ValueError):
+        return None
+
+
+def torchrun_devices(env: TorchrunEnv, device: str) -> list[str]:
+    """One device per rank: the local GPU of each (by local rank), or the CPU for every rank."""
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return ["cpu"] * env.world
+    return [f"cuda:{rank % env.local_world}" for rank in range(env.world)]
+
+
+def checkpoint_digest(folder) -> str:
+    """What every rank must agree on: config.json's bytes and the shard files' names and sizes."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for shard in sorted(folder.glob("*.safetensors")):
+        h.update(f"{shard.name}:{shard.stat().st_size}".encode())
+    return h.hexdigest()
 
 
 def rank_config(cfg, rank: int):
@@ -57,13 +113,19 @@ class RankGroup:
         if dist.is_initialized():
             raise DistributedError("this process already belongs to a process group; one expert-parallel engine "
                                    "per process (close the other engine first).")
-        self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=self.timeout,
-                                   wait_for_workers=False)   # port 0: the system picks a free one, no race
-        port = self.store.port
+        launched = torchrun_env()
+        if launched is not None and launched.world == self.world:   # torchrun started every rank
+            self.store = dist.TCPStore(launched.master_addr, launched.store_port, self.world, is_master=True,
+                                       timeout=self.timeout, wait_for_workers=False)
+            self.procs = []
+        else:
+            self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=self.timeout,
+                                       wait_for_workers=False)   # port 0: the system picks a free one, no race
+            self.procs = [subprocess.Popen([sys.executable, "-m", "moestream.runtime.distributed", str(rank),
+                                            str(self.store.port), str(self.world), str(cfg.runtime.rank_timeout_s)],
+                                           stdout=subprocess.DEVNULL) for rank in range(1, self.world)]
         self.store.set("config", pickle.dumps(cfg))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "moestream.runtime.distributed", str(rank), str(port),
-                                        str(self.world), str(cfg.runtime.rank_timeout_s)], stdout=subprocess.DEVNULL)
-                      for rank in range(1, self.world)]
+        atexit.register(self.close)   # followers stop when rank 0's process ends, whatever it ran
         try:
             dist.init_process_group(_backend(devices), store=self.store, rank=0, world_size=self.world,
                                     timeout=self.timeout)
@@ -74,8 +136,11 @@ class RankGroup:
         self.calls = 0
         self.closed = False
 
-    def wait_ready(self) -> None:
-        """Every follower has built its engine (or one failed: its error, raised here)."""
+    def wait_ready(self, digest: str | None = None) -> None:
+        """Every follower has built its engine (or one failed: its error, raised here) from the same
+        checkpoint as rank 0 (`digest`)."""
+        if digest is not None:
+            self.store.set("checkpoint", digest)
         for rank in range(1, self.world):
             key = f"state/{rank}"
             try:
@@ -169,17 +234,21 @@ def _checked(call, *args):
                                "the engine cannot continue: load it again.") from None
 
 
-def follow(rank: int, port: int, world: int, timeout_s: float) -> None:
+def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.0.0.1") -> None:
     """A follower rank: join, build this rank's engine, then make rank 0's calls until told to stop."""
     from moestream.engine.build import build
 
     parent = os.getppid()
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     cfg = pickle.loads(store.get("config"))
     dist.init_process_group(_backend(cfg.runtime.devices), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         engine = build(rank_config(cfg, rank), rank=rank, world=world)
+        store.wait(["checkpoint"], timeout)
+        if checkpoint_digest(engine.plan.folder) != store.get("checkpoint").decode():
+            raise DistributedError(f"its checkpoint at {engine.plan.folder} differs from rank 0's (config.json or "
+                                   "shard sizes); give every host the same files")
     except BaseException as exc:
         store.set(f"state/{rank}", f"{type(exc).__name__}: {exc}")
         return
@@ -190,8 +259,10 @@ def follow(rank: int, port: int, world: int, timeout_s: float) -> None:
             key = f"call/{call}"
             try:
                 store.wait([key], _POLL)
+            except dist.DistNetworkError:   # rank 0's store closed: rank 0 is gone
+                return
             except Exception:
-                if os.getppid() != parent:   # rank 0 is gone: nobody will call again
+                if os.getppid() != parent:   # rank 0 (our parent) is gone: nobody will call again
                     return
                 continue
             op, args = pickle.loads(store.get(key))

@@ -141,3 +141,24 @@ def test_two_ranks_placed_by_a_profile_equal_one_process(tiny_qwen3, tmp_path):
     with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=config.top_k,
                         profile=str(tmp_path / "p.json"), rank_timeout_s=60) as engine:
         assert engine.generate(PROMPTS, max_tokens=10, ignore_eos=True) == want
+
+
+def test_torchrun_launches_the_same_engine(tiny_qwen3):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "moestream", "run", str(tiny_qwen3), "--device", "cpu", "-p", "5 6 7 8",
+                        "--max-tokens", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = moestream.load(tiny_qwen3, device="cpu").generate([5, 6, 7, 8], max_tokens=5)
+    assert r.stdout.split() == [str(t) for t in want]          # printed once, by rank 0
+
+
+def test_the_checkpoint_digest_tells_different_checkpoints_apart(tiny_checkpoints):
+    from moestream.runtime.distributed import checkpoint_digest
+
+    a, b = tiny_checkpoints["qwen3_moe"][0], tiny_checkpoints["mixtral"][0]
+    assert checkpoint_digest(a) == checkpoint_digest(a) != checkpoint_digest(b)
