@@ -15,7 +15,7 @@ from moestream import cli
 
 REPO = Path(moestream.__file__).resolve().parent.parent
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe", "gpt_oss",
-            "deepseek_v2", "deepseek_v3", "glm4_moe_lite"]
+            "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gemma4"]
 
 
 def _python_m(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -59,6 +59,16 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.GptOssConfig(**COMMON, intermediate_size=16, num_hidden_layers=3, head_dim=8,
                                          num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
                                          swiglu_limit=0.15, swiglu_alpha=1.3, eos_token_id=1)
+    if arch == "gemma4":
+        # sliding (window 6, shorter than the test prompts) / full / sliding / full; the full layers
+        # 16 wide with one key/value head whose keys are the values, proportional rope on a quarter
+        # of each head; logits soft-capped low enough to bind; the transformers defaults otherwise.
+        return transformers.Gemma4TextConfig(**COMMON, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+                                             attention_k_eq_v=True, intermediate_size=24, num_hidden_layers=4,
+                                             layer_types=["sliding_attention", "full_attention"] * 2,
+                                             sliding_window=6, hidden_size_per_layer_input=0, enable_moe_block=True,
+                                             num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+                                             final_logit_softcapping=3.0, eos_token_id=1)
     raise ValueError(arch)
 
 
@@ -81,6 +91,9 @@ MLA_TINY = {
     "glm4_moe_lite": dict(q_lora_rank=24, rope_interleave=False, n_shared_experts=1,
                           mlp_layer_types=["sparse", "dense", "sparse"]),
 }
+# Families whose attention barely moves the residual stream at init std 0.02: unit-scale projections
+# make its scale, rope layout and norms show in the logits.
+UNIT_SCALE = (*MLA_TINY, "gemma4")
 MLA_CONFIGS = {"deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config",
                "glm4_moe_lite": "Glm4MoeLiteConfig"}
 
@@ -113,20 +126,27 @@ def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.Pr
                 p.normal_(0, 0.5)
             elif name.endswith("sinks"):   # GPT-OSS's attention sinks: large enough to take real mass
                 p.normal_(0, 1.0)
-            elif arch in MLA_TINY and ".self_attn." in name and p.dim() == 2:
+            elif name.endswith("router.proj.weight"):   # Gemma 4's router
+                p.normal_(0, 0.5)
+            elif name.endswith("scale"):   # Gemma 4's router input and per-expert scales
+                p.add_(torch.randn_like(p) * 0.3)
+            elif arch in UNIT_SCALE and ".self_attn." in name and p.dim() == 2:
                 # MLA at init std 0.02 barely moves the residual stream: unit-scale projections make
                 # its scale, rope layout and latent norms show in the logits
                 p.normal_(0, p.shape[1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):   # Gemma 4's stored per-layer output scale
+                b.uniform_(0.5, 1.5)
     randomise_correction_bias(model)
     model.save_pretrained(out)
     return model
 
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v2",
-         "deepseek_v3", "glm4_moe_lite", "gpt_oss"]
+         "deepseek_v3", "glm4_moe_lite", "gpt_oss", "gemma4"]
 # Families whose experts can be kept quantized (quantize-on-load, `moestream convert`, MLX): GPT-OSS's
-# experts (biases, clamped SwiGLU) are kept unquantized only so far.
-QUANT_ARCHS = [arch for arch in ARCHS if arch != "gpt_oss"]
+# experts (biases, clamped SwiGLU) and Gemma 4's (GeGLU) are kept unquantized only so far.
+QUANT_ARCHS = [arch for arch in ARCHS if arch not in ("gpt_oss", "gemma4")]
 
 
 QUANT_COMMON = dict(vocab_size=160, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,

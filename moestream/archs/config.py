@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from moestream.archs.spec import ArchSpec, LatentAttentionConfig, LinearAttentionConfig, ModelConfig, RopeConfig
+from moestream.archs.spec import (ArchSpec, GlobalAttentionConfig, LatentAttentionConfig, LinearAttentionConfig,
+                                  ModelConfig, RopeConfig)
 from moestream.errors import CheckpointError
 
 _MISSING = object()
@@ -78,6 +79,9 @@ RULES: dict[str, Rule] = {
     # sliding-window layers and the clamped SwiGLU of the experts (GPT-OSS)
     "sliding_window": Rule("int", 1), "swiglu_alpha": Rule("float", 0, exclusive=True),
     "swiglu_limit": Rule("float", 0, exclusive=True),
+    # Gemma 4: the full-attention layers' own sizes, keys shared as values there, logit soft-capping
+    "global_head_dim": Rule("int", 2), "num_global_key_value_heads": Rule("int", 1), "attention_k_eq_v": Rule("bool"),
+    "final_logit_softcapping": Rule("float", 0, exclusive=True),
 }
 
 
@@ -151,6 +155,8 @@ def _layer_mixers(raw: dict[str, Any], spec: ArchSpec, layers: int) -> tuple[str
     if not isinstance(types, list) or len(types) != layers:
         raise CheckpointError(f"config.json has layer_types = {types!r}, which must list one layer type for each of "
                               f"its {layers} layers; fix the config.")
+    if spec.global_layers:   # transformers makes Gemma 4's last layer full attention whatever the list says
+        types = [*types[:-1], "full_attention"]
     for i, kind in enumerate(types):
         if kind not in spec.layer_mixers:
             raise CheckpointError(f"config.json makes layer {i} a {kind!r} layer, a layer type {spec.name} does not "
@@ -254,11 +260,79 @@ def _groups(raw: dict[str, Any], spec: ArchSpec) -> tuple[int, int]:
 
 
 def _check_variants(raw: dict[str, Any], spec: ArchSpec) -> None:
+    """A key absent from config.json is the spec's default (transformers' default): Gemma 4 without
+    hidden_size_per_layer_input has per-layer embeddings, which moestream does not implement."""
     for key, allowed in spec.variants.items():
-        value = raw.get(key)
+        value = raw[key] if key in raw else spec.defaults.get(key)
         if value is not None and value not in allowed:
-            raise CheckpointError(f"config.json has {key} = {value!r}, a {spec.name} variant moestream does not "
+            said = "" if key in raw else " (its default: config.json does not set it)"
+            raise CheckpointError(f"config.json has {key} = {value!r}{said}, a {spec.name} variant moestream does not "
                                   f"implement (supported: {', '.join(map(repr, allowed))}); use a supported checkpoint.")
+
+
+def _typed_rope(raw: dict[str, Any], spec: ArchSpec, layer_type: str) -> dict[str, Any]:
+    """One layer type's rotary settings where config.json nests them per layer type (Gemma 4's
+    rope_parameters {"sliding_attention": {...}, "full_attention": {...}}), in the flat form `_rope`
+    reads; absent: transformers' defaults for that type (the spec's `rope_<type>`)."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise CheckpointError(f"config.json has rope_parameters = {params!r}, which must be an object; fix the config.")
+    typed = (params or {}).get(layer_type)
+    if typed is None:
+        typed = spec.defaults[f"rope_{layer_type}"]
+    if not isinstance(typed, dict):
+        raise CheckpointError(f"config.json has rope_parameters.{layer_type} = {typed!r}, which must be an object; "
+                              "fix the config.")
+    return {"rope_parameters": typed}
+
+
+def _layer_shape(raw: dict[str, Any], layer: int, head_dim: int, kv_heads: int) -> tuple[int, int]:
+    """(head_dim, key/value heads) of one layer after config.json's per_layer_config overrides."""
+    table = raw.get("per_layer_config") or {}
+    if not isinstance(table, dict):
+        raise CheckpointError(f"config.json has per_layer_config = {table!r}, which must be an object; fix the config.")
+    override = table.get(str(layer), table.get(layer)) or {}
+    return (RULES["head_dim"].check("per_layer_config head_dim", override.get("head_dim", head_dim)),
+            RULES["num_key_value_heads"].check("per_layer_config num_key_value_heads",
+                                               override.get("num_key_value_heads", kv_heads)))
+
+
+def _global_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...], heads: int, head_dim: int,
+                      kv_heads: int) -> GlobalAttentionConfig | None:
+    """Gemma 4's full-attention layers: head size and key/value heads from per_layer_config (what
+    transformers saves) or global_head_dim / num_global_key_value_heads (what Google's configs hold;
+    the latter only where attention_k_eq_v), their own rotary. Every sliding layer must keep the base
+    shape and every full layer share one, as the caches and mixers are built per kind."""
+    if not spec.global_layers:
+        return None
+    full = spec.layer_mixers["full_attention"]
+    k_eq_v = _lookup(raw, spec, "attention_k_eq_v", False)
+    if raw.get("per_layer_config") is None:
+        g_kv = _optional(raw, "num_global_key_value_heads", None) if k_eq_v else None
+        shapes = {i: ((_lookup(raw, spec, "global_head_dim"), g_kv or kv_heads) if kind == full
+                      else (head_dim, kv_heads)) for i, kind in enumerate(mixers)}
+    else:
+        shapes = {i: _layer_shape(raw, i, head_dim, kv_heads) for i in range(len(mixers))}
+    sliding = {shapes[i] for i, kind in enumerate(mixers) if kind != full}
+    globals_ = {shapes[i] for i, kind in enumerate(mixers) if kind == full}
+    if sliding - {(head_dim, kv_heads)} or len(globals_) != 1:
+        raise CheckpointError(f"config.json gives the layers head sizes and key/value heads {sorted(set(shapes.values()))}; "
+                              "moestream needs the sliding layers at head_dim / num_key_value_heads and every full "
+                              "layer alike; fix per_layer_config.")
+    g_dim, g_kv = globals_.pop()
+    if heads % g_kv:
+        raise CheckpointError(f"config.json has {heads} attention heads and {g_kv} key/value heads in its full-attention "
+                              "layers; the key/value heads must divide the attention heads, fix the config.")
+    typed = _typed_rope(raw, spec, "full_attention")["rope_parameters"]
+    kind = typed.get("rope_type", "default")
+    if kind not in ("default", "proportional"):
+        raise CheckpointError(f"config.json's full-attention rope type {kind!r} is not supported (supported: default, "
+                              "proportional); use a supported checkpoint.")
+    key = "partial_rotary_factor"
+    fraction = RULES[key].check(key, typed.get(key, 1.0)) if kind == "proportional" else 1.0
+    factor = RULES["factor"].check("rope factor", typed.get("factor", 1.0)) if kind == "proportional" else 1.0
+    theta = RULES["rope_theta"].check("rope_theta", typed.get("rope_theta", 10000.0))
+    return GlobalAttentionConfig(g_dim, g_kv, k_eq_v, RopeConfig(float(theta), kind, float(factor)), float(fraction))
 
 
 def _check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int, scored_by: int = 2) -> None:
@@ -318,7 +392,7 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     if heads % kv_heads:
         raise CheckpointError(f"config.json has {heads} attention heads and {kv_heads} key/value heads; the key/value "
                               "heads must divide the attention heads, fix the config.")
-    rope = _rope(raw)
+    rope = _rope(_typed_rope(raw, spec, "sliding_attention") if spec.global_layers else raw)
     mixers = _layer_mixers(raw, spec, layers)
     latent = _latent_attention(raw, spec, mixers, rope)
     # MLA: every head attends to its own expansion of the one latent, so there are no key/value head
@@ -349,7 +423,7 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     dense = _lookup(raw, spec, "intermediate_size", 0)
     if dense == 0 and not all(moe_layers):
         raise CheckpointError("config.json keeps some layers dense but gives no intermediate_size for them; fix the config.")
-    tie = raw.get("tie_word_embeddings", False)
+    tie = raw.get("tie_word_embeddings", spec.defaults.get("tie_word_embeddings", False))
     moe_intermediate = _lookup(raw, spec, "moe_intermediate_size")
     shared = 0
     if spec.shared_expert:
@@ -395,4 +469,6 @@ def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
         latent_attention=latent,
         sliding_window=_sliding_window(raw, spec, mixers),
         **_expert_kind(raw, spec),
+        global_attention=_global_attention(raw, spec, mixers, heads, head_dim, kv_heads),
+        final_logit_softcap=_optional(raw, "final_logit_softcapping", None),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "scaled_softmax_topk"]
 QKNorm = Literal["none", "per_head", "full"]
 
 
@@ -50,6 +50,18 @@ class ArchSpec:
     `expert_bias`: the routed experts' projections carry biases. `expert_activation`: a kind of
     `kernels.moe_reference.ACTIVATIONS` (`swiglu`, or GPT-OSS's `swiglu_clamped`, whose alpha and
     limit config.json gives as swiglu_alpha / swiglu_limit).
+    `expert_layout` `stacked_rows`: transformers v5's own stacking (Gemma 4): `experts.gate_up_proj`
+    (E, 2I, H) gate rows first, `experts.down_proj` (E, H, I), no biases: one expert is one byte
+    range of each, already in the dense format's layout. `moe_prefix` "" puts the router and the
+    experts straight under the layer (`model.layers.N.router`, `model.layers.N.experts`).
+    `layer`: a kind of `model.decoder.LAYERS`: `standard` = norm → mixer → residual, norm → MoE or
+    dense FFN → residual; `gemma4` = Gemma 4's sandwich-normed layer with a dense GeGLU MLP beside
+    the routed experts and a per-layer output scalar (model/gemma4_layer.py).
+    `embed_scale`: the embeddings are multiplied by sqrt(hidden_size) (Gemma).
+    `global_layers`: the full-attention layers have their own head size, key/value heads and rotary
+    (Gemma 4's global layers: `ModelConfig.global_attention`), rope_parameters is nested per layer
+    type (defaults `rope_sliding_attention` / `rope_full_attention`), and the last layer is always
+    full attention (transformers forces it).
     `variants`: config.json keys naming a variant of the family, with the values moestream implements;
     any other value is refused when the config is read, rather than run wrongly.
     `keys`: for each ModelConfig field, the config.json keys that may hold it, first match wins.
@@ -75,9 +87,12 @@ class ArchSpec:
     grouped_by: tuple[str, tuple[Any, ...]] | None = None
     mlp_layer_types: bool = False
     router_bias: bool = False
-    expert_layout: Literal["per_expert", "stacked"] = "per_expert"
+    expert_layout: Literal["per_expert", "stacked", "stacked_rows"] = "per_expert"
     expert_bias: bool = False
     expert_activation: str = "swiglu"
+    layer: str = "standard"
+    embed_scale: bool = False
+    global_layers: bool = False
     variants: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +104,7 @@ class ArchSpec:
 
     def stacked_expert_names(self, layer: int) -> dict[str, str]:
         """On-disk names of one layer's stacked expert tensors (`expert_layout = "stacked"`)."""
-        base = f"model.layers.{layer}.{self.moe_prefix}.experts"
+        base = f"model.layers.{layer}.{self.moe_prefix}.experts" if self.moe_prefix else f"model.layers.{layer}.experts"
         return {"gate_up": f"{base}.gate_up_proj", "gate_up_bias": f"{base}.gate_up_proj_bias",
                 "down": f"{base}.down_proj", "down_bias": f"{base}.down_proj_bias"}
 
@@ -150,6 +165,21 @@ class LatentAttentionConfig:
 
 
 @dataclass(frozen=True)
+class GlobalAttentionConfig:
+    """Gemma 4's full-attention layers, which differ from its sliding ones (whose sizes and rotary
+    are ModelConfig's own): wider heads (`head_dim`, config.json's global_head_dim or
+    per_layer_config), their own key/value heads, `k_eq_v` (attention_k_eq_v: no v_proj, the values
+    are the key projection before k_norm), and their own rotary (`rope`; `rotary_fraction` of each
+    head's frequencies non-zero: transformers' proportional rope, the rest rotate by zero)."""
+
+    head_dim: int
+    kv_heads: int
+    k_eq_v: bool
+    rope: RopeConfig
+    rotary_fraction: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The normalised shape of a model; every module is built from this, whatever the family."""
 
@@ -192,6 +222,8 @@ class ModelConfig:
     expert_activation: str = "swiglu"     # a kernels.moe_reference activation
     swiglu_alpha: float = 1.702           # swiglu_clamped's sigmoid gain and clamp (GPT-OSS)
     swiglu_limit: float = 7.0
+    global_attention: GlobalAttentionConfig | None = None   # Gemma 4's full layers, if they differ
+    final_logit_softcap: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
 
     @property
     def num_moe_layers(self) -> int:

@@ -156,18 +156,22 @@ class DenseFormat(ExpertFormat):
             out["down_bias"].copy_(down_bias)
 
     @staticmethod
-    def _fused(device: torch.device) -> bool:
-        """The Triton kernels on CUDA (biases and the clamped SwiGLU included); elsewhere, or without
-        Triton, the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
+    def _fused(device: torch.device, shape: ExpertShape | None = None) -> bool:
+        """The Triton kernels on CUDA (biases and the clamped SwiGLU included) for activations they
+        implement; elsewhere, without Triton, or for an activation without a kernel (Gemma 4's
+        GeGLU), the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
         from moestream import kernels
+        from moestream.kernels.moe_reference import FUSED_ACTIVATIONS
 
+        if shape is not None and shape.activation.name not in FUSED_ACTIVATIONS:
+            return False
         return device.type == "cuda" and kernels.fused_moe_available()
 
     def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
         from moestream import kernels
 
         activation = shape.activation if shape is not None else Activation()
-        if self._fused(device):
+        if self._fused(device, shape):
             def fused(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
                 return kernels.fused_moe(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
                                          slots.get("gate_up_bias"), slots.get("down_bias"))
@@ -179,7 +183,7 @@ class DenseFormat(ExpertFormat):
         return reference
 
     def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
-        return device.type == "cuda" and not self._fused(device)
+        return device.type == "cuda" and not self._fused(device, shape)
 
     def __repr__(self) -> str:
         return f"DenseFormat({self.name})"
@@ -202,7 +206,7 @@ class QuantizedFormat(ExpertFormat):
 
     def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
         if not shape.plain:
-            raise InputError(f"experts with biases or a {shape.activation.name} activation (GPT-OSS) cannot be kept "
+            raise InputError(f"experts with biases or a {shape.activation.name} activation (GPT-OSS, Gemma 4) cannot be kept "
                              f"quantized ({self.name}) yet; load them unquantized (--experts bf16).")
         out = []
         for proj, (n, k) in self.projection_shapes(shape).items():

@@ -7,7 +7,9 @@ Three layouts on disk, one interface (`read_into(layer, expert, fmt, out)`):
                          (same bytes) or through `ExpertFormat.encode` (a dtype change, quantize-on-load);
                          or GPT-OSS's stacked tensors (`...experts.gate_up_proj` (E, H, 2I), gate and
                          up columns interleaved, + biases): expert e is one byte range of each,
-                         de-interleaved and transposed through `encode`
+                         de-interleaved and transposed through `encode`; or transformers v5's own
+                         stacking (Gemma 4: `experts.gate_up_proj` (E, 2I, H) gate rows first,
+                         `experts.down_proj` (E, H, I)): one byte range each, the dense slot layout
   MLXExpertStore         MLX's stacked quantized tensors (`...switch_mlp.gate_proj.weight` (E, N, ·)
                          uint32 + scales + biases): expert e is one byte range of each, read as it is
   PackedExpertStore      `moestream convert` output: per layer one file, each expert one contiguous
@@ -79,7 +81,8 @@ class CheckpointExpertStore(ExpertStore):
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         super().__init__(index, config, spec)
-        self.stacked = spec.expert_layout == "stacked"
+        self.stacked = spec.expert_layout in ("stacked", "stacked_rows")
+        self.rows = spec.expert_layout == "stacked_rows"   # (E, 2I, H) / (E, H, I): no transposes, no biases
         self.dtype = self._check_and_dtype()
 
     def _expected(self, layer: int, expert: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -92,6 +95,8 @@ class CheckpointExpertStore(ExpertStore):
         if f"{base}_blocks" in self.index or f"{base}_scales" in self.index:
             raise CheckpointError(f"{base} is stored MXFP4-quantized (blocks and scales), which moestream does not "
                                   "read yet; use a bf16 export of the model (its experts dequantized).")
+        if self.rows:
+            return [(names["gate_up"], (E, 2 * I, H)), (names["down"], (E, H, I))]
         return [(names["gate_up"], (E, H, 2 * I)), (names["gate_up_bias"], (E, 2 * I)),
                 (names["down"], (E, I, H)), (names["down_bias"], (E, H))]
 
@@ -121,6 +126,10 @@ class CheckpointExpertStore(ExpertStore):
     def read_raw(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor]:
         """gate (I, H), up (I, H), down (H, I) of one expert, in the checkpoint's dtype."""
         I, H = self.shape.intermediate, self.shape.hidden
+        if self.rows:   # W @ x layout, gate rows first: a row of each stack is the expert as it is
+            names = self.spec.stacked_expert_names(layer)
+            gate_up = self._read_row(names["gate_up"], expert, (2 * I, H))
+            return gate_up[:I], gate_up[I:], self._read_row(names["down"], expert, (H, I))
         if self.stacked:   # x @ W layout: gate_up (H, 2I), gate columns even, up columns odd; down (I, H)
             names = self.spec.stacked_expert_names(layer)
             gate_up = self._read_row(names["gate_up"], expert, (H, 2 * I))
@@ -134,7 +143,7 @@ class CheckpointExpertStore(ExpertStore):
 
     def read_raw_biases(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """gate (I,), up (I,) and down (H,) biases of one expert (stacked layout), else None."""
-        if not self.stacked:
+        if not self.stacked or self.rows:
             return None
         names = self.spec.stacked_expert_names(layer)
         gate_up = self._read_row(names["gate_up_bias"], expert, (2 * self.shape.intermediate,))

@@ -6,7 +6,7 @@ What it computes, for every token t and routed position j (slot s = slot_ids[t, 
 
 (s >= 0 only; the biases are optional, GPT-OSS's experts have them) where `gate_up[s]` holds the
 gate rows first and the up rows second (its bias likewise), and the activation is `swiglu`,
-`silu(gate) * up`, or GPT-OSS's `swiglu_clamped`: gate clamped above at `limit`, up to
+`silu(gate) * up`, Gemma 4's `geglu_tanh`, `gelu_tanh(gate) * up`, or GPT-OSS's `swiglu_clamped`: gate clamped above at `limit`, up to
 [-limit, limit], then `(up + 1) * gate * sigmoid(alpha * gate)`. A slot of -1 (expert not
 resident) contributes nothing, its biases included.
 
@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["moe_reference", "Activation", "ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
+__all__ = ["moe_reference", "Activation", "ACTIVATIONS", "FUSED_ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
            "get_activation"]
 
 
@@ -69,11 +69,25 @@ def _swiglu_clamped(gate_up_out: Tensor, act: Activation) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
+def _geglu_tanh(gate_up_out: Tensor, act: Activation) -> Tensor:
+    """Gemma's GeGLU: `gelu(gate) * up` with the tanh approximation of gelu (transformers'
+    gelu_pytorch_tanh, Gemma 4's experts), gate = first I columns."""
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 # Activation name -> function on the (n, 2I) fp32 gate_up product (and the activation's
 # parameters), returning (n, I). The Triton kernel has a matching integer code per name (see
 # moe_activation.ACTIVATION_CODES); a new activation is added in both places, reference first.
 ACTIVATIONS: dict[str, Callable[[Tensor, Activation], Tensor]] = {"swiglu": _swiglu,
-                                                                 "swiglu_clamped": _swiglu_clamped}
+                                                                 "swiglu_clamped": _swiglu_clamped,
+                                                                 "geglu_tanh": _geglu_tanh}
+
+# Activations the fused Triton kernels implement (moe_activation.ACTIVATION_CODES, kept here so
+# that asking needs no Triton import). The others run on this reference on every device: on CUDA
+# it reads the routing back (`ExpertFormat.dispatch_syncs`), so such a model decodes without CUDA
+# graphs. geglu_tanh (Gemma 4) has no kernel yet.
+FUSED_ACTIVATIONS: frozenset[str] = frozenset({"swiglu", "swiglu_clamped"})
 
 # Names an ArchSpec may already ask for but whose reference is not written yet (none today).
 PLANNED_ACTIVATIONS: frozenset[str] = frozenset()

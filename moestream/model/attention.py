@@ -10,6 +10,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.cache import FullKVMixer, KVCache
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
+from moestream.model.gemma4_attention import Gemma4Attention, Gemma4SlidingAttention
 from moestream.model.linear_attention import GatedDeltaNet
 from moestream.model.mla import MultiLatentAttention
 from moestream.model.norms import RMSNorm
@@ -66,7 +67,9 @@ class Attention(FullKVMixer, nn.Module):
 
 # Mixer kinds an ArchSpec may name (`ArchSpec.mixer`, or per layer `ArchSpec.layer_mixers`): the
 # token-mixing half of a decoder layer (MLA: model/mla.py; GPT-OSS's sink attention, full and sliding
-# window: model/sink_attention.py).
+# window: model/sink_attention.py; Gemma 4's normed, scale-1 attention, full and sliding window:
+# model/gemma4_attention.py).
 MIXERS: dict[str, type[nn.Module]] = {"gqa": Attention, "gated_gqa": GatedAttention, "gated_deltanet": GatedDeltaNet,
                                       "mla": MultiLatentAttention, "sink_gqa": SinkAttention,
-                                      "sink_swa": SlidingSinkAttention}
+                                      "sink_swa": SlidingSinkAttention, "gemma_gqa": Gemma4Attention,
+                                      "gemma_swa": Gemma4SlidingAttention}

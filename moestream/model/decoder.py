@@ -2,7 +2,10 @@
 
 A layer is a mixer (the ArchSpec names its kind in `MIXERS`, per layer where config.json mixes
 kinds, as Qwen3-Next's Gated DeltaNet and gated attention) and a feed-forward part (an MoE
-block, or a dense SwiGLU for the layers config.json keeps dense).
+block, or a dense SwiGLU for the layers config.json keeps dense). A family whose layers are
+wired differently names another kind of `LAYERS` (Gemma 4: model/gemma4_layer.py); the ArchSpec
+also says whether embeddings are scaled (`embed_scale`) and config.json whether the logits are
+soft-capped (`final_logit_softcap`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.attention import MIXERS
 from moestream.model.cache import ModelCache
 from moestream.model.context import ForwardContext
+from moestream.model.gemma4_layer import Gemma4DecoderLayer, ScaledEmbedding
 from moestream.model.mlp import SwiGLU
 from moestream.model.moe import MoEBlock, RoutedExperts
 from moestream.model.norms import NORMS
@@ -50,11 +54,19 @@ class DecoderLayer(nn.Module):
         return x + self.ffn(self.post_attention_layernorm(x))
 
 
+# Layer kinds an ArchSpec may name (`ArchSpec.layer`).
+LAYERS: dict[str, type[nn.Module]] = {"standard": DecoderLayer, "gemma4": Gemma4DecoderLayer}
+# What `moe_blocks` returns: the MoE blocks, and layers that are their own MoE block (Gemma 4).
+MOE_BLOCKS = (MoEBlock, Gemma4DecoderLayer)
+
+
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, spec: ArchSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, i) for i in range(config.num_layers))
+        embedding = ScaledEmbedding if spec.embed_scale else nn.Embedding
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        layer = LAYERS[spec.layer]
+        self.layers = nn.ModuleList(layer(config, spec, i) for i in range(config.num_layers))
         self.norm = NORMS[spec.norm](config.hidden_size, config.rms_norm_eps)
 
 
@@ -68,7 +80,7 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def moe_blocks(self) -> list[MoEBlock]:
-        return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MoEBlock)]
+        return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MOE_BLOCKS)]
 
     def attach_experts(self, experts: RoutedExperts) -> None:
         """Every MoE block reaches its routed experts through `experts` from now on."""
@@ -81,7 +93,11 @@ class MoECausalLM(nn.Module):
         return ModelCache(layers, rows, max_len, device)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        cap = self.config.final_logit_softcap
+        if cap is not None:   # Gemma: cap * tanh(logits / cap), as transformers computes it
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

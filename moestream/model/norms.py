@@ -6,6 +6,9 @@ before casting back (Qwen3-Next): the same numbers as transformers' Qwen3NextRMS
 `FP32ScaleRMSNorm` multiplies by the weight in fp32, then casts back (GPT-OSS: transformers keeps
 those norms in fp32, so in bf16 the product is rounded once, not twice).
 `GatedRMSNorm` normalises, scales, then multiplies by silu(gate) (Gated DeltaNet's output norm).
+`GemmaRMSNorm` (Gemma 4) normalises with pow(mean + eps, -0.5), not rsqrt, and scales by the weight
+in fp32 (transformers' Gemma4RMSNorm: pow and rsqrt can differ in the last bit); `UnscaledRMSNorm`
+is the same without a weight (Gemma 4's value norm and router input norm).
 `NORMS` is the registry an ArchSpec's `norm` names for the decoder's own norms.
 """
 
@@ -57,5 +60,29 @@ class GatedRMSNorm(RMSNorm):
         return (h * F.silu(gate.float())).to(dtype)
 
 
+def _gemma_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x in fp32 over the root of its mean square, by torch.pow as transformers' Gemma4RMSNorm does."""
+    h = x.float()
+    return h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma 4's norm: normalise by pow(., -0.5) in fp32, scale by the weight in fp32, cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (_gemma_normalise(x, self.eps) * self.weight.float()).type_as(x)
+
+
+class UnscaledRMSNorm(nn.Module):
+    """Gemma 4's norm without a weight (with_scale=False): values, and the router's input."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _gemma_normalise(x, self.eps).type_as(x)
+
+
 NORMS: dict[str, type[RMSNorm]] = {"rms": RMSNorm, "zero_centred_rms": ZeroCentredRMSNorm,
-                                   "rms_fp32_scale": FP32ScaleRMSNorm}
+                                   "rms_fp32_scale": FP32ScaleRMSNorm, "gemma_rms": GemmaRMSNorm}

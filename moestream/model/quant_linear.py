@@ -49,6 +49,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.spec = num_embeddings, embedding_dim, spec
         self.dtype = dtype   # what rows dequantize to; set by the loader (the compute dtype)
+        self.embed_scale: float | None = None   # Gemma's sqrt(hidden) (gemma4_layer.ScaledEmbedding), if any
         _quant_parameters(self, num_embeddings, embedding_dim, spec)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -56,7 +57,10 @@ class QuantEmbedding(nn.Module):
         rows = dequantize(self.qweight.index_select(0, flat), self.scales.index_select(0, flat),
                           self.biases.index_select(0, flat) if self.biases is not None else None, self.spec,
                           self.dtype or torch.float32)
-        return rows.view(*ids.shape, self.embedding_dim)
+        rows = rows.view(*ids.shape, self.embedding_dim)
+        if self.embed_scale is not None:   # the factor in the rows' dtype, as the unquantized embedding does
+            rows = rows * torch.tensor(self.embed_scale, dtype=torch.float32).to(rows.dtype).tolist()
+        return rows
 
 
 def quantize_modules(model: nn.Module, precision: Callable[[str], QuantSpec | None]) -> dict[str, QuantSpec]:
@@ -73,6 +77,7 @@ def quantize_modules(model: nn.Module, precision: Callable[[str], QuantSpec | No
             new = QuantLinear(module.in_features, module.out_features, module.bias is not None, spec)
         else:
             new = QuantEmbedding(module.num_embeddings, module.embedding_dim, spec)
+            new.embed_scale = getattr(module, "embed_scale", None)   # Gemma's sqrt(hidden) is kept
         owner, _, name = path.rpartition(".")
         setattr(model.get_submodule(owner) if owner else model, name, new)
         changed[path] = spec

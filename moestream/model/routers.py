@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moestream.archs.spec import ModelConfig
+from moestream.model.norms import UnscaledRMSNorm
 
 
 class Router(nn.Module):
@@ -160,8 +161,45 @@ class SoftmaxGrouped(Router):
         return self.select(self.logits(h))[1]
 
 
-ROUTERS: dict[str, type[Router]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax,
-                                    "sigmoid_grouped": SigmoidGrouped, "softmax_grouped": SoftmaxGrouped}
+class ScaledSoftmaxTopK(nn.Module):
+    """Gemma 4's router, as transformers' Gemma4TextRouter computes it: the residual stream (not a
+    layer norm's output) normalised without a weight, times a learnt per-dim `scale` and
+    1/sqrt(hidden), through `proj`; softmax over all experts in fp32, top-k, renormalised to sum 1,
+    then each weight multiplied by its expert's learnt `per_expert_scale` (after the renormalising,
+    so the weights need not sum to 1). Parameters are named as on disk (`router.proj.weight`,
+    `router.scale`, `router.per_expert_scale`), so it is not a `Router` (whose weight is `weight`),
+    but it answers the same calls. Device work only.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, E = config.hidden_size, config.num_experts
+        self.norm = UnscaledRMSNorm(config.rms_norm_eps)
+        self.proj = nn.Linear(H, E, bias=False)
+        self.scale = nn.Parameter(torch.empty(H))
+        self.per_expert_scale = nn.Parameter(torch.empty(E))
+        self.root, self.top_k = H ** -0.5, config.top_k
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Router logits (T, E) for residual-stream states h (T, H)."""
+        return self.proj(self.norm(h) * self.scale * self.root)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        weights, ids = torch.topk(logits.softmax(dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.select(self.logits(h))
+
+    def predict(self, h: Tensor) -> Tensor:
+        """The k experts this router picks (the scales come after the choice: the logits decide)."""
+        return self.logits(h).topk(self.top_k, dim=-1).indices
+
+
+ROUTERS: dict[str, type[nn.Module]] = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax,
+                                       "sigmoid_grouped": SigmoidGrouped, "softmax_grouped": SoftmaxGrouped,
+                                       "scaled_softmax_topk": ScaledSoftmaxTopK}
 
 
 class ChosenRouter(nn.Module):
