@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, KVCache
+from moestream.model.cache import FullKVMixer, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
 from moestream.model.gemma4_attention import Gemma4Attention, Gemma4SlidingAttention
@@ -55,12 +55,7 @@ class Attention(FullKVMixer, nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
         k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
-        if ctx.cache is not None:
-            cache: KVCache = ctx.cache[self.layer]
-            cache.write(ctx.write_rows, ctx.positions, k.transpose(1, 2), v)
-            k, v = cache.read(ctx.cache_rows, ctx.kv_len)
-        else:
-            v = v.transpose(1, 2)
+        k, v = attended_keys_values(ctx, self.layer, k.transpose(1, 2), v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
 

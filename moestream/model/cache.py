@@ -269,6 +269,17 @@ class RingKVCache(LayerCache):
         self.v[row].copy_(v)
 
 
+def attended_keys_values(ctx, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """What a full-KV mixer attends to, (B, kv_heads, S, D) each, from this step's keys and values
+    (B, L, kv_heads, D): with a cache, this step written into its layer's cache and the first
+    `kv_len` positions read back; without one (a full forward), this step's own."""
+    if ctx.cache is None:
+        return k.transpose(1, 2), v.transpose(1, 2)
+    cache = ctx.cache[layer]
+    cache.write(ctx.write_rows, ctx.positions, k, v)
+    return cache.read(ctx.cache_rows, ctx.kv_len)
+
+
 class FullKVMixer:
     """What every mixer that keeps full-context GQA keys and values shares: its cache kind and the
     bytes that cache takes (the memory plan reads `cache_bytes` without building the model)."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, GlobalAttentionConfig, ModelConfig
-from moestream.model.cache import KVCache, RingKVCache
+from moestream.model.cache import KVCache, RingKVCache, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.norms import GemmaRMSNorm, UnscaledRMSNorm
 from moestream.model.rotary import apply_rotary
@@ -123,12 +123,7 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.project(x, ctx)
-        if ctx.cache is not None:
-            cache: KVCache = ctx.cache[self.layer]
-            cache.write(ctx.write_rows, ctx.positions, k, v)
-            k, v = cache.read(ctx.cache_rows, ctx.kv_len)
-        else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k, v = attended_keys_values(ctx, self.layer, k, v)
         return self.attend(q, k, v, ctx.mask)
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, KVCache, RingKVCache
+from moestream.model.cache import FullKVMixer, KVCache, RingKVCache, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.rotary import apply_rotary
 
@@ -98,12 +98,7 @@ class SinkAttention(FullKVMixer, nn.Module):
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.project(x, ctx)
-        if ctx.cache is not None:
-            cache: KVCache = ctx.cache[self.layer]
-            cache.write(ctx.write_rows, ctx.positions, k, v)
-            k, v = cache.read(ctx.cache_rows, ctx.kv_len)
-        else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        k, v = attended_keys_values(ctx, self.layer, k, v)
         return self.output(sink_attention(q, k, v, self.sinks, ctx.mask, self.scale))
 
 
