@@ -316,3 +316,45 @@ class ModelCache:
     def restore(self, row: int, state: list[tuple[Tensor, ...]], length: int) -> None:
         for layer, part in zip(self.layers, state):
             layer.restore(row, part, length)
+
+
+class SlidingWindowMixer:
+    """What every mixer over the last `window` positions shares: a `RingKVCache` of the window (its
+    kind and size), and the keys, values and mask a step attends to. A step attends to the ring as
+    it was before the step plus its own keys, then writes its keys into the ring: so chunks longer
+    than the window, per-row lengths and a replayed decode step all stay exact."""
+
+    layer: int
+    window: int
+
+    @staticmethod
+    def cache_bytes(config, rows: int, max_len: int, dtype: torch.dtype) -> int:
+        return rows * min(config.sliding_window, max_len) * KVCache.bytes_per_token(
+            config.num_kv_heads, config.head_dim, dtype)
+
+    @staticmethod
+    def make_cache(config, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> RingKVCache:
+        return RingKVCache(rows, min(config.sliding_window, max_len), config.num_kv_heads, config.head_dim, dtype,
+                           device)
+
+    def window_mask(self, key_positions: Tensor, query_positions: Tensor) -> Tensor:
+        """(B, 1, Lq, Lk) bool: keys at or before the query and less than a window behind it;
+        key positions (B, Lk), query positions (B, Lq). A negative key position is no key."""
+        keys, queries = key_positions[:, None, :], query_positions[:, :, None]
+        return ((keys >= 0) & (keys <= queries) & (keys > queries - self.window))[:, None]
+
+    def sliding_attend(self, ctx, k: Tensor, v: Tensor, attend) -> Tensor:
+        """`attend(keys, values, mask)` over this step's window; k, v (B, L, kv_heads, D) of the step,
+        keys and values handed on as (B, kv_heads, S, D)."""
+        positions = ctx.positions
+        if ctx.cache is None:   # the whole (padded) batch at once: the window on top of its mask
+            mask = self.window_mask(positions, positions)
+            return attend(k.transpose(1, 2), v.transpose(1, 2), mask if ctx.mask is None else mask & ctx.mask)
+        ring: RingKVCache = ctx.cache[self.layer]
+        held_k, held_v = ring.read(ctx.cache_rows)
+        key_positions = torch.cat((ring.slot_positions(positions[:, :1]), positions), dim=1)
+        keys = torch.cat((held_k, k.transpose(1, 2)), dim=2)
+        values = torch.cat((held_v, v.transpose(1, 2)), dim=2)
+        out = attend(keys, values, self.window_mask(key_positions, positions))
+        ring.write(ctx.write_rows, positions, k, v)   # after the read: the step attended to the ring before it
+        return out

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, GlobalAttentionConfig, ModelConfig
-from moestream.model.cache import KVCache, RingKVCache, attended_keys_values
+from moestream.model.cache import KVCache, SlidingWindowMixer, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.norms import GemmaRMSNorm, UnscaledRMSNorm
 from moestream.model.rotary import apply_rotary
@@ -127,7 +127,7 @@ class Gemma4Attention(nn.Module):
         return self.attend(q, k, v, ctx.mask)
 
 
-class Gemma4SlidingAttention(Gemma4Attention):
+class Gemma4SlidingAttention(SlidingWindowMixer, Gemma4Attention):
     """A sliding-window mixer: ModelConfig's own heads and rotary, a `RingKVCache` of the window."""
 
     @classmethod
@@ -138,39 +138,10 @@ class Gemma4SlidingAttention(Gemma4Attention):
     def inv_freq(cls, config: ModelConfig) -> Tensor | None:
         return None
 
-    @classmethod
-    def cache_bytes(cls, config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        size = min(config.sliding_window, max_len)
-        return rows * size * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
-
-    @classmethod
-    def make_cache(cls, config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> RingKVCache:
-        return RingKVCache(rows, min(config.sliding_window, max_len), config.num_kv_heads, config.head_dim, dtype,
-                           device)
-
     def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
         super().__init__(config, spec, layer)
         self.window = config.sliding_window
 
-    def window_mask(self, key_positions: Tensor, query_positions: Tensor) -> Tensor:
-        """(B, 1, Lq, Lk) bool: keys at or before the query and less than a window behind it;
-        a negative key position is an empty ring slot."""
-        keys, queries = key_positions[:, None, :], query_positions[:, :, None]
-        return ((keys >= 0) & (keys <= queries) & (keys > queries - self.window))[:, None]
-
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.project(x, ctx)
-        positions = ctx.positions
-        if ctx.cache is None:   # the whole (padded) batch at once: the window on top of its mask
-            mask = self.window_mask(positions, positions)
-            mask = mask if ctx.mask is None else mask & ctx.mask
-            return self.attend(q, k.transpose(1, 2), v.transpose(1, 2), mask)
-        ring: RingKVCache = ctx.cache[self.layer]
-        held_k, held_v = ring.read(ctx.cache_rows)
-        key_positions = torch.cat((ring.slot_positions(positions[:, :1]), positions), dim=1)
-        keys = torch.cat((held_k, k.transpose(1, 2)), dim=2)
-        values = torch.cat((held_v, v.transpose(1, 2)), dim=2)
-        out = self.attend(q, keys, values, self.window_mask(key_positions, positions))
-        ring.write(ctx.write_rows, positions, k, v)   # after the read: the step attended to the ring before it
-        return out
+        return self.sliding_attend(ctx, k, v, lambda keys, values, mask: self.attend(q, keys, values, mask))

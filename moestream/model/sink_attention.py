@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, KVCache, RingKVCache, attended_keys_values
+from moestream.model.cache import FullKVMixer, SlidingWindowMixer, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.rotary import apply_rotary
 
@@ -102,42 +102,14 @@ class SinkAttention(FullKVMixer, nn.Module):
         return self.output(sink_attention(q, k, v, self.sinks, ctx.mask, self.scale))
 
 
-class SlidingSinkAttention(SinkAttention):
+class SlidingSinkAttention(SlidingWindowMixer, SinkAttention):
     """A mixer over the last `sliding_window` positions: a `RingKVCache` of that many positions."""
 
     def __init__(self, config: ModelConfig, spec: ArchSpec, layer: int):
         super().__init__(config, spec, layer)
         self.window = config.sliding_window
 
-    @staticmethod
-    def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
-        size = min(config.sliding_window, max_len)
-        return rows * size * KVCache.bytes_per_token(config.num_kv_heads, config.head_dim, dtype)
-
-    @staticmethod
-    def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype,
-                   device: torch.device) -> RingKVCache:
-        return RingKVCache(rows, min(config.sliding_window, max_len), config.num_kv_heads, config.head_dim, dtype,
-                           device)
-
-    def window_mask(self, key_positions: Tensor, query_positions: Tensor) -> Tensor:
-        """(B, 1, Lq, Lk) bool: keys at or before the query and less than a window behind it;
-        key positions (B, Lk), query positions (B, Lq). A negative key position is no key."""
-        keys, queries = key_positions[:, None, :], query_positions[:, :, None]
-        return ((keys >= 0) & (keys <= queries) & (keys > queries - self.window))[:, None]
-
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         q, k, v = self.project(x, ctx)
-        positions = ctx.positions
-        if ctx.cache is None:   # the whole (padded) batch at once: the window on top of its mask
-            mask = self.window_mask(positions, positions)
-            mask = mask if ctx.mask is None else mask & ctx.mask
-            return self.output(sink_attention(q, k.transpose(1, 2), v.transpose(1, 2), self.sinks, mask, self.scale))
-        ring: RingKVCache = ctx.cache[self.layer]
-        held_k, held_v = ring.read(ctx.cache_rows)
-        key_positions = torch.cat((ring.slot_positions(positions[:, :1]), positions), dim=1)
-        keys = torch.cat((held_k, k.transpose(1, 2)), dim=2)
-        values = torch.cat((held_v, v.transpose(1, 2)), dim=2)
-        out = sink_attention(q, keys, values, self.sinks, self.window_mask(key_positions, positions), self.scale)
-        ring.write(ctx.write_rows, positions, k, v)   # after the read: the step attended to the ring before it
-        return self.output(out)
+        return self.output(self.sliding_attend(
+            ctx, k, v, lambda keys, values, mask: sink_attention(q, keys, values, self.sinks, mask, self.scale)))
