@@ -1,6 +1,10 @@
 """Where a decode step's time goes: per-kernel CUDA time of eager steps, and the graph replay time.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N]
+With --ab-fused, first the CUDA-graph decode with the fused small ops (norms, q/k norm + rotary,
+router top-k) on and off, alternating (on, off, off, on: figures drift between runs), same process,
+same weights, the model's own routing.
+
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused]
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--ab-fused", action="store_true", help="decode tok/s with the fused small ops on and off")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     args = ap.parse_args()
     engine = moestream.load(args.model, device="cuda", dtype="bfloat16", capacity=args.capacity, max_context=4096)
     prompt = list(range(100, 100 + args.prompt_tokens))
@@ -29,7 +35,23 @@ def main() -> None:
         tok_s = engine.last_metrics.decode_tok_s
         print(f"{label}: {tok_s:.1f} tok/s ({1000 / max(tok_s, 1e-9):.2f} ms/token)")
 
+    if args.ab_fused:
+        from moestream.kernels import fused_ops
+
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False, False, True):
+            engine.runner.drop_graphs()
+            with fused_ops(on):
+                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+            runs[on].append(engine.last_metrics.decode_tok_s)
+            print(f"fused ops {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
+        on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
+        print(f"fused ops on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
+        engine.runner.drop_graphs()
     timed("cuda graphs")
+    if args.no_profile:
+        return
     with engine.runner.eager():
         timed("eager")
         from torch.profiler import ProfilerActivity, profile

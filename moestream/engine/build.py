@@ -202,6 +202,8 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
     index = TensorIndex(plan.folder)
     store = open_store(plan, index)
     model = build_model(plan, index)
+    if plan.device.type == "cuda":
+        model.fuse_projections()
     if sharded:
         store, pinned = ShardStore(store, placement), placement.local_pins(pinned)
     bank = build_bank(plan, cfg, store, pinned)

@@ -11,6 +11,7 @@ name on this package.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -72,3 +73,49 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=
     if x.is_cuda and fused_moe_quant_available():
         return _triton_module("quant_linear").quant_linear(x, qweight, scales, biases, spec, bias)
     return quant_linear_reference(x, qweight, scales, biases, spec, bias)
+
+
+# ---- fused small ops of a decoder layer (norms, q/k norm + rotary, the router's choice) ---------
+# The model calls these instead of its torch ops when `fused_ops_enabled(tensor)` says so: a CUDA
+# tensor, Triton present, and not switched off by `fused_ops(False)` (the A/B benchmarks and the
+# tests that compare both paths). The torch ops stay the reference and the CPU path.
+
+_fused_ops_on = True
+
+# How a norm applies its weight (see norm_rope_triton.py), and the order of a router's two steps.
+SCALE_NONE, SCALE_CAST_THEN_WEIGHT, SCALE_ONE_PLUS_WEIGHT_FP32, SCALE_WEIGHT_FP32 = 0, 1, 2, 3
+SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX = 0, 1
+
+
+def fused_ops_enabled(t: Tensor) -> bool:
+    """True when the model should use the fused Triton ops for tensor `t`."""
+    return _fused_ops_on and t.is_cuda and fused_moe_available()
+
+
+@contextlib.contextmanager
+def fused_ops(enabled: bool):
+    """Switch the fused small ops on or off inside the block (graphs captured inside keep the choice)."""
+    global _fused_ops_on
+    previous, _fused_ops_on = _fused_ops_on, enabled
+    try:
+        yield
+    finally:
+        _fused_ops_on = previous
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, scale: int,
+             residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """RMSNorm of x (of residual + x when given) in one launch: (normed, residual + x or None).
+    `scale`: one of the `SCALE_*` above, the way the norm class applies its weight."""
+    return _triton_module("norm_rope").rms_norm(x, weight, eps, scale, residual)
+
+
+def norm_rope(x: Tensor, weight: Tensor | None, eps: float, scale: int, cos: Tensor, sin: Tensor) -> Tensor:
+    """Per-head RMSNorm (none when weight is None) then rotary, x (B, L, heads, D) → new (B, L, heads, D)."""
+    return _triton_module("norm_rope").norm_rope(x, weight, eps, scale, cos, sin)
+
+
+def router_topk(logits: Tensor, k: int, mode: int, renormalise: bool) -> tuple[Tensor, Tensor]:
+    """A router's weights (T, k) fp32 and ids (T, k) from its logits in one launch (`mode`:
+    SOFTMAX_THEN_TOPK or TOPK_THEN_SOFTMAX)."""
+    return _triton_module("router_topk").router_topk(logits, k, mode, renormalise)

@@ -14,11 +14,12 @@ from moestream.model.gemma4_attention import Gemma4Attention, Gemma4SlidingAtten
 from moestream.model.linear_attention import GatedDeltaNet
 from moestream.model.mla import MultiLatentAttention
 from moestream.model.norms import RMSNorm
-from moestream.model.rotary import apply_rotary
+from moestream.model.projections import FusedQKV
+from moestream.model.rotary import norm_and_rotate
 from moestream.model.sink_attention import SinkAttention, SlidingSinkAttention
 
 
-class Attention(FullKVMixer, nn.Module):
+class Attention(FusedQKV, FullKVMixer, nn.Module):
     """A mixer: `prefix` is its name in the checkpoint, `make_cache` / `cache_bytes` its cache kind."""
 
     prefix = "self_attn"
@@ -43,7 +44,7 @@ class Attention(FullKVMixer, nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -51,12 +52,11 @@ class Attention(FullKVMixer, nn.Module):
         q = q.view(B, L, self.heads, self.head_dim)
         k = k.view(B, L, self.kv_heads, self.head_dim)
         v = v.view(B, L, self.kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
-        k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
-        k, v = attended_keys_values(ctx, self.layer, k.transpose(1, 2), v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=self.heads != self.kv_heads)
+        per_head = self.qk_norm == "per_head"
+        q = norm_and_rotate(q, self.q_norm if per_head else None, ctx.cos, ctx.sin).transpose(1, 2)
+        k = norm_and_rotate(k, self.k_norm if per_head else None, ctx.cos, ctx.sin)
+        k, v = attended_keys_values(ctx, self.layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
 
 

@@ -25,6 +25,13 @@ class ForwardContext:
     kv_len: int = 0                         # cache positions attended to (host-known)
     valid: torch.Tensor | None = None       # (B, L) bool, False at padding: no-cache batches only, so that
                                             # recurrent mixers keep padded tokens out of their state
+    attn_bias: torch.Tensor | None = None   # the mask as SDPA's additive bias (0 / -inf, compute dtype),
+                                            # built once per forward instead of by SDPA in every layer
+
+    def __post_init__(self):
+        if self.attn_bias is None and self.mask is not None:
+            self.attn_bias = torch.zeros(self.mask.shape, dtype=self.cos.dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
 
 
 def _rotary(table: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, dtype: torch.dtype):
@@ -59,12 +66,16 @@ def prefill_context(table, cache: ModelCache, row: int, start: int, length: int,
     return ForwardContext(positions, cos, sin, mask[None, None], cache, slice(row, row + 1), rows, kv_len)
 
 
-def decode_context(table, cache: ModelCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> ForwardContext:
-    """One new token for each of the first B rows; positions (B,) live on the device."""
+def decode_context(table, cache: ModelCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype,
+                   rows: torch.Tensor | None = None) -> ForwardContext:
+    """One new token for each of the first B rows; positions (B,) live on the device. `rows` (B, 1):
+    the cache row each token writes to (default: its own, 0..B-1); a batch padded to a captured size
+    sends its padding to a scratch row, so that it never writes into another sequence's row."""
     B = positions.shape[0]
     device = positions.device
     pos = positions[:, None]
     mask = torch.arange(kv_len, device=device)[None, :] <= pos
     cos, sin = _rotary(table, pos, dtype)
-    rows = torch.arange(B, device=device)[:, None]
+    if rows is None:
+        rows = torch.arange(B, device=device)[:, None]
     return ForwardContext(pos, cos, sin, mask[:, None, None, :], cache, slice(0, B), rows, kv_len)

@@ -46,12 +46,13 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self._ffn_name)
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return x + self.mixer(self.input_layernorm(x), ctx)
+    def attend_and_norm(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + mixer(norm(x)), and that sum's post-attention norm (the feed-forward input)."""
+        return self.post_attention_layernorm.add_and_norm(x, self.mixer(self.input_layernorm(x), ctx))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.attend(x, ctx)
-        return x + self.ffn(self.post_attention_layernorm(x))
+        x, h = self.attend_and_norm(x, ctx)
+        return x + self.ffn(h)
 
 
 # Layer kinds an ArchSpec may name (`ArchSpec.layer`).
@@ -81,6 +82,13 @@ class MoECausalLM(nn.Module):
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MOE_BLOCKS)]
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v in every mixer that has them (model/projections.py); once, after loading."""
+        for layer in self.model.layers:
+            fuse = getattr(layer.mixer, "fuse_qkv", None)
+            if fuse is not None:
+                fuse()
 
     def attach_experts(self, experts: RoutedExperts) -> None:
         """Every MoE block reaches its routed experts through `experts` from now on."""

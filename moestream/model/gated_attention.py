@@ -17,10 +17,11 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.cache import FullKVMixer, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.norms import NORMS
-from moestream.model.rotary import apply_rotary
+from moestream.model.projections import FusedQKV
+from moestream.model.rotary import norm_and_rotate
 
 
-class GatedAttention(FullKVMixer, nn.Module):
+class GatedAttention(FusedQKV, FullKVMixer, nn.Module):
     """A mixer (see `model.attention.MIXERS`): `prefix` is its checkpoint name."""
 
     prefix = "self_attn"
@@ -44,15 +45,14 @@ class GatedAttention(FullKVMixer, nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, L, _ = x.shape
-        q, gate = self.q_proj(x).view(B, L, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.project_qkv(x)
+        q, gate = q.view(B, L, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(B, L, self.heads * self.head_dim)
-        k = self.k_proj(x).view(B, L, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, L, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
-        k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin)
-        k, v = attended_keys_values(ctx, self.layer, k.transpose(1, 2), v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=self.heads != self.kv_heads)
+        k = k.view(B, L, self.kv_heads, self.head_dim)
+        v = v.view(B, L, self.kv_heads, self.head_dim)
+        q = norm_and_rotate(q, self.q_norm if self.qk_norm else None, ctx.cos, ctx.sin).transpose(1, 2)
+        k = norm_and_rotate(k, self.k_norm if self.qk_norm else None, ctx.cos, ctx.sin)
+        k, v = attended_keys_values(ctx, self.layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, enable_gqa=self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from moestream import kernels
 from moestream.archs.spec import ModelConfig, RopeConfig
 
 
@@ -85,6 +86,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def norm_and_rotate(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Queries or keys x (B, L, heads, D): the per-head q/k norm (`norm`: an RMSNorm over head_dim,
+    or None), then rotary; returns (B, L, heads, D). On CUDA both run as one fused launch."""
+    if kernels.fused_ops_enabled(x) and (norm is None or norm.fused_scale is not None):
+        if norm is None:
+            return kernels.norm_rope(x, None, 0.0, kernels.SCALE_NONE, cos, sin)
+        return kernels.norm_rope(x, norm.weight, norm.eps, norm.fused_scale, cos, sin)
+    if norm is not None:
+        x = norm(x)
+    return apply_rotary(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

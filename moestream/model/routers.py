@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moestream import kernels
 from moestream.archs.spec import ModelConfig
 from moestream.model.norms import UnscaledRMSNorm
 
@@ -53,6 +54,8 @@ class SoftmaxTopK(Router):
         self.renormalise = config.norm_topk_prob
 
     def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        if kernels.fused_ops_enabled(logits):   # one launch instead of five
+            return kernels.router_topk(logits, self.top_k, kernels.SOFTMAX_THEN_TOPK, self.renormalise)
         weights, ids = torch.topk(logits.float().softmax(dim=-1), self.top_k, dim=-1)
         if self.renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -63,6 +66,8 @@ class TopKSoftmax(Router):
     """The k largest logits, then a softmax over those k (Mixtral)."""
 
     def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        if kernels.fused_ops_enabled(logits):
+            return kernels.router_topk(logits, self.top_k, kernels.TOPK_THEN_SOFTMAX, False)
         values, ids = torch.topk(logits.float(), self.top_k, dim=-1)
         return values.softmax(dim=-1), ids
 

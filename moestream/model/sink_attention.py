@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.cache import FullKVMixer, SlidingWindowMixer, attended_keys_values
 from moestream.model.context import ForwardContext
-from moestream.model.rotary import apply_rotary
+from moestream.model.projections import FusedQKV
+from moestream.model.rotary import norm_and_rotate
 
 # fp32 scores of one block of queries: at most this many elements (128 MiB; the softmax runs in
 # place on them), so a prompt chunk against a long context does not hold (chunk x context x heads)
@@ -65,7 +66,7 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor 
     return out.reshape(B, Hq, L, D).to(q.dtype)
 
 
-class SinkAttention(FullKVMixer, nn.Module):
+class SinkAttention(FusedQKV, FullKVMixer, nn.Module):
     """A mixer (see `model.attention.MIXERS`) over every position: the full KV cache."""
 
     prefix = "self_attn"
@@ -85,11 +86,12 @@ class SinkAttention(FullKVMixer, nn.Module):
     def project(self, x: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries (B, heads, L, D), rotated keys and values (B, L, kv_heads, D)."""
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.heads, self.head_dim)
-        k = self.k_proj(x).view(B, L, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, L, self.kv_heads, self.head_dim)
-        q = apply_rotary(q.transpose(1, 2), ctx.cos, ctx.sin)
-        k = apply_rotary(k.transpose(1, 2), ctx.cos, ctx.sin).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, L, self.heads, self.head_dim)
+        k = k.view(B, L, self.kv_heads, self.head_dim)
+        v = v.view(B, L, self.kv_heads, self.head_dim)
+        q = norm_and_rotate(q, None, ctx.cos, ctx.sin).transpose(1, 2)
+        k = norm_and_rotate(k, None, ctx.cos, ctx.sin)
         return q, k, v
 
     def output(self, out: Tensor) -> Tensor:

@@ -96,3 +96,26 @@ def test_prefill_in_chunks_equals_one_pass(tiny_qwen3):
     whole = engine.generate(prompt, max_tokens=8, ignore_eos=True)
     engine.runner.prefill_chunk = 7
     assert engine.generate(prompt, max_tokens=8, ignore_eos=True) == whole
+
+
+def test_fused_qkv_projection_equals_the_three_projections(tiny_checkpoints, monkeypatch):
+    """After fuse_qkv, each projection is a view into the concatenated weight (the torch path gives the
+    same numbers) and the one-GEMM path gives the same q, k and v."""
+    import moestream
+    from moestream import kernels
+
+    for arch in ("qwen3_moe", "qwen3_next", "gpt_oss"):
+        engine = moestream.load(tiny_checkpoints[arch][0], device="cpu", dtype="float32")
+        ids = torch.randint(2, 160, (2, 9), generator=torch.Generator().manual_seed(5))
+        before = engine.logits(ids)
+        mixer = next(layer.mixer for layer in engine.model.model.layers if hasattr(layer.mixer, "fuse_qkv"))
+        x = torch.randn(2, 3, engine.config.hidden_size)
+        three = (mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x))
+        engine.model.fuse_projections()
+        assert mixer.qkv_weight is not None
+        assert mixer.q_proj.weight.data_ptr() == mixer.qkv_weight.data_ptr()      # a view, no copy kept
+        assert torch.equal(engine.logits(ids), before), arch
+        monkeypatch.setattr(kernels, "fused_ops_enabled", lambda t: True)
+        for got, want in zip(mixer.project_qkv(x), three):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        monkeypatch.undo()

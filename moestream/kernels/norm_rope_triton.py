@@ -1,0 +1,139 @@
+"""Fused RMSNorm (with the residual add before it) and per-head q/k norm + rotary, in Triton.
+
+A decode step of a 24-layer model ran about a thousand tiny elementwise launches: every torch
+RMSNorm is eight (cast, square, mean, add eps, rsqrt, multiply, cast back, scale) and every
+rotary six per tensor. Each costs 1.5-2.5 µs even inside a CUDA graph, which added up to more
+than half of the step. These kernels do each of those jobs in one launch.
+
+They round where the torch path (model/norms.py, model/rotary.py: the reference) rounds, so that
+bf16 results match it to the last bit except where the fp32 sum of squares is reduced in another
+order. Scale modes (`SCALE_*`) are the ways the norm classes scale:
+
+* `SCALE_CAST_THEN_WEIGHT`: cast the normalised row to the output dtype, then multiply by the
+  weight (a second rounding), as `RMSNorm` does;
+* `SCALE_ONE_PLUS_WEIGHT_FP32`: multiply by (1 + weight) in fp32, then cast (`ZeroCentredRMSNorm`);
+* `SCALE_WEIGHT_FP32`: multiply by the weight in fp32, then cast (`FP32ScaleRMSNorm`);
+* `SCALE_NONE`: no weight (rotary alone).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moestream.kernels import SCALE_NONE
+
+
+@triton.jit
+def _scaled(h, r, w, SCALE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The normalised fp32 values h * r scaled by weight w as the torch norm classes do (fp32 out)."""
+    n = h * r
+    if SCALE == 1:
+        y = n.to(OUT_DTYPE).to(tl.float32) * w
+    elif SCALE == 2:
+        y = n * (1.0 + w)
+    elif SCALE == 3:
+        y = w * n
+    else:
+        y = n
+    return y.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, D, stride_x, stride_res, stride_out, eps,
+                     HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + row * stride_x + d, mask=m, other=0.0)
+    if HAS_RESIDUAL:   # s = residual + x, rounded to the activation dtype as torch's add is
+        x = (tl.load(res_ptr + row * stride_res + d, mask=m, other=0.0).to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * D + d, x, mask=m)
+    h = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    if SCALE != 0:
+        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    else:
+        w = h
+    y = _scaled(h, r, w, SCALE, x.dtype)
+    tl.store(out_ptr + row * stride_out + d, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: int,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm over the last dim of x; with `residual`, of residual + x. Returns (normed, sum or None)."""
+    shape, D = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    res2 = summed = None
+    if residual is not None:
+        res2 = residual.reshape(-1, D)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+        summed = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(D)
+        _rms_norm_kernel[(rows,)](x2, res2 if res2 is not None else x2, summed if summed is not None else out,
+                                  weight if weight is not None else x2, out, D, x2.stride(0),
+                                  res2.stride(0) if res2 is not None else 0, D, eps,
+                                  HAS_RESIDUAL=residual is not None, SCALE=scale if weight is not None else SCALE_NONE,
+                                  BLOCK_D=block, num_warps=4 if block <= 4096 else 8)
+    return out, summed
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, R, stride_tok, stride_head,
+                      stride_cos, eps, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads: optional per-head RMSNorm, then rotary on the leading R dims (half-split)."""
+    tok = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (hh[:, None] < heads) & (d[None, :] < D)
+    half = R // 2
+    partner = tl.where(d < half, d + half, d - half)
+    rotates = d < R
+    pm = m & rotates[None, :]
+    base = x_ptr + tok * stride_tok + hh[:, None] * stride_head
+    x = tl.load(base + d[None, :], mask=m, other=0.0)
+    xp = tl.load(base + partner[None, :], mask=pm, other=0.0)
+    h, hp = x.to(tl.float32), xp.to(tl.float32)
+    if SCALE != 0:
+        r = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=rotates, other=0.0).to(tl.float32)[None, :]
+        h = _scaled(h, r, w, SCALE, x.dtype)
+        hp = _scaled(hp, r, wp, SCALE, x.dtype)
+    c = tl.load(cos_ptr + tok * stride_cos + d, mask=rotates, other=1.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + tok * stride_cos + d, mask=rotates, other=0.0).to(tl.float32)[None, :]
+    rot = tl.where((d < half)[None, :], -hp, hp)
+    # x*cos and rotated*sin each round to the activation dtype before their sum, as torch's ops do
+    a = (h * c).to(x.dtype).to(tl.float32)
+    b = (rot * s).to(x.dtype).to(tl.float32)
+    y = tl.where(rotates[None, :], a + b, h)
+    tl.store(out_ptr + (tok * heads + hh[:, None]) * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: int, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """x (B, L, heads, D) (last dim contiguous) → per-head RMSNorm (none when weight is None), then
+    rotary of the leading R = cos.shape[-1] dims; cos/sin (B, 1, L, R) or (B, L, R). Returns a new
+    contiguous (B, L, heads, D)."""
+    B, L, heads, D = x.shape
+    R = cos.shape[-1]
+    if x.stride(-1) != 1 or x.stride(0) != L * x.stride(1):
+        x = x.contiguous()
+    cos2, sin2 = cos.reshape(B * L, R), sin.reshape(B * L, R)
+    out = torch.empty((B, L, heads, D), dtype=x.dtype, device=x.device)
+    if B * L == 0:
+        return out
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    grid = (B * L, triton.cdiv(heads, block_h))
+    _norm_rope_kernel[grid](x, weight if weight is not None else x, cos2, sin2, out, heads, D, R, x.stride(1),
+                            x.stride(2), cos2.stride(0), eps, SCALE=scale if weight is not None else SCALE_NONE,
+                            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,58 @@
+"""A router's choice in one launch: softmax → top-k → renormalise, or top-k → softmax, in Triton.
+
+The torch path (model/routers.py, the reference) is a cast, a softmax, a top-k, a sum and a
+division: five launches per MoE layer at batch 1. One program per token keeps the row of E
+logits in registers and takes the k largest by k rounds of max (k is small: 8 to 10), the lower
+expert id first among equal values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, K: tl.constexpr, MODE: tl.constexpr,
+                        RENORMALISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    z = tl.load(logits_ptr + row * stride + e, mask=valid, other=float("-inf")).to(tl.float32)
+    if MODE == 0:
+        p = tl.exp(z - tl.max(z, axis=0))
+        vals = tl.where(valid, p / tl.sum(p, axis=0), -1.0)
+    else:
+        vals = z
+    kk = tl.arange(0, BLOCK_K)
+    top = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(vals, axis=0)
+        idx = tl.minimum(tl.min(tl.where(vals == best, e, BLOCK_E), axis=0), E - 1)   # NaN rows stay in range
+        top = tl.where(kk == j, best, top)
+        ids = tl.where(kk == j, idx.to(tl.int64), ids)
+        vals = tl.where(e == idx, float("-inf"), vals)
+    chosen = kk < K
+    if MODE == 1:
+        q = tl.where(chosen, tl.exp(top - tl.max(tl.where(chosen, top, float("-inf")), axis=0)), 0.0)
+        top = q / tl.sum(q, axis=0)
+    elif RENORMALISE:
+        top = top / tl.sum(tl.where(chosen, top, 0.0), axis=0)
+    tl.store(weights_ptr + row * K + kk, top, mask=chosen)
+    tl.store(ids_ptr + row * K + kk, ids, mask=chosen)
+
+
+def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, k) fp32, ids (T, k) int64) from router logits (T, E) of any float dtype."""
+    T, E = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    if T:
+        _router_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), K=k, MODE=mode,
+                                  RENORMALISE=renormalise, BLOCK_E=triton.next_power_of_2(E),
+                                  BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    return weights, ids
