@@ -31,6 +31,9 @@ from moestream.runtime.scheduler import Scheduler
 from moestream.runtime.sequence import Sequence
 from moestream.warmstart.discovery import DEFAULT_PROMPT as DEFAULT_DISCOVERY_PROMPT
 
+# Context length up to which a server captures its decode graphs at start-up (longer ones on first use).
+WARM_CONTEXT = 512
+
 Prompt = str | list[int]
 
 
@@ -127,6 +130,9 @@ class Engine:
         if bank_is_warm:
             prompt = prompt[:4]
         self.generate(prompt, max_tokens=tokens, ignore_eos=True)
+        rows = self.plan.memory.kv_rows
+        if rows > 1:   # a server: every padded batch size's decode graphs, for the first context lengths
+            self.runner.capture_batches(rows, WARM_CONTEXT)
         self.reset_stats()
 
     # ---- inputs -------------------------------------------------------------------------

@@ -83,6 +83,8 @@ class MemoryPlan:
     capacity: int
     staging_slots: int
     prefix_cache_bytes: int = 0         # finished conversations' KV kept for reuse (the server's prefix cache)
+    kv_rows: int = 1                    # sequences the cache holds at full context (plus, above one, the
+                                        # scratch row padded decode graphs write to)
 
     @property
     def moe_layers(self) -> int:
@@ -162,8 +164,8 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     shape = ExpertShape.of(config)   # with the experts' biases (GPT-OSS) and activation
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
-                kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch, max_context, dtype),
-                prefix_cache_bytes=prefix_cache_bytes,
+                kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch + (batch > 1), max_context, dtype),
+                prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch,
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)

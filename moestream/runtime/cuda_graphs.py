@@ -29,18 +29,37 @@ def length_bucket(kv_len: int, max_len: int, smallest: int = 256) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: MoECausalLM, rotary, cache: ModelCache, batch: int, dtype: torch.dtype):
+    """Whole decode steps of `batch` rows as graphs. With a `scratch_row`, a smaller batch B runs
+    through them too: rows B.. are padding whose cache writes go to the scratch row (their reads and
+    outputs are ignored), so one capture serves every batch size up to `batch` (a server's batch
+    changes every time a request joins or leaves; capturing each size mid-stream would stall it)."""
+
+    def __init__(self, model: MoECausalLM, rotary, cache: ModelCache, batch: int, dtype: torch.dtype,
+                 scratch_row: int | None = None, pool=None):
         self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
         device = cache.device
-        self.batch = batch
+        self.batch, self.scratch_row = batch, scratch_row
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]
+        self._own_rows = self.rows.clone()
+        self._padded_to: int = batch   # rows.. of `rows` now point at the scratch row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def _step(self, kv_len: int) -> torch.Tensor:
-        ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype)
+        ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype, rows=self.rows)
         return self.model(self.tokens, ctx)[:, -1]
+
+    def _use_rows(self, live: int) -> None:
+        """Rows 0..live-1 write to themselves, the rest (padding) to the scratch row."""
+        if live == self._padded_to:
+            return
+        if live < self.batch and self.scratch_row is None:
+            raise ValueError(f"a batch of {live} cannot run through graphs of {self.batch} rows without a scratch row")
+        self.rows[:live].copy_(self._own_rows[:live])
+        self.rows[live:].fill_(self.scratch_row if self.scratch_row is not None else 0)
+        self._padded_to = live
 
     def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream()
@@ -65,15 +84,18 @@ class DecodeGraphs:
             bucket = length_bucket(bucket + 1, self.cache.max_len)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Logits (B, V) for one decode step; `tokens` and `positions` (B,) stay on the device."""
-        self.tokens.copy_(tokens.view(-1, 1))
-        self.positions.copy_(positions)
+        """Logits (B, V) for one decode step of B <= batch rows; `tokens` and `positions` (B,) stay on
+        the device."""
+        B = tokens.shape[0]
+        self._use_rows(B)
+        self.tokens[:B].copy_(tokens.view(-1, 1))
+        self.positions[:B].copy_(positions)
         bucket = length_bucket(kv_len, self.cache.max_len)
         entry = self.graphs.get(bucket)
         if entry is None:
             entry = self.graphs[bucket] = self._capture(bucket)
         entry[0].replay()
-        return entry[1]
+        return entry[1][:B]
 
 
 @dataclass
@@ -136,8 +158,8 @@ class SegmentedDecode:
         moe = self.moe_layers[i]
         for layer in self.layers[start:moe]:
             x = layer(x, ctx)
-        x = self.layers[moe].attend(x, ctx)
-        h = self.layers[moe].post_attention_layernorm(x).reshape(-1, x.shape[-1])
+        x, h = self.layers[moe].attend_and_norm(x, ctx)
+        h = h.reshape(-1, x.shape[-1])
         weights, ids = self.layers[moe].ffn.route(h)
         predicted = None
         if self.prefetch and i + 1 < len(self.moe_layers):

@@ -22,6 +22,10 @@ from moestream.model.rotary import rotary_table
 from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
 
 
+# Batch sizes whole-step decode graphs are captured for; a batch runs padded to the next one.
+PADDED_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
 class ModelRunner:
     def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
                  max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True):
@@ -34,8 +38,12 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
         self.cache: ModelCache | None = None
+        self.scratch_row: int | None = None   # the cache's last row, where padded decode rows write
         self._rotary = None
         self._graphs: dict[int, DecodeGraphs | SegmentedDecode] = {}
+        # One memory pool for every batch size's whole-step graphs: only one replays at a time, and
+        # each step's logits are consumed before the next replay.
+        self._graph_pool = None
 
     def rotary_table(self):
         if self._rotary is None:
@@ -46,16 +54,32 @@ class ModelRunner:
     def ensure_rows(self, rows: int) -> ModelCache:
         """A cache with at least `rows` rows; growing it keeps what the first rows hold."""
         old = self.cache
-        if old is not None and old.rows >= rows:
+        if old is not None and self.usable_rows >= rows:
             return old
         self.cache = None
-        self._graphs.clear()   # captured against the old cache's tensors
-        new = self.model.new_cache(rows, self.max_context, self.dtype, self.device)
+        self.drop_graphs()   # captured against the old cache's tensors
+        # With graphs and more than one row, one more row: the scratch row padded batches write to.
+        scratch = 1 if rows > 1 and self.cuda_graphs else 0
+        new = self.model.new_cache(rows + scratch, self.max_context, self.dtype, self.device)
         if old is not None:
             for src, dst in zip(old.layers, new.layers):
                 dst.copy_rows_from(src, old.rows)
-        self.cache = new
+        self.cache, self.scratch_row = new, (rows if scratch else None)
         return new
+
+    @property
+    def usable_rows(self) -> int:
+        """Rows sequences can hold (the scratch row is not one of them)."""
+        if self.cache is None:
+            return 0
+        return self.cache.rows - (1 if self.scratch_row is not None else 0)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs: the next decode step captures again (after swapping a
+        router, or switching the fused ops, both of which a graph would otherwise keep). Their memory
+        pool goes with them: a pool whose graphs are all gone cannot take new captures."""
+        self._graphs.clear()
+        self._graph_pool = None
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)
@@ -100,20 +124,33 @@ class ModelRunner:
         self.bank.after_step(B)
         return logits
 
+    def padded_batch(self, batch: int) -> int:
+        """The batch size whose whole-step graphs run a batch of `batch`: the next of PADDED_BATCHES
+        that the cache's rows hold (one capture per padded size, not per size), else `batch`."""
+        if self.scratch_row is None:
+            return batch
+        return next((size for size in PADDED_BATCHES if batch <= size <= self.usable_rows), batch)
+
     def _decoder(self, batch: int) -> DecodeGraphs | SegmentedDecode | None:
-        """The captured decode of this batch size: whole-step graphs when the bank reads nothing back,
-        graph segments split at each router for a fetch bank (eager segments on the CPU), else None."""
-        runner = self._graphs.get(batch)
+        """The captured decode of this batch size: whole-step graphs when the bank reads nothing back
+        (shared by the batch sizes that pad to one size), graph segments split at each router for a
+        fetch bank (eager segments on the CPU; exact sizes: padding rows would fetch experts), else None."""
+        whole = self.cuda_graphs and self.bank.graph_safe
+        key = self.padded_batch(batch) if whole else batch
+        runner = self._graphs.get(key)
         if runner is not None and runner.cache is self.cache:
             return runner
-        if self.cuda_graphs and self.bank.graph_safe:
-            runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, batch, self.dtype)
+        if whole:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, key, self.dtype, self.scratch_row,
+                                  pool=self._graph_pool)
         elif self.segmented and self.bank.can_segment(batch):
             runner = SegmentedDecode(self.model, self.bank, self.rotary_table(), self.cache, batch, self.dtype,
                                      use_graphs=self.cuda_graphs)
         else:
             return None
-        self._graphs[batch] = runner
+        self._graphs[key] = runner
         return runner
 
     @torch.inference_mode()
@@ -126,6 +163,17 @@ class ModelRunner:
         runner = self._decoder(batch)
         if runner is not None and self.cuda_graphs:
             runner.capture_upto(min(length, self.max_context), prompt_length + 1)
+
+    @torch.inference_mode()
+    def capture_batches(self, max_batch: int, length: int) -> None:
+        """Capture the whole-step graphs of every padded batch size up to `max_batch` for contexts up
+        to `length` (a server's warm-up: batch sizes then change mid-stream without a capture).
+        Call between runs only, like `prepare`."""
+        if not (self.cuda_graphs and self.bank.graph_safe):
+            return
+        self.ensure_rows(max_batch)
+        for size in sorted({self.padded_batch(b) for b in range(1, max_batch + 1)}, reverse=True):
+            self._decoder(size).capture_upto(min(length, self.max_context))   # largest first: the pool is shared
 
     @contextmanager
     def eager(self) -> Iterator[None]:

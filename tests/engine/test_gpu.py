@@ -60,3 +60,17 @@ def test_quantized_experts_on_gpu_match_the_cpu_engine_and_fetch_stays_exact(tin
     for cap in (2, 5):
         engine = moestream.load(tiny_quant, device="cuda", dtype="bfloat16", experts=fmt, capacity=cap)
         assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == expected, cap
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_padded_decode_graphs_keep_each_sequence_its_own_tokens(arch, tiny_checkpoints):
+    """A server's engine (several cache rows) runs a batch of 5 through the graphs captured for 8 at
+    start-up: the padding writes only to the scratch row (recurrent state included), so every
+    sequence decodes as it does alone (fp32)."""
+    folder = tiny_checkpoints[arch][0]
+    engine = moestream.load(folder, device="cuda", dtype="float32", max_batch=8, kv_rows=8, warmup_tokens=2)
+    assert engine.runner.scratch_row == 8 and engine.runner.padded_batch(5) == 8
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 7, 4, 9, 5)]
+    alone = [engine.generate(p, max_tokens=12, ignore_eos=True) for p in prompts]
+    assert engine.generate(prompts, max_tokens=12, ignore_eos=True) == alone
+    assert engine.generate(prompts[:3], max_tokens=12, ignore_eos=True) == alone[:3]   # 3 pads to 4
