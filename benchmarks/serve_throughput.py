@@ -14,7 +14,11 @@ With `--llama-server BIN --gguf FILE` the same requests go to llama.cpp's server
 `-np N` parallel slots, `--n-cpu-moe` from `--peer-n-cpu-moe`) in the same run; its `/completion`
 endpoint takes the same token ids (`cache_prompt: true` for the second turn).
 
-    python benchmarks/serve_throughput.py --ckpt /tmp/q3 --out /tmp/serve --capacity 32 \\
+Routing (`--routing`, default uniform) is stated in the result: random weights route nearly the
+same experts for every token, so the bank is measured under uniform synthetic routing or a
+replayed trace of the demo model's routing.
+
+    python benchmarks/serve_throughput.py --ckpt /tmp/q3 --out /tmp/serve --capacity 32 --routing uniform \\
         [--llama-server $B/llama-server --gguf /tmp/q3.gguf --peer-n-cpu-moe 18]
 """
 
@@ -36,6 +40,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
+from moestream.bench import TraceRouting, UniformRouting, use_routing  # noqa: E402
+from moestream.warmstart.trace import RoutingTrace  # noqa: E402
 
 
 def free_port() -> int:
@@ -101,6 +107,11 @@ def concurrent_streams(send, url: str, streams: int, prompt_tokens: int, gen_tok
 
 def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int, clear=None) -> dict:
     rng = random.Random(7)
+    # A throwaway conversation of the same lengths first: kernels compiled and attention plans built
+    # for these shapes are start-up costs, not the second turn's.
+    spare = [rng.randrange(1, vocab) for _ in range(prefix_tokens + new_tokens)]
+    send(url, spare[:prefix_tokens], 2)
+    send(url, spare, 1)
     prefix = [rng.randrange(1, vocab) for _ in range(prefix_tokens)]
     turn = prefix + [rng.randrange(1, vocab) for _ in range(new_tokens)]
     send(url, prefix, 2)                       # the first turn: its KV goes to the cache
@@ -124,10 +135,18 @@ def run_ours(args, ckpt: Path) -> dict:
     import moestream
     from moestream.serve.app import ServeOptions, create_app
 
-    max_batch = max(args.streams)
+    max_batch = max(args.streams, default=1)
     engine = moestream.load(str(ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
-                            prefix_cache_memory=args.prefix_cache_memory, warmup_tokens=8)
+                            prefix_cache_memory=args.prefix_cache_memory)
+    routing = None
+    if args.routing == "uniform":
+        routing = UniformRouting(engine.config.top_k)
+    elif args.routing == "trace":
+        routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
+    if routing is not None:
+        use_routing(engine, routing)
+    engine.generate(list(range(1, 9)), max_tokens=8, ignore_eos=True)   # compile kernels, capture graphs
     vocab = engine.config.vocab_size
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
     port = free_port()
@@ -141,10 +160,13 @@ def run_ours(args, ckpt: Path) -> dict:
         for n in args.streams:
             rows.append(concurrent_streams(stream_ours, url, n, args.prompt_tokens, args.gen_tokens, vocab, seed=n))
             log("moestream", rows[-1])
-        turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab,
-                           clear=lambda: engine.prefix_cache.clear())
-        log("moestream second turn", turn)
+        turn = None
+        if args.prefix_tokens:
+            turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab,
+                               clear=lambda: engine.prefix_cache.clear())
+            log("moestream second turn", turn)
         return {"streams": rows, "second_turn": turn, "bank": engine.stats()["hit_rate"],
+                "routing": routing.label if routing is not None else "model's own",
                 "capacity": engine.plan.memory.capacity, "experts": engine.config.num_experts}
     finally:
         server.should_exit = True
@@ -161,11 +183,15 @@ def run_llama(args, vocab: int) -> dict:
         rows.append(_with_llama(cmd, port, lambda url: concurrent_streams(stream_llama, url, n, args.prompt_tokens,
                                                                           args.gen_tokens, vocab, seed=n)))
         log("llama-server", rows[-1])
-    port = free_port()
-    cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(2 * (args.prefix_tokens + args.new_tokens) + 64),
-           "-np", "1", "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
-    turn = _with_llama(cmd, port, lambda url: second_turn(stream_llama, url, args.prefix_tokens, args.new_tokens, vocab))
-    log("llama-server second turn", turn)
+    turn = None
+    if args.prefix_tokens:
+        port = free_port()
+        cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c",
+               str(2 * (args.prefix_tokens + args.new_tokens) + 64), "-np", "1", "--host", "127.0.0.1", "--port",
+               str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
+        turn = _with_llama(cmd, port, lambda url: second_turn(stream_llama, url, args.prefix_tokens, args.new_tokens,
+                                                              vocab))
+        log("llama-server second turn", turn)
     return {"streams": rows, "second_turn": turn, "n_cpu_moe": args.peer_n_cpu_moe}
 
 
@@ -185,22 +211,28 @@ def main() -> None:
     ap = checkpoint_args(__doc__, run=False)
     ap.add_argument("--gpu-memory", default=None)
     ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (e.g. 32 of 128 = the 25%% budget)")
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16, 64], help="none: the second turn only")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=128)
-    ap.add_argument("--prefix-tokens", type=int, default=8192)
+    ap.add_argument("--prefix-tokens", type=int, default=8192, help="0: no second turn")
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--max-context", type=int, default=8192 + 512)
     ap.add_argument("--prefix-cache-memory", default="4GiB")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
+                    help="expert choice of our engine (llama.cpp's speed does not depend on routing)")
+    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
+    ap.add_argument("--peer-only", action="store_true", help="measure llama-server only (ours in an earlier run)")
     ap.add_argument("--no-write", action="store_true", help="use --ckpt as it is (a folder with its own weights)")
     args = ap.parse_args()
     if not args.no_write:
         ensure_checkpoint(args.ckpt, args.shape, args.layers)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"ours": run_ours(args, args.ckpt), "args": {k: str(v) for k, v in vars(args).items()}}
+    result = {"args": {k: str(v) for k, v in vars(args).items()}}
+    if not args.peer_only:
+        result["ours"] = run_ours(args, args.ckpt)
     if args.llama_server:
         vocab = json.loads((args.ckpt / "config.json").read_text())["vocab_size"]
         result["llama_server"] = run_llama(args, vocab)
