@@ -24,11 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import checkpoint_args, ensure_checkpoint, hf_peer, log, pinned_bandwidth, write_result  # noqa: E402
 
 import moestream  # noqa: E402
-from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
+from moestream.bench import TraceRouting, apply_routing, run_bench, use_routing  # noqa: E402
 from moestream.engine.plan import plan_memory  # noqa: E402
 from moestream.experts.host_tier import PinnedHostTier  # noqa: E402
 from moestream.sizes import format_bytes  # noqa: E402
-from moestream.warmstart.trace import RoutingTrace  # noqa: E402
 
 
 def budgets(args) -> dict:
@@ -58,14 +57,10 @@ def budgets(args) -> dict:
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
                                 prefetch=prefetch, cpu_misses=args.cpu_misses if cap < config.num_experts else 0.0)
         load_s = time.perf_counter() - t0
-        routing = None
-        if args.routing == "uniform":
-            routing = UniformRouting(config.top_k)
-        elif args.routing == "trace":
-            routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
+        routing = apply_routing(engine, args.routing, args.trace)
+        if isinstance(routing, TraceRouting) and args.trace_prediction_accuracy is not None:
             routing.prediction_accuracy = args.trace_prediction_accuracy
-        if routing is not None:
-            use_routing(engine, routing)
+            use_routing(engine, routing)   # again: prefetch now predicts from the trace
         res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
                         routing=routing).as_dict()
         res["expert_fraction"] = frac

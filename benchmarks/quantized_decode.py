@@ -23,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
-from moestream.bench import TraceRouting, UniformRouting, run_bench, use_routing  # noqa: E402
+from moestream.bench import apply_routing, run_bench  # noqa: E402
 from moestream.convert import convert  # noqa: E402
 from moestream.quant.recipe import QuantRecipe  # noqa: E402
-from moestream.warmstart.trace import RoutingTrace  # noqa: E402
 
 
 def main() -> None:
@@ -54,13 +53,7 @@ def main() -> None:
             t0 = time.perf_counter()
             engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096)
             load_s = time.perf_counter() - t0
-            routing = None
-            if args.routing == "uniform":
-                routing = UniformRouting(engine.config.top_k)
-            elif args.routing == "trace":
-                routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
-            if routing is not None:
-                use_routing(engine, routing)
+            routing = apply_routing(engine, args.routing, args.trace)
             res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
                             routing=routing).as_dict()
             res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv)

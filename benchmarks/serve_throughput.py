@@ -40,8 +40,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
-from moestream.bench import TraceRouting, UniformRouting, use_routing  # noqa: E402
-from moestream.warmstart.trace import RoutingTrace  # noqa: E402
+from moestream.bench import apply_routing  # noqa: E402
 
 
 def free_port() -> int:
@@ -139,13 +138,7 @@ def run_ours(args, ckpt: Path) -> dict:
     engine = moestream.load(str(ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
                             prefix_cache_memory=args.prefix_cache_memory)
-    routing = None
-    if args.routing == "uniform":
-        routing = UniformRouting(engine.config.top_k)
-    elif args.routing == "trace":
-        routing = TraceRouting.for_engine(RoutingTrace.load(args.trace), engine)
-    if routing is not None:
-        use_routing(engine, routing)
+    routing = apply_routing(engine, args.routing, args.trace)
     engine.generate(list(range(1, 9)), max_tokens=8, ignore_eos=True)   # compile kernels, capture graphs
     vocab = engine.config.vocab_size
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))

@@ -117,3 +117,20 @@ def use_routing(engine, routing: UniformRouting | TraceRouting) -> None:
         predict = (functools.partial(routing.predict, block.layer)
                    if routing.prediction_accuracy is not None else None)
         block.swap_router(ChosenRouter(inner, functools.partial(routing, block.layer), predict))
+
+
+def apply_routing(engine, kind: str, trace_path=None) -> UniformRouting | TraceRouting | None:
+    """The benchmark routing a script's `--routing model|uniform|trace [--trace FILE]` names, swapped
+    into `engine` (None for the model's own). One place for every benchmark's choice."""
+    if kind == "model":
+        return None
+    if kind == "uniform":
+        routing = UniformRouting(engine.config.top_k)
+    elif kind == "trace":
+        if trace_path is None:
+            raise InputError("--routing trace needs a routing trace; give --trace FILE.")
+        routing = TraceRouting.for_engine(RoutingTrace.load(trace_path), engine)
+    else:
+        raise InputError(f"unknown routing {kind!r}; use model, uniform or trace.")
+    use_routing(engine, routing)
+    return routing

@@ -177,3 +177,17 @@ def test_decode_perplexity_is_exact_for_fetch_and_shows_skip(tiny_qwen3):
     skip = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, miss_policy="skip")
     assert decode_perplexity(skip.runner, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
     assert decode_perplexity(full.runner, ids, window=32, max_scored=10)[1] == 10
+
+
+def test_apply_routing_swaps_in_what_a_benchmark_names(tiny_qwen3):
+    from moestream.bench import UniformRouting, apply_routing
+    from moestream.errors import InputError
+    from moestream.model.routers import ChosenRouter
+
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    assert apply_routing(engine, "model") is None
+    assert not any(isinstance(b.router, ChosenRouter) for b in engine.model.moe_blocks())
+    assert isinstance(apply_routing(engine, "uniform"), UniformRouting)
+    assert all(isinstance(b.router, ChosenRouter) for b in engine.model.moe_blocks())
+    with pytest.raises(InputError, match="--trace"):
+        apply_routing(engine, "trace")
