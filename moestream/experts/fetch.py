@@ -93,6 +93,7 @@ class Fetcher:
         self.host_stacks = host_stacks if cpu_share != 0 else None
         self.cpu_share = cpu_share
         cpu = torch.device("cpu")
+        self.pair_sum = {layer: fmt.pair_sum(slots.device, shape) for layer, fmt in slots.formats.items()}
         self.cpu_dispatch = ({layer: fmt.dispatch(cpu, shape) for layer, fmt in slots.formats.items()}
                              if self.host_stacks is not None else {})
         self.costs: MissCosts | None = None   # cpu_share "auto": split by measured costs
@@ -210,7 +211,9 @@ class Fetcher:
         missed = np.isin(experts, missing)
         ls = self.slots[layer]
         dispatch, staging = self.dispatch[layer], self.staging[self.slots.formats[layer].name]
-        out = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights).float()
+        # Pair rows, not sums: each pair is computed by exactly one of these calls (zero in the others),
+        # so their total summed as one call sums it gives the bits of full residency, in bf16 too.
+        pairs = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights, reduce=False)
         group = next(iter(staging[0].values())).shape[0]
         groups = [missing[i:i + group] for i in range(0, len(missing), group)]
         stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32)   # [-1]: no slot
@@ -226,13 +229,13 @@ class Fetcher:
                                                 after=self._staging_done[turn])
             copied_total += copied
             self.transfers.wait(ready, "device")
-            out += dispatch(hidden, buf, stage_maps[g][expert_ids], weights).float()
+            pairs += dispatch(hidden, buf, stage_maps[g][expert_ids], weights, reduce=False)
             if compute is not None:
                 done = torch.cuda.Event()
                 done.record()
                 self._staging_done[turn] = done
             self._turn ^= 1
-        result = out.to(hidden.dtype)
+        result = self.pair_sum[layer](pairs, hidden.dtype)
         if compute is not None:
             compute.synchronize()
         self.stats.record(layer, hits=int(counts[~missed].sum()), misses=int(counts[missed].sum()),

@@ -20,6 +20,7 @@ parameters) travels with the shape into `dispatch`.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ from moestream.kernels.moe_reference import Activation
 from moestream.quant import QuantSpec, quantize
 from moestream.sizes import dtype_size
 
-# (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H)
-Dispatch = Callable[[Tensor, Mapping[str, Tensor], Tensor, Tensor], Tensor]
+# (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H);
+# with `reduce=False`, the (T, k, H) fp32 row of every pair instead (zero where unrouted), which
+# the format's `pair_sum` turns into the (T, H) a single call would have given, bit for bit.
+Dispatch = Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,21 @@ class ExpertFormat(ABC):
         """The MoE dispatch over this format's slots on `device` (fused kernel or reference), for
         experts of `shape` (its biases and activation; None: plain SwiGLU)."""
 
+    def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        """Whether `dispatch` on `device` is the Triton kernels (else the plain-torch reference)."""
+        return False
+
     def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """Whether `dispatch` reads from the device (the plain-torch reference on CUDA groups its
         pairs on the host): such a dispatch cannot run inside a CUDA graph capture."""
-        return False
+        return device.type == "cuda" and not self.uses_kernels(device, shape)
+
+    def pair_sum(self, device: torch.device, shape: ExpertShape | None = None) -> Callable[[Tensor, torch.dtype], Tensor]:
+        """How `dispatch` ends, for pair rows gathered over several `reduce=False` calls (a bank
+        computing resident and streamed experts apart): the same sum, so the same bits as one call."""
+        from moestream import kernels
+
+        return functools.partial(kernels.sum_pairs, fused=self.uses_kernels(device, shape))
 
     def describe(self, shape: ExpertShape) -> dict:
         """JSON-ready layout (snapshots compare it to know a saved bank fits)."""
@@ -155,8 +169,7 @@ class DenseFormat(ExpertFormat):
             out["gate_up_bias"][I:].copy_(up_bias)
             out["down_bias"].copy_(down_bias)
 
-    @staticmethod
-    def _fused(device: torch.device, shape: ExpertShape | None = None) -> bool:
+    def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """The Triton kernels on CUDA (biases and the clamped SwiGLU included) for activations they
         implement; elsewhere, without Triton, or for an activation without a kernel (Gemma 4's
         GeGLU), the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
@@ -171,19 +184,13 @@ class DenseFormat(ExpertFormat):
         from moestream import kernels
 
         activation = shape.activation if shape is not None else Activation()
-        if self._fused(device, shape):
-            def fused(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
-                return kernels.fused_moe(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
-                                         slots.get("gate_up_bias"), slots.get("down_bias"))
-            return fused
+        run = kernels.fused_moe if self.uses_kernels(device, shape) else kernels.moe_reference
 
-        def reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor) -> Tensor:
-            return kernels.moe_reference(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
-                                         slots.get("gate_up_bias"), slots.get("down_bias"))
-        return reference
-
-    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
-        return device.type == "cuda" and not self._fused(device, shape)
+        def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                     reduce: bool = True) -> Tensor:
+            return run(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
+                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce)
+        return dispatch
 
     def __repr__(self) -> str:
         return f"DenseFormat({self.name})"
@@ -232,15 +239,14 @@ class QuantizedFormat(ExpertFormat):
         from moestream import kernels
 
         spec = self.spec
-        if device.type == "cuda" and kernels.fused_moe_quant_available():
-            fused = kernels.fused_moe_quant
-            return lambda hidden, slots, slot_ids, weights: fused(hidden, slots, slot_ids, weights, spec)
-        return lambda hidden, slots, slot_ids, weights: kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec)
+        run = kernels.fused_moe_quant if self.uses_kernels(device, shape) else kernels.quant_moe_reference
+        return lambda hidden, slots, slot_ids, weights, reduce=True: run(hidden, slots, slot_ids, weights, spec,
+                                                                         reduce=reduce)
 
-    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+    def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         from moestream import kernels
 
-        return device.type == "cuda" and not kernels.fused_moe_quant_available()
+        return device.type == "cuda" and kernels.fused_moe_quant_available()
 
     def describe(self, shape: ExpertShape) -> dict:
         return {**super().describe(shape), "bits": self.spec.bits, "group": self.spec.group, "kind": self.spec.kind}

@@ -33,14 +33,26 @@ def _triton_module(name: str):
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
               weights: Tensor, activation="swiglu", gate_up_bias: Tensor | None = None,
-              down_bias: Tensor | None = None) -> Tensor:
+              down_bias: Tensor | None = None, reduce: bool = True) -> Tensor:
     """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`
-    (optional expert biases, an `Activation` with parameters).
+    (optional expert biases, an `Activation` with parameters, `reduce`).
 
     Loads Triton on first call; raises ImportError when it is not installed.
     """
-    return _triton_module("fused_moe").fused_moe(hidden, gate_up, down, slot_ids, weights, activation,
-                                                 gate_up_bias, down_bias)
+    return _triton_module("fused_moe").fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
+                                                             gate_up_bias=gate_up_bias, down_bias=down_bias,
+                                                             reduce=reduce)
+
+
+def sum_pairs(per_pair: Tensor, dtype, fused: bool) -> Tensor:
+    """(T, H) from the (T, k, H) fp32 pair rows of `reduce=False` dispatches, summed exactly as the
+    dispatch itself ends (`fused`: the Triton launch of `fused_moe`/`fused_moe_quant`, else the
+    reference's sum), so rows gathered over several calls give the bits of one call."""
+    if fused:
+        return _triton_module("fused_moe").sum_pairs(per_pair, dtype)
+    from .moe_reference import sum_pairs_reference
+
+    return sum_pairs_reference(per_pair, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,9 +69,9 @@ def fused_moe_available() -> bool:
     return True
 
 
-def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec) -> Tensor:
+def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True) -> Tensor:
     """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`."""
-    return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec)
+    return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec, reduce=reduce)
 
 
 @functools.lru_cache(maxsize=None)

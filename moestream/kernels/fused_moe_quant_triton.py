@@ -38,7 +38,8 @@ def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> Qu
 
 
 def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                    spec: QuantSpec, config: MoeConfig | DecodeConfig | None = None, path: str = "auto") -> Tensor:
+                    spec: QuantSpec, config: MoeConfig | DecodeConfig | None = None, path: str = "auto",
+                    reduce: bool = True) -> Tensor:
     """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU)."""
     gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
     S, two_i, _ = gate_up.qweight.shape
@@ -48,4 +49,4 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
     path = resolve_path(path, config, T, k)
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
-                     quant=(gate_up, down))
+                     quant=(gate_up, down), reduce=reduce)

@@ -268,7 +268,7 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                           weights: Tensor, activation: str | Activation = "swiglu",
                           config: MoeConfig | DecodeConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
-                          down_bias: Tensor | None = None) -> Tensor:
+                          down_bias: Tensor | None = None, reduce: bool = True) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
@@ -294,7 +294,7 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
     path = resolve_path(path, config, T, k)
     biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
-                     biases=biases, alpha=act.alpha, limit=act.limit)
+                     biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
 
 
 def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
@@ -317,20 +317,23 @@ def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
 def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation_code: int, config, path: str, num_slots: int, intermediate: int,
               quant: tuple[QuantOperand, QuantOperand] | None = None,
-              biases: tuple[Tensor, Tensor] | None = None, alpha: float = 1.0, limit: float = 0.0) -> Tensor:
+              biases: tuple[Tensor, Tensor] | None = None, alpha: float = 1.0, limit: float = 0.0,
+              reduce: bool = True) -> Tensor:
     """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k. `biases`:
     per-slot (gate_up_bias (S, 2I), down_bias (S, H)) rows added in the epilogues, or None;
-    `alpha` / `limit`: the activation's parameters (read by the clamped SwiGLU only)."""
+    `alpha` / `limit`: the activation's parameters (read by the clamped SwiGLU only). `reduce`
+    False: the (T, k, H) fp32 rows of every pair instead (zero where unrouted), for `sum_pairs`."""
     T, k = slot_ids.shape
     H = hidden.shape[1]
     num_pairs = T * k
     if num_pairs == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if reduce else hidden.new_zeros((T, k, H), dtype=torch.float32)
     if path == "decode" and num_pairs > _DECODE_FORCED_MAX_PAIRS:
         raise ValueError(f"the decode path handles at most {_DECODE_FORCED_MAX_PAIRS} "
                          f"(token, expert) pairs, got T*k = {num_pairs}; use the grouped path")
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
-    per_pair = torch.empty((num_pairs, H), dtype=torch.float32, device=hidden.device)
+    # unrouted pairs' rows are never written: zeros when they are handed out unsummed
+    per_pair = (torch.empty if reduce else torch.zeros)((num_pairs, H), dtype=torch.float32, device=hidden.device)
     activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
 
     with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
@@ -342,7 +345,21 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
             _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
                            activation_code, config, quant=quant, intermediate=intermediate,
                            biases=biases, alpha=alpha, limit=limit)
+        if not reduce:
+            return per_pair.view(T, k, H)
         _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
+    return out
+
+
+def sum_pairs(per_pair: Tensor, dtype: torch.dtype) -> Tensor:
+    """(T, H) in `dtype` from (T, k, H) fp32 pair rows, by the very launch that ends `fused_moe`: pair
+    rows gathered from several calls (each pair computed by one of them, zero in the others) sum to
+    the same bits as one call over all of them."""
+    T, k, H = per_pair.shape
+    out = torch.empty((T, H), dtype=dtype, device=per_pair.device)
+    if T:
+        with torch.cuda.device(per_pair.device) if per_pair.is_cuda else contextlib.nullcontext():
+            _launch_sum_over_k(per_pair.reshape(T * k, H), per_pair.new_zeros((T, k), dtype=torch.int32), out, 1)
     return out
 
 

@@ -159,7 +159,8 @@ def check_expert_biases(gate_up_bias: Tensor | None, down_bias: Tensor | None, S
 
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                   weights: Tensor, activation: str | Activation = "swiglu",
-                  gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None) -> Tensor:
+                  gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+                  reduce: bool = True) -> Tensor:
     """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
 
     Args:
@@ -174,22 +175,23 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
         down_bias: optional (S, H) bias of the down product; added before the routing weight
             multiplies the expert's output (as transformers' GptOssExperts does).
 
+        reduce: False returns the (T, k, H) fp32 row of every pair instead (zero where unrouted):
+            rows of several calls added up, then `sum_pairs_reference`, equal one call's result.
+
     Returns:
         (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
     """
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
     act = get_activation(activation)
-    if T == 0 or k == 0:
-        return torch.zeros_like(hidden)
+    if T == 0 or k == 0 or not ((slot_ids >= 0) & (slot_ids < S)).any():
+        return torch.zeros_like(hidden) if reduce else hidden.new_zeros((T, k, H), dtype=torch.float32)
 
     flat_slots = slot_ids.reshape(-1).to(torch.int64)
     # Out-of-range slots are treated like -1 (not resident): the fused kernel cannot raise on
     # the device without a sync, so both implementations agree on "ignore" instead.
     valid = (flat_slots >= 0) & (flat_slots < S)
     pairs = valid.nonzero().squeeze(1)                      # flat (t*k + j) indices
-    if pairs.numel() == 0:
-        return torch.zeros_like(hidden)
     pair_slots = flat_slots[pairs]
     order = torch.argsort(pair_slots, stable=True)
     pairs, pair_slots = pairs[order], pair_slots[order]
@@ -214,4 +216,9 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
         if down_bias is not None:
             y = y + down_bias[slot].float()
         per_pair[group] = y * flat_weights[group, None]
-    return per_pair.view(T, k, H).sum(dim=1).to(hidden.dtype)
+    return sum_pairs_reference(per_pair.view(T, k, H), hidden.dtype) if reduce else per_pair.view(T, k, H)
+
+
+def sum_pairs_reference(per_pair: Tensor, dtype: torch.dtype) -> Tensor:
+    """(T, H) in `dtype` from (T, k, H) fp32 pair rows: the sum `moe_reference` ends with."""
+    return per_pair.sum(dim=1).to(dtype)

@@ -34,16 +34,17 @@ def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor, spec: QuantSpec
 
 
 def quant_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                        spec: QuantSpec) -> Tensor:
+                        spec: QuantSpec, reduce: bool = True) -> Tensor:
     """Routed-expert FFN over quantized slots: (T, H) in hidden's dtype; slot -1 contributes nothing."""
     S = slots["gate_up.qweight"].shape[0]
     flat = slot_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < S)
     used = torch.unique(flat[valid])
     if used.numel() == 0:
-        return torch.zeros_like(hidden)
+        T, k = slot_ids.shape
+        return torch.zeros_like(hidden) if reduce else hidden.new_zeros((T, k, hidden.shape[1]), dtype=torch.float32)
     gate_up, down = dequantize_slots(slots, used, spec, hidden.dtype)
     remap = torch.full((S + 1,), -1, dtype=torch.int64, device=hidden.device)
     remap[used] = torch.arange(used.numel(), device=hidden.device)
     local = torch.where(valid, flat, torch.full_like(flat, S))
-    return moe_reference(hidden, gate_up, down, remap[local].view_as(slot_ids), weights)
+    return moe_reference(hidden, gate_up, down, remap[local].view_as(slot_ids), weights, reduce=reduce)

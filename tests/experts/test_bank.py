@@ -191,3 +191,18 @@ def test_apply_routing_swaps_in_what_a_benchmark_names(tiny_qwen3):
     assert all(isinstance(b.router, ChosenRouter) for b in engine.model.moe_blocks())
     with pytest.raises(InputError, match="--trace"):
         apply_routing(engine, "trace")
+
+
+@pytest.mark.parametrize("experts", [None, "int4"])
+def test_fetch_is_exact_in_bf16_too(tiny_quant, experts):
+    """A bank below E computes resident and streamed experts in separate calls; their pair rows are
+    summed as one call sums them, so bf16 tokens equal full residency's bit for bit (not just fp32's)."""
+    kw = {"experts": experts} if experts else {}
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9)]
+    full = moestream.load(tiny_quant, device="cpu", dtype="bfloat16", **kw)
+    ids = torch.tensor([prompts[1]])
+    expected, logits = full.generate(prompts, max_tokens=16, ignore_eos=True), full.logits(ids)
+    for cap in (2, 5):
+        engine = moestream.load(tiny_quant, device="cpu", dtype="bfloat16", capacity=cap, **kw)
+        assert torch.equal(engine.logits(ids), logits), cap
+        assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == expected, cap

@@ -90,3 +90,24 @@ def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
         check_norms(device, dtype)
         check_norm_rope(device, dtype)
         check_router(device, dtype)
+        check_moe_pairs(device, dtype)
+
+
+def check_moe_pairs(device: str, dtype: torch.dtype) -> None:
+    """fused_moe(reduce=False) rows split over two calls (disjoint slots), added, then sum_pairs:
+    the same bits as one call, on both paths (what a bank streaming part of its experts relies on)."""
+    g = torch.Generator().manual_seed(4)
+    S, H, I, k = 6, 64, 32, 3
+    gate_up = (torch.randn(S, 2 * I, H, generator=g) * 0.1).to(device, dtype)
+    down = (torch.randn(S, H, I, generator=g) * 0.1).to(device, dtype)
+    for T, path in ((2, "decode"), (30, "grouped")):   # T*k above 64 takes the grouped path
+        hidden = torch.randn(T, H, generator=g).to(device, dtype)
+        slots = torch.randint(0, S, (T, k), generator=g).to(device)
+        weights = torch.rand(T, k, generator=g).to(device)
+        whole = kernels.fused_moe(hidden, gate_up, down, slots, weights)
+        low = torch.where(slots < 3, slots, torch.full_like(slots, -1))
+        high = torch.where(slots >= 3, slots, torch.full_like(slots, -1))
+        pairs = (kernels.fused_moe(hidden, gate_up, down, low, weights, reduce=False)
+                 + kernels.fused_moe(hidden, gate_up, down, high, weights, reduce=False))
+        assert pairs.shape == (T, k, H) and pairs.dtype == torch.float32
+        assert torch.equal(kernels.sum_pairs(pairs, dtype, fused=True), whole), (T, path)
