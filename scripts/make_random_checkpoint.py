@@ -403,6 +403,80 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 201088,
     },
+    # openai/gpt-oss-120b: gpt-oss-20b's layer with 36 layers and 128 experts per layer
+    "gpt-oss-120b": {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "num_local_experts": 128,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 201088,
+    },
+    # Qwen3.6-35B-A3B (the same language model as Qwen3.5-35B-A3B) as its text-only export
+    # (model_type qwen3_5_moe_text): the published checkpoints are vision-language ones (text_config
+    # nested, weights under model.language_model), which the engine does not read. 40 layers in the
+    # 3:1 pattern of Gated DeltaNet and gated full attention, 256 experts top-8 of width 512 plus a
+    # gated shared expert, partial rotary (a quarter of each 256-wide head). Special token ids are
+    # not written (not verified).
+    "qwen3.6-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000000,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 248320,
+    },
 }
 
 PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
@@ -438,6 +512,9 @@ PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
     "glm-4.7-flash": {"eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820},
     "gpt-oss-20b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
                     "pad_token_id": 199999},
+    "gpt-oss-120b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
+                     "pad_token_id": 199999},
+    "qwen3.6-35b-a3b": {},
 }
 
 SHAPES: tuple[str, ...] = tuple(PUBLISHED_CONFIGS)
@@ -587,6 +664,10 @@ class TensorSpec:
         return self.numel * (4 if self.fp32 else itemsize)
 
 
+# Hybrid stacks of Gated DeltaNet and gated attention: Qwen3-Next, and Qwen3.5/3.6's text-only export.
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe_text")
+
+
 def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
     """List every tensor of the checkpoint in file order (embeddings, layers 0..N-1, final norm, lm_head)."""
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
@@ -623,7 +704,7 @@ def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     q_out, kv_out = heads * head_dim, kv_heads * head_dim
-    gated = 2 if mt == "qwen3_next" else 1  # Qwen3-Next's q_proj also yields the output gate
+    gated = 2 if mt in HYBRID_TYPES else 1  # Qwen3-Next's / Qwen3.5's q_proj also yields the output gate
     specs = [
         TensorSpec(p + "q_proj.weight", (gated * q_out, hidden), "normal"),
         TensorSpec(p + "k_proj.weight", (kv_out, hidden), "normal"),
@@ -636,7 +717,7 @@ def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
             TensorSpec(p + "k_proj.bias", (kv_out,), "zeros"),
             TensorSpec(p + "v_proj.bias", (kv_out,), "zeros"),
         ]
-    if mt in ("qwen3_moe", "qwen3_next") or cfg.get("use_qk_norm", False):  # RMSNorm over each head
+    if mt in ("qwen3_moe", *HYBRID_TYPES) or cfg.get("use_qk_norm", False):  # RMSNorm over each head
         specs += [
             TensorSpec(p + "q_norm.weight", (head_dim,), _norm_init(cfg)),
             TensorSpec(p + "k_norm.weight", (head_dim,), _norm_init(cfg)),
@@ -675,14 +756,14 @@ def _mla_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
 
 
 def _norm_init(cfg: dict[str, Any]) -> str:
-    """Qwen3-Next's norms scale by (1 + weight): HF initialises them to zeros, the others to ones."""
-    return "zeros" if cfg["model_type"] == "qwen3_next" else "ones"
+    """Qwen3-Next's and Qwen3.5's norms scale by (1 + weight): HF initialises them to zeros, the others to ones."""
+    return "zeros" if cfg["model_type"] in HYBRID_TYPES else "ones"
 
 
 def _is_linear_layer(cfg: dict[str, Any], layer: int) -> bool:
     """Mirror transformers' Qwen3-Next rule: layer_types, else every full_attention_interval-th layer
     is full attention and the rest Gated DeltaNet. Other families have no linear layers."""
-    if cfg["model_type"] != "qwen3_next":
+    if cfg["model_type"] not in HYBRID_TYPES:
         return False
     if cfg.get("layer_types"):
         return cfg["layer_types"][layer] == "linear_attention"
@@ -696,9 +777,16 @@ def _linear_attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     heads = cfg["linear_num_value_heads"]
     value = heads * cfg["linear_value_head_dim"]
+    if cfg["model_type"] == "qwen3_5_moe_text":   # Qwen3.5 stores the in-projections split, in plain head order
+        projections = [TensorSpec(p + "in_proj_qkv.weight", (2 * key + value, hidden), "normal"),
+                       TensorSpec(p + "in_proj_z.weight", (value, hidden), "normal"),
+                       TensorSpec(p + "in_proj_b.weight", (heads, hidden), "normal"),
+                       TensorSpec(p + "in_proj_a.weight", (heads, hidden), "normal")]
+    else:
+        projections = [TensorSpec(p + "in_proj_qkvz.weight", (2 * key + 2 * value, hidden), "normal"),
+                       TensorSpec(p + "in_proj_ba.weight", (2 * heads, hidden), "normal")]
     return [
-        TensorSpec(p + "in_proj_qkvz.weight", (2 * key + 2 * value, hidden), "normal"),
-        TensorSpec(p + "in_proj_ba.weight", (2 * heads, hidden), "normal"),
+        *projections,
         TensorSpec(p + "conv1d.weight", (2 * key + value, 1, kernel), "normal"),
         TensorSpec(p + "dt_bias", (heads,), "ones"),
         TensorSpec(p + "A_log", (heads,), "zeros"),
@@ -745,7 +833,7 @@ def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
             TensorSpec(q + "down_proj_bias", (n_exp, hidden), "zeros"),
         ]
     n_exp = cfg.get("n_routed_experts") or cfg["num_experts"]
-    inter = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    inter = cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg else cfg["intermediate_size"]
     specs = [TensorSpec(p + "mlp.gate.weight", (n_exp, hidden), "normal")]
     if mt in ("glm4_moe", "glm4_moe_lite", "deepseek_v3"):  # selection-only router bias, zero at init like HF's
         specs.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", (n_exp,), "zeros", fp32=True))
@@ -754,7 +842,7 @@ def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     if mt in ("glm4_moe", "glm4_moe_lite", "deepseek_v2", "deepseek_v3"):
         # n_shared_experts stored as one MLP of that many times the expert width
         specs += _mlp_specs(p + "mlp.shared_experts.", hidden, inter * cfg.get("n_shared_experts", 1))
-    if mt in ("qwen2_moe", "qwen3_next"):
+    if mt in ("qwen2_moe", *HYBRID_TYPES):
         specs += _mlp_specs(p + "mlp.shared_expert.", hidden, cfg["shared_expert_intermediate_size"])
         specs.append(TensorSpec(p + "mlp.shared_expert_gate.weight", (1, hidden), "normal"))
     return specs

@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "glm-4.5-air", "qwen3-next-80b-a3b",
-          "deepseek-v2-lite", "glm-4.7-flash", "gpt-oss-20b")
+          "deepseek-v2-lite", "glm-4.7-flash", "gpt-oss-20b", "gpt-oss-120b", "qwen3.6-35b-a3b")
+HYBRID = ("qwen3-next-80b-a3b", "qwen3.6-35b-a3b")   # every 4th layer is full attention
 
 
 def _load_script() -> ModuleType:
@@ -66,7 +67,7 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     shape,
                     "--tiny",
                     "--layers",
-                    "4" if shape == "qwen3-next-80b-a3b" else "2",  # transformers needs one attention layer
+                    "4" if shape in HYBRID else "2",  # transformers needs one attention layer
                     "--out",
                     str(out[shape]),
                     "--shard-size",
@@ -99,6 +100,8 @@ def test_tiny_loads_and_runs_with_transformers(tiny_ckpts: dict[str, Path], shap
     name = "model.layers.0.self_attn.q_proj.weight"
     if mrc.PUBLISHED_CONFIGS[shape]["model_type"] == "qwen3_next":
         name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    elif mrc.PUBLISHED_CONFIGS[shape]["model_type"] == "qwen3_5_moe_text":
+        name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     elif mrc.PUBLISHED_CONFIGS[shape].get("q_lora_rank"):   # MLA with a low-rank query: no q_proj
         name = "model.layers.0.self_attn.q_a_proj.weight"
     index = json.loads((tiny_ckpts[shape] / mrc.INDEX_NAME).read_text())
@@ -179,6 +182,8 @@ EXPECTED_FULL = {
     "deepseek-v2-lite": (2048, "n_routed_experts", 64, 6, 1408, 27, 16, 16, 102400),
     "glm-4.7-flash": (2048, "n_routed_experts", 64, 4, 1536, 47, 20, 20, 154880),
     "gpt-oss-20b": (2880, "num_local_experts", 32, 4, 2880, 24, 64, 8, 201088),
+    "gpt-oss-120b": (2880, "num_local_experts", 128, 4, 2880, 36, 64, 8, 201088),
+    "qwen3.6-35b-a3b": (2048, "num_experts", 256, 8, 512, 40, 16, 2, 248320),
 }
 
 
@@ -192,7 +197,7 @@ def test_full_size_config_numbers(shape: str) -> None:
         top_k,
         layers,
     )
-    assert cfg.get("moe_intermediate_size", cfg["intermediate_size"]) == width
+    assert (cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg else cfg["intermediate_size"]) == width
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (heads, kv, vocab)
     assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "bfloat16"
     assert mrc.build_config(shape, layers=3)["num_hidden_layers"] == 3
@@ -355,3 +360,17 @@ def test_mla_specifics(shape: str, q_proj: str, latent_per_token: int) -> None:
     assert config.latent_attention.q_lora_rank == cfg["q_lora_rank"] and config.moe_layers == (False, True)
     assert cache_bytes(config, detect_arch(cfg), 1, 1, torch.bfloat16) == 2 * latent_per_token * 2
 
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tiny_runs_in_the_engine_like_transformers(tiny_ckpts: dict[str, Path], shape: str) -> None:
+    """Every shape the script writes is one the engine reads: fp32 logits as transformers' (the
+    benchmarks' random checkpoints go through exactly this loader)."""
+    import moestream
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpts[shape], dtype=torch.float32)
+    ids = torch.randint(0, ref.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    got = moestream.load(tiny_ckpts[shape], device="cpu", dtype="float32").logits(ids)
+    assert (got - expected).abs().max() / expected.abs().max() <= 1e-4, shape
