@@ -132,6 +132,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                    help="a decode step's missing experts computed on the CPU from host RAM while the rest are copied: "
                         "a share of them, or auto (split by costs measured at load) (exact; needs the pinned host "
                         "tier; off by default)")
+    p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
+                   help="threads the CPU computes missed experts with (--cpu-misses; default: torch's, all cores; "
+                        "a bf16 GEMV is often faster on the physical cores only)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
@@ -239,7 +242,7 @@ def engine_config(args):
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
                       residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False),
-                      cpu_misses=getattr(args, "cpu_misses", 0.0))
+                      cpu_misses=getattr(args, "cpu_misses", 0.0), cpu_threads=getattr(args, "cpu_threads", None))
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))

@@ -44,6 +44,8 @@ def test_without_hybrid_nothing_is_served_on_the_cpu(tiny_qwen3, resident):
     (dict(cpu_misses=1.5), "from 0 to 1"),
     (dict(cpu_misses=0.5, miss_policy="skip"), "needs --miss-policy fetch"),
     (dict(cpu_misses=0.5, capacity=2), "host RAM"),                     # the disk tier holds nothing in RAM
+    (dict(cpu_threads=2), "give --cpu-misses too"),
+    (dict(cpu_misses=0.5, cpu_threads=0), "at least 1"),
 ])
 def test_bad_hybrid_settings_are_refused(tiny_qwen3, kwargs, match):
     with pytest.raises(InputError, match=match):
@@ -82,3 +84,18 @@ def test_the_cli_flag_takes_a_share_or_auto(tiny_qwen3):
     with pytest.raises(SystemExit) as bad:
         main(["run", str(tiny_qwen3), "--cpu-misses", "2", "-p", "5"])
     assert bad.value.code == 1
+
+
+def test_cpu_threads_set_the_threads_the_cpu_misses_run_on(tiny_qwen3, resident):
+    import torch
+
+    engine, want = resident
+    before = torch.get_num_threads()
+    try:
+        hybrid = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
+                                host_tier="pinned", cpu_misses=1.0, cpu_threads=1, discovery=False)
+        assert torch.get_num_threads() == 1
+        assert hybrid.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+        assert hybrid.stats()["cpu_served"] > 0
+    finally:
+        torch.set_num_threads(before)
