@@ -403,41 +403,6 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 201088,
     },
-    # openai/gpt-oss-120b: gpt-oss-20b's layer with 36 layers and 128 experts per layer
-    "gpt-oss-120b": {
-        "architectures": ["GptOssForCausalLM"],
-        "attention_bias": True,
-        "attention_dropout": 0.0,
-        "eos_token_id": 200002,
-        "experts_per_token": 4,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "hidden_size": 2880,
-        "initial_context_length": 4096,
-        "initializer_range": 0.02,
-        "intermediate_size": 2880,
-        "layer_types": ["sliding_attention", "full_attention"] * 18,
-        "max_position_embeddings": 131072,
-        "model_type": "gpt_oss",
-        "num_attention_heads": 64,
-        "num_experts_per_tok": 4,
-        "num_hidden_layers": 36,
-        "num_key_value_heads": 8,
-        "num_local_experts": 128,
-        "output_router_logits": False,
-        "pad_token_id": 199999,
-        "rms_norm_eps": 1e-05,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
-                         "rope_type": "yarn", "truncate": False},
-        "rope_theta": 150000,
-        "router_aux_loss_coef": 0.9,
-        "sliding_window": 128,
-        "swiglu_limit": 7.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "vocab_size": 201088,
-    },
     # Qwen3.6-35B-A3B (the same language model as Qwen3.5-35B-A3B) as its text-only export
     # (model_type qwen3_5_moe_text): the published checkpoints are vision-language ones (text_config
     # nested, weights under model.language_model), which the engine does not read. 40 layers in the
@@ -479,6 +444,10 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
+# openai/gpt-oss-120b: gpt-oss-20b's layer, 36 layers of 128 experts
+PUBLISHED_CONFIGS["gpt-oss-120b"] = {**PUBLISHED_CONFIGS["gpt-oss-20b"], "num_hidden_layers": 36, "num_local_experts": 128,
+                                     "layer_types": ["sliding_attention", "full_attention"] * 18}
+
 PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": {
         "bos_token_id": 151643,
@@ -512,10 +481,10 @@ PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
     "glm-4.7-flash": {"eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820},
     "gpt-oss-20b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
                     "pad_token_id": 199999},
-    "gpt-oss-120b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
-                     "pad_token_id": 199999},
     "qwen3.6-35b-a3b": {},
 }
+
+PUBLISHED_GENERATION_CONFIGS["gpt-oss-120b"] = PUBLISHED_GENERATION_CONFIGS["gpt-oss-20b"]   # same tokenizer
 
 SHAPES: tuple[str, ...] = tuple(PUBLISHED_CONFIGS)
 

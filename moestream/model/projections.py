@@ -27,13 +27,12 @@ class FusedQKV:
         """Concatenate the three weights (and biases) and make each projection a view into them.
         Quantized projections (not plain `nn.Linear`) are left as they are."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(type(p) is nn.Linear for p in projs) or self.qkv_weight is not None:
+        biased = {p.bias is not None for p in projs}
+        if not all(type(p) is nn.Linear for p in projs) or len(biased) > 1 or self.qkv_weight is not None:
             return
         with torch.no_grad():
             weight = torch.cat([p.weight for p in projs])
-            bias = torch.cat([p.bias for p in projs]) if all(p.bias is not None for p in projs) else None
-            if bias is None and any(p.bias is not None for p in projs):
-                return
+            bias = torch.cat([p.bias for p in projs]) if True in biased else None
             sizes = tuple(p.out_features for p in projs)
             for p, w in zip(projs, weight.split(sizes)):
                 p.weight.data = w
