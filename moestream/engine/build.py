@@ -20,6 +20,7 @@ from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan, plan_load
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
+from moestream.kernels import cpu_moe
 from moestream.experts.bank import ExpertBank
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
@@ -107,8 +108,11 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
         formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
-    if cfg.bank.cpu_threads is not None and cfg.bank.cpu_misses and not memory.fully_resident:
-        torch.set_num_threads(cfg.bank.cpu_threads)   # before the miss costs are measured on them
+    if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them
+        if cfg.bank.cpu_threads is not None:
+            torch.set_num_threads(cfg.bank.cpu_threads)
+        if cpu_moe.load() is not None:
+            cpu_moe.set_threads(cfg.bank.cpu_threads)
     if cfg.bank.cpu_misses and not memory.fully_resident and getattr(tier, "layers", None) is None:
         raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
                          "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape
+from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, HostDispatch
 from moestream.experts.prefetch import Prefetcher
 from moestream.experts.residency import ResidencyPolicy
 from moestream.experts.slots import SlotTable
@@ -34,19 +34,25 @@ CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misse
 @dataclass(frozen=True)
 class MissCosts:
     """What a miss costs each way, measured on this machine when the bank is built: copying one
-    expert to the device, and computing one expert for one token on the CPU (plus the fixed cost
-    of a CPU call: hidden rows to the host and the result back)."""
+    expert to the device; computing one expert on the CPU for its first token and for each further
+    one (the weights are read once, the tokens add arithmetic); and the fixed cost of a CPU call
+    (hidden rows to the host, the result back). Each is timed over experts not read before, so
+    the CPU's figures are DRAM's, not its cache's."""
 
     copy_s: float
+    cpu_expert_s: float
     cpu_token_s: float
     cpu_call_s: float
+
+    def cpu_s(self, tokens: int) -> float:
+        return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
 
     def split(self, missing: list[int], tokens: dict[int, int]) -> list[int]:
         """The missing experts the CPU takes so that the CPU and the copies finish together: fewest
         tokens first, while the CPU's total stays below the copies that remain."""
         chosen, cpu_s, copies_s = [], self.cpu_call_s, len(missing) * self.copy_s
         for e in sorted(missing, key=lambda e: (tokens[e], e)):
-            after = cpu_s + tokens[e] * self.cpu_token_s
+            after = cpu_s + self.cpu_s(tokens[e])
             if after > copies_s - self.copy_s:
                 break
             chosen.append(e)
@@ -54,26 +60,38 @@ class MissCosts:
         return chosen
 
     @classmethod
-    def measure(cls, host_stack: Mapping[str, Tensor], cpu_dispatch: Dispatch, device: torch.device,
-                hidden_size: int, dtype: torch.dtype, repeats: int = 5) -> MissCosts:
-        one = {name: t[:1] for name, t in host_stack.items()}
-        dest = {name: torch.empty_like(t, device=device) for name, t in one.items()}
-        x = torch.randn(1, hidden_size).to(dtype)
-        ids, w = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    def measure(cls, host_stack: Mapping[str, Tensor], host_dispatch: HostDispatch, device: torch.device,
+                hidden_size: int, dtype: torch.dtype, repeats: int = 4, group: int = 4) -> MissCosts:
+        E = next(iter(host_stack.values())).shape[0]
+        group = min(group, E)
+        experts = lambda r: [(r * group + j) % E for j in range(group)]   # noqa: E731  new ones each call
+        dest = {name: torch.empty_like(t[0], device=device) for name, t in host_stack.items()}
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
         def timed(fn) -> float:
-            fn()
+            fn(0)
             sync()
             t0 = time.perf_counter()
-            for _ in range(repeats):
-                fn()
+            for r in range(1, repeats + 1):
+                fn(r)
             sync()
             return (time.perf_counter() - t0) / repeats
 
-        copy_s = timed(lambda: [d.copy_(one[n], non_blocking=True) for n, d in dest.items()])
-        cpu_s = timed(lambda: cpu_dispatch(x, host_stack, ids, w))
-        return cls(copy_s=copy_s, cpu_token_s=cpu_s, cpu_call_s=timed(lambda: x.to(device).cpu()))
+        def copies(r: int) -> None:
+            for e in experts(r):
+                for name, d in dest.items():
+                    d.copy_(host_stack[name][e], non_blocking=True)
+
+        def on_cpu(tokens: int):
+            x = torch.randn(tokens, hidden_size).to(dtype)
+            w = torch.ones(tokens, group)
+            return lambda r: host_dispatch(x, host_stack, torch.tensor([experts(r)] * tokens, dtype=torch.int32), w)
+
+        one = timed(on_cpu(1)) / group
+        four = timed(on_cpu(4)) / group
+        x = torch.randn(1, hidden_size).to(dtype)
+        return cls(copy_s=timed(copies) / group, cpu_expert_s=one, cpu_token_s=max(0.0, four - one) / 3,
+                   cpu_call_s=timed(lambda r: x.to(device).cpu()))
 
 
 def staging_half(staging_slots: int, top_k: int) -> int:
@@ -89,17 +107,16 @@ class Fetcher:
         """`dispatch`: per MoE layer, the dispatch of that layer's expert format. `host_stacks`: every
         expert of every layer in host RAM (the pinned tier), which hybrid misses compute from."""
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
-        self.dispatch, self.prefetcher = dispatch, prefetcher
+        self.dispatch, self.prefetcher, self.shape = dispatch, prefetcher, shape
         self.host_stacks = host_stacks if cpu_share != 0 else None
         self.cpu_share = cpu_share
-        cpu = torch.device("cpu")
         self.pair_sum = {layer: fmt.pair_sum(slots.device, shape) for layer, fmt in slots.formats.items()}
-        self.cpu_dispatch = ({layer: fmt.dispatch(cpu, shape) for layer, fmt in slots.formats.items()}
-                             if self.host_stacks is not None else {})
+        self.host_dispatch = ({layer: fmt.host_dispatch(shape) for layer, fmt in slots.formats.items()}
+                              if self.host_stacks is not None else {})
         self.costs: MissCosts | None = None   # cpu_share "auto": split by measured costs
         if self.host_stacks is not None and cpu_share == "auto":
             layer = next(iter(self.host_stacks))
-            self.costs = MissCosts.measure(self.host_stacks[layer], self.cpu_dispatch[layer], slots.device,
+            self.costs = MissCosts.measure(self.host_stacks[layer], self.host_dispatch[layer], slots.device,
                                            shape.hidden, slots.formats[layer].dtype)
         half = staging_half(staging_slots, top_k)
         formats: dict[str, ExpertFormat] = {fmt.name: fmt for fmt in slots.formats.values()}
@@ -166,36 +183,43 @@ class Fetcher:
         """Copy the other missing experts in (the compute stream waits for them, the host does not),
         compute `on_cpu`'s pairs on the CPU meanwhile, then add the two results."""
         ls = self.slots[layer]
-        cpu_out = self.serve_on_cpu(layer, flat, on_cpu, hidden, expert_ids, weights, wait="device")
+        routed = expert_ids.reshape(hidden.shape[0], -1).cpu()
+        cpu_out = self.serve_on_cpu(layer, routed, on_cpu, hidden.cpu(), weights.cpu(), wait="device")
         out = self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)   # on_cpu: no slot
-        return (out.float() + cpu_out.to(out.device, non_blocking=True).float()).to(out.dtype)
+        return (out.float() + cpu_out.to(out.device, non_blocking=True)).to(out.dtype)
 
-    def ensure_resident_hybrid(self, layer: int, routed: np.ndarray, hidden: Tensor, expert_ids: Tensor,
-                               weights: Tensor, wait: str = "host") -> Tensor | None:
-        """`ensure_resident` for a decode segment, with hybrid misses: returns the CPU-computed rows
-        (T, H) on the CPU to add to the layer's output, or None when every miss was copied."""
-        routed = routed[routed >= 0]
+    def ensure_resident_hybrid(self, layer: int, routed: Tensor, hidden: Tensor, weights: Tensor,
+                               wait: str = "host") -> Tensor | None:
+        """`ensure_resident` for a decode segment, with hybrid misses, given the call's routing
+        `routed` (T, k), hidden rows and routing weights already read back to the host: returns the
+        CPU-computed rows (T, H) fp32 on the CPU to add to the layer's output, or None when every
+        miss was copied."""
+        flat = routed.reshape(-1).numpy()
+        flat = flat[flat >= 0]
         ls = self.slots[layer]
-        missing = [e for e in np.unique(routed).tolist() if e not in ls.where]
-        on_cpu = self._cpu_share_of(routed, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
+        missing = [e for e in np.unique(flat).tolist() if e not in ls.where]
+        on_cpu = self._cpu_share_of(flat, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
         if not on_cpu:
-            self.ensure_resident(layer, routed, wait)
+            self.ensure_resident(layer, flat, wait)
             return None
-        return self.serve_on_cpu(layer, routed, on_cpu, hidden, expert_ids, weights, wait)
+        return self.serve_on_cpu(layer, routed, on_cpu, hidden, weights, wait)
 
-    def serve_on_cpu(self, layer: int, routed: np.ndarray, on_cpu: list[int], hidden: Tensor, expert_ids: Tensor,
-                     weights: Tensor, wait: str) -> Tensor:
+    def serve_on_cpu(self, layer: int, routed: Tensor, on_cpu: list[int], hidden: Tensor, weights: Tensor,
+                     wait: str) -> Tensor:
         """Install the routed experts not in `on_cpu` (copies queued first, so they overlap the CPU
-        work), then compute `on_cpu`'s pairs from host RAM; returns those rows (T, H) on the CPU."""
-        at_cpu = np.isin(routed, on_cpu)
-        self.ensure_resident(layer, routed[~at_cpu], wait)
-        experts, counts = np.unique(routed[at_cpu], return_counts=True)
+        work), then compute `on_cpu`'s pairs from host RAM. `routed`, `hidden` and `weights` are on the
+        host; returns those pairs' rows (T, H), fp32, on the CPU."""
+        at_cpu = torch.isin(routed, torch.tensor(on_cpu, dtype=routed.dtype))
+        flat, cpu_flat = routed[~at_cpu].numpy(), routed[at_cpu].numpy()
+        self.ensure_resident(layer, flat[flat >= 0], wait)
+        experts, counts = np.unique(cpu_flat, return_counts=True)
         self.policy.record(layer, experts, counts)
-        ids = expert_ids.reshape(hidden.shape[0], -1).cpu()
-        cpu_ids = torch.where(torch.isin(ids, torch.tensor(on_cpu, dtype=ids.dtype)), ids, torch.full_like(ids, -1))
-        out = self.cpu_dispatch[layer](hidden.cpu(), self.host_stacks[layer], cpu_ids.to(torch.int32),
-                                       weights.reshape(cpu_ids.shape).cpu())
-        self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()))
+        t0 = time.perf_counter()
+        out = self.host_dispatch[layer](hidden, self.host_stacks[layer],
+                                        torch.where(at_cpu, routed, -1).to(torch.int32), weights.float())
+        self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()),
+                          cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape),
+                          cpu_s=time.perf_counter() - t0)
         return out
 
     def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,

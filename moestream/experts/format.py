@@ -39,6 +39,10 @@ from moestream.sizes import dtype_size
 # the format's `pair_sum` turns into the (T, H) a single call would have given, bit for bit.
 Dispatch = Callable[..., Tensor]
 
+# (hidden (T, H) on the CPU, a layer's stacked host-tier tensors, expert ids (T, k) with -1 for
+# pairs served elsewhere, routing weights (T, k)) -> the (T, H) fp32 sum of those pairs.
+HostDispatch = Callable[[Tensor, Mapping[str, Tensor], Tensor, Tensor], Tensor]
+
 
 @dataclass(frozen=True)
 class ExpertShape:
@@ -119,6 +123,15 @@ class ExpertFormat(ABC):
         """Whether `dispatch` on `device` is the Triton kernels (else the plain-torch reference)."""
         return False
 
+    def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
+        """How hybrid misses compute experts where they sit in host RAM: the plain-torch reference
+        over the host tier's stacked tensors, its pair rows summed in fp32."""
+        run = self.dispatch(torch.device("cpu"), shape)
+
+        def host(hidden: Tensor, stack: Mapping[str, Tensor], expert_ids: Tensor, weights: Tensor) -> Tensor:
+            return run(hidden, stack, expert_ids, weights, reduce=False).sum(dim=1)
+        return host
+
     def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """Whether `dispatch` reads from the device (the plain-torch reference on CUDA groups its
         pairs on the host): such a dispatch cannot run inside a CUDA graph capture."""
@@ -192,8 +205,24 @@ class DenseFormat(ExpertFormat):
                        slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce)
         return dispatch
 
+    def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
+        """The C kernel (`kernels/cpu_moe.py`: each weight row read once, at memory bandwidth) where
+        it builds and handles the dtype and activation; the plain-torch reference otherwise."""
+        from moestream.kernels import cpu_moe
+
+        if not cpu_moe.supports(self.dtype, shape.activation) or cpu_moe.load() is None:
+            return super().host_dispatch(shape)
+        return functools.partial(_cpu_kernel, activation=shape.activation)
+
     def __repr__(self) -> str:
         return f"DenseFormat({self.name})"
+
+
+def _cpu_kernel(hidden: Tensor, stack: Mapping[str, Tensor], expert_ids: Tensor, weights: Tensor,
+                activation: Activation) -> Tensor:
+    from moestream.kernels import cpu_moe
+
+    return cpu_moe.cpu_moe(hidden, stack, expert_ids, weights, activation, out_dtype=torch.float32)
 
 
 class QuantizedFormat(ExpertFormat):

@@ -135,7 +135,7 @@ class SegmentedDecode:
         # Hybrid misses: per MoE layer, the rows the CPU computed for experts it served, added to the
         # layer's output by the next segment (zero when every miss was copied).
         H = model.config.hidden_size
-        self.cpu_rows = ([torch.zeros(batch, H, dtype=dtype, device=device) for _ in self.moe_layers]
+        self.cpu_rows = ([torch.zeros(batch, H, dtype=torch.float32, device=device) for _ in self.moe_layers]
                          if bank.hybrid else None)
         self._rows_set = [False] * len(self.moe_layers)
         self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, _Carry]]] = {}
@@ -149,7 +149,7 @@ class SegmentedDecode:
             ctx, layer = prev.ctx, self.moe_layers[i - 1]
             routed = self.layers[layer].ffn.combine(prev.h, prev.ids, prev.weights, resident=True)
             if self.cpu_rows is not None:
-                routed = routed + self.cpu_rows[i - 1]
+                routed = (routed.float() + self.cpu_rows[i - 1]).to(routed.dtype)
             x, start = prev.x + routed.view_as(prev.x), layer + 1
         if i == len(self.moe_layers):
             for layer in self.layers[start:]:
@@ -169,16 +169,26 @@ class SegmentedDecode:
     def _make_resident(self, i: int, carry: _Carry) -> None:
         """The one sync of a layer: read its routing (and the next layer's prediction), fetch, prefetch."""
         bank = self.bank
-        if carry.predicted is None:
-            actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
-        else:
-            both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
-            actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
         wait = "device" if self.cache.device.type == "cuda" else "host"
         if self.cpu_rows is None:
+            if carry.predicted is None:
+                actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
+            else:
+                both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
+                actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
             bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
-        else:
-            rows = bank.ensure_resident_hybrid(self.moe_layers[i], actual, carry.h, carry.ids, carry.weights, wait=wait)
+        else:   # the CPU may compute some experts: routing, weights and hidden rows in one read-back
+            ids, weights, h = carry.ids, carry.weights, carry.h
+            parts = [ids.reshape(-1).float(), weights.reshape(-1).float(), h.reshape(-1).float()]
+            if carry.predicted is not None:
+                parts.append(carry.predicted.reshape(-1).float())
+            host = torch.cat(parts).cpu()
+            n, T = ids.numel(), h.shape[0]
+            routed = host[:n].to(torch.int32).view(T, -1)
+            weights_host = host[n:2 * n].view(T, -1)
+            hidden_host = host[2 * n:2 * n + h.numel()].view(T, -1).to(h.dtype)
+            predicted = host[2 * n + h.numel():].to(torch.int32).numpy() if carry.predicted is not None else None
+            rows = bank.ensure_resident_hybrid(self.moe_layers[i], routed, hidden_host, weights_host, wait=wait)
             if rows is not None:
                 self.cpu_rows[i].copy_(rows, non_blocking=True)
             elif self._rows_set[i]:

@@ -55,16 +55,19 @@ def test_bad_hybrid_settings_are_refused(tiny_qwen3, kwargs, match):
 def test_measured_costs_split_the_misses_so_both_paths_finish_together():
     from moestream.experts.fetch import MissCosts
 
-    costs = MissCosts(copy_s=1.0, cpu_token_s=0.4, cpu_call_s=0.1)
+    costs = MissCosts(copy_s=1.0, cpu_expert_s=0.4, cpu_token_s=0.2, cpu_call_s=0.1)
     tokens = {10: 1, 11: 1, 12: 3, 13: 1, 14: 2}
     chosen = costs.split(list(tokens), tokens)
     # Fewest tokens first: 10, 11, 13 (1 token each) fit (CPU 0.5, 0.9, 1.3 s against 4, 3, 2 s of
-    # copies still to come); 14 (2 tokens: 2.1 s) would outlast the last copy.
+    # copies still to come); 14 (2 tokens: 0.6 s more, 1.9 s) would outlast the last copy.
     assert chosen == [10, 11, 13]
-    cpu = costs.cpu_call_s + sum(tokens[e] for e in chosen) * costs.cpu_token_s
+    cpu = costs.cpu_call_s + sum(costs.cpu_s(tokens[e]) for e in chosen)
     assert cpu <= (len(tokens) - len(chosen)) * costs.copy_s
-    assert MissCosts(copy_s=1.0, cpu_token_s=5.0, cpu_call_s=0.0).split([1, 2], {1: 1, 2: 1}) == []   # slow CPU: copy all
-    assert MissCosts(copy_s=1.0, cpu_token_s=0.0, cpu_call_s=0.0).split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [1, 2, 3]   # free CPU: all
+    assert costs.cpu_s(3) == pytest.approx(0.8)   # the weights once, two more tokens
+    slow = MissCosts(copy_s=1.0, cpu_expert_s=5.0, cpu_token_s=0.0, cpu_call_s=0.0)
+    assert slow.split([1, 2], {1: 1, 2: 1}) == []   # slow CPU: copy all
+    free = MissCosts(copy_s=1.0, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_call_s=0.0)
+    assert free.split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [1, 2, 3]   # free CPU: all
 
 
 def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
@@ -72,7 +75,7 @@ def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
     auto = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
                           host_tier="pinned", cpu_misses="auto", discovery=False)
     costs = auto.bank.fetcher.costs
-    assert costs is not None and costs.copy_s > 0 and costs.cpu_token_s > 0
+    assert costs is not None and costs.copy_s > 0 and costs.cpu_expert_s > 0
     assert auto.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
 
 

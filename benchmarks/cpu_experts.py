@@ -1,0 +1,102 @@
+"""What one missed expert costs each way: computed on the CPU from host RAM (the C kernel, and torch's
+reference), or copied over PCIe into a device slot.
+
+    python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
+        [--experts-per-call 1 3 6] [--tokens 1 4 16]
+
+The experts live in one stacked host tensor of `--pool` experts (default 256: several hundred MB,
+far beyond the last-level cache, so every call reads DRAM, as a real miss does) and each timed
+call takes the next ones in turn. Results: `$OUT/cpu_experts.json` and a printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moestream.kernels import cpu_moe  # noqa: E402
+from moestream.kernels.moe_reference import moe_reference  # noqa: E402
+
+
+def timed(fn, calls: int) -> float:
+    fn(0)
+    t0 = time.perf_counter()
+    for i in range(1, calls + 1):
+        fn(i)
+    return (time.perf_counter() - t0) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--pool", type=int, default=256)
+    ap.add_argument("--threads", type=int, nargs="+", default=None)
+    ap.add_argument("--experts-per-call", type=int, nargs="+", default=[1, 3, 6])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--calls", type=int, default=40)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    H, I, P = args.hidden, args.intermediate, args.pool
+    cuda = torch.cuda.is_available()
+    gen = torch.Generator().manual_seed(0)
+    stack = {"gate_up": torch.randn(P, 2 * I, H, generator=gen).to(torch.bfloat16),
+             "down": torch.randn(P, H, I, generator=gen).to(torch.bfloat16)}
+    if cuda:
+        stack = {n: t.pin_memory() for n, t in stack.items()}
+    expert_bytes = sum(t[0].nbytes for t in stack.values())
+    rows = []
+    cores = len(cpu_moe.os.sched_getaffinity(0))
+    for threads in args.threads or sorted({1, max(1, cores // 2), max(1, cores - 1), cores}):
+        cpu_moe.set_threads(threads)
+        torch.set_num_threads(threads)
+        for m in args.experts_per_call:
+            for T in args.tokens:
+                x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
+                w = torch.rand(T, m, generator=gen)
+
+                def ids(i: int) -> torch.Tensor:   # m distinct experts, every token routed to all of them
+                    first = (i * m) % (P - m)
+                    return torch.arange(first, first + m, dtype=torch.int32).expand(T, m).contiguous()
+
+                kernel = timed(lambda i: cpu_moe.cpu_moe(x, stack, ids(i), w, out_dtype=torch.float32), args.calls)
+                ref = timed(lambda i: moe_reference(x, stack["gate_up"], stack["down"], ids(i), w),
+                            max(4, args.calls // 8))
+                row = dict(threads=threads, experts=m, tokens=T, kernel_us=kernel * 1e6, torch_us=ref * 1e6,
+                           kernel_gb_s=m * expert_bytes / kernel / 1e9, torch_gb_s=m * expert_bytes / ref / 1e9)
+                rows.append(row)
+                print(f"threads {threads:3d}  experts {m}  tokens {T:2d}  C kernel {kernel * 1e6:8.1f} us "
+                      f"({row['kernel_gb_s']:6.1f} GB/s)   torch {ref * 1e6:8.1f} us ({row['torch_gb_s']:6.1f} GB/s)",
+                      flush=True)
+    result = dict(hidden=H, intermediate=I, expert_bytes=expert_bytes, pool=P, rows=rows,
+                  kernel_unavailable=cpu_moe.unavailable_reason())
+    torch.set_num_threads(cores)
+    span = max(1, min(32, P // 4))
+    read = timed(lambda i: stack["gate_up"][(i * span) % (P - span):(i * span) % (P - span) + span].sum(), 8)
+    result.update(read_gb_s=span * stack["gate_up"][0].nbytes / read / 1e9)
+    print(f"DRAM read by torch.sum on {cores} threads: {result['read_gb_s']:.1f} GB/s")
+    if cuda:
+        dest = {n: torch.empty_like(t[0], device="cuda") for n, t in stack.items()}
+        stream = torch.cuda.Stream()
+
+        def copy(i: int) -> None:
+            with torch.cuda.stream(stream):
+                for n, d in dest.items():
+                    d.copy_(stack[n][i % P], non_blocking=True)
+            stream.synchronize()
+
+        per = timed(copy, args.calls)
+        result.update(copy_us=per * 1e6, copy_gb_s=expert_bytes / per / 1e9)
+        print(f"PCIe copy of one expert: {per * 1e6:.1f} us ({expert_bytes / per / 1e9:.1f} GB/s)")
+    (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+/* Routed experts computed on the CPU, straight from host RAM: the hybrid miss path's kernel.
+ *
+ * A missed expert at decode time is read once from memory and used for a handful of tokens, so
+ * the work is a matrix-vector product bound by DRAM bandwidth. torch's CPU GEMM paths are built
+ * for large products: for one bf16 row they re-layout the weight on every call and reach a small
+ * fraction of the memory bandwidth. This file does the one thing needed: read each weight row
+ * once, widen bf16 to fp32 in registers, and accumulate in fp32, over all cores.
+ *
+ * What it computes is `moe_reference` for the pairs handed in (see kernels/moe_reference.py):
+ *   out[t] += w_p * (down[e] @ act(gate_up[e] @ x[t] + gate_up_bias[e]) + down_bias[e])
+ * for every pair p = (expert e, token t, routing weight w_p). The gate_up product and the
+ * activation stay in fp32; the activation is rounded to the weights' dtype before the down
+ * product, as the GPU kernel rounds it before its second GEMM.
+ *
+ * Built at first use with the system C compiler (kernels/cpu_moe.py) and called through ctypes,
+ * which releases the GIL for the call.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+enum { W_BF16 = 0, W_FP32 = 1 };
+enum { ACT_SWIGLU = 0, ACT_SWIGLU_CLAMPED = 1, ACT_GEGLU_TANH = 2 };
+enum { ROWS_PER_TASK = 16 };
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)b << 16;
+    return v.f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    return v.u;
+}
+
+static inline float round_bf16(float f) {   /* round to nearest even, as torch's .to(bfloat16) */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) != 0x7f800000u) v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    v.u &= 0xffff0000u;
+    return v.f;
+}
+
+/* The inputs a row is multiplied with are in the weights' dtype: bf16 rows meet bf16 inputs (the
+ * hidden state as it arrives, the activation rounded to bf16), whose products are exact in fp32. */
+static inline float widen(const void *w, int dtype, size_t i) {
+    return dtype == W_BF16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+#define TT 4   /* tokens per tile: their accumulators stay in registers while one row streams by */
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* bf16 · bf16 with AVX512-BF16: 32 products per instruction, accumulated in fp32. */
+static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
+    if (K % 32) return 0;
+    __m512 acc[TT] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (nt == 1) {   /* decode: two chains hide the instruction's latency */
+        __m512 acc1 = _mm512_setzero_ps();
+        int k = 0;
+        for (; k + 64 <= K; k += 64) {
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xs[0] + k));
+            acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(r + k + 32), (__m512bh)_mm512_loadu_si512(xs[0] + k + 32));
+        }
+        if (k < K)
+            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xs[0] + k));
+        y[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc1));
+        return 1;
+    }
+    for (int k = 0; k < K; k += 32) {
+        __m512bh w = (__m512bh)_mm512_loadu_si512(r + k);
+        for (int j = 0; j < TT; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_loadu_si512(xs[j] + k));
+    }
+    for (int j = 0; j < nt; j++) y[(size_t)j * ldy] = _mm512_reduce_add_ps(acc[j]);
+    return 1;
+}
+#endif
+
+/* Portable form: each 16-wide piece of the row widened once, multiplied into TT accumulators. */
+static void any_tile(const void *w, int dtype, size_t r, int K, const void *const *xs, int nt, float *y, int ldy) {
+    enum { VW = 16 };
+    const int body = K - K % VW;
+    float acc[TT][VW];
+    memset(acc, 0, sizeof(acc));
+    for (int k = 0; k < body; k += VW) {
+        float wf[VW];
+#pragma omp simd
+        for (int l = 0; l < VW; l++) wf[l] = widen(w, dtype, r + k + l);
+        for (int j = 0; j < TT; j++) {
+#pragma omp simd
+            for (int l = 0; l < VW; l++) acc[j][l] += wf[l] * widen(xs[j], dtype, k + l);
+        }
+    }
+    for (int j = 0; j < nt; j++) {
+        float s = 0.f;
+        for (int l = 0; l < VW; l++) s += acc[j][l];
+        for (int k = body; k < K; k++) s += widen(w, dtype, r + k) * widen(xs[j], dtype, k);
+        y[(size_t)j * ldy] = s;
+    }
+}
+
+/* y[t * ldy] = dot(row, x[tok[t]]) for T inputs of `ldx` elements (tok NULL: x[t]); the row is read
+ * from memory once per call. */
+static void row_dots(const void *w, int dtype, size_t row, int K, const void *x, int ldx,
+                     const int32_t *tok, int T, float *y, int ldy) {
+    const size_t esize = dtype == W_BF16 ? 2 : 4;
+    for (int t0 = 0; t0 < T; t0 += TT) {
+        int nt = T - t0 < TT ? T - t0 : TT;
+        const void *xs[TT];
+        for (int j = 0; j < TT; j++) {   /* a short tile repeats its last input */
+            int t = t0 + (j < nt ? j : nt - 1);
+            xs[j] = (const char *)x + (size_t)(tok ? tok[t] : t) * ldx * esize;
+        }
+#if defined(__AVX512BF16__)
+        if (dtype == W_BF16 &&
+            bf16_tile((const uint16_t *)w + row * (size_t)K, K, (const uint16_t *const *)xs, nt, y + (size_t)t0 * ldy, ldy))
+            continue;
+#endif
+        any_tile(w, dtype, row * (size_t)K, K, xs, nt, y + (size_t)t0 * ldy, ldy);
+    }
+}
+
+static inline float activate(float g, float u, int act, float alpha, float limit) {
+    switch (act) {
+    case ACT_SWIGLU_CLAMPED:
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+        return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+    case ACT_GEGLU_TANH: {
+        const float c = 0.7978845608028654f;   /* sqrt(2 / pi) */
+        return 0.5f * g * (1.f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
+    }
+    default:
+        return g / (1.f + expf(-g)) * u;
+    }
+}
+
+/* Pin the team's threads to `cpus` (the caller keeps its own affinity: it is thread 0). */
+int moe_cpu_init(int threads, const int32_t *cpus, int ncpus) {
+    omp_set_dynamic(0);
+    omp_set_num_threads(threads);
+    int pinned = 0;
+#pragma omp parallel reduction(+ : pinned)
+    {
+        int t = omp_get_thread_num();
+        if (t > 0 && ncpus > 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus[(t - 1) % ncpus], &set);
+            pinned += sched_setaffinity(0, sizeof(set), &set) == 0;
+        }
+    }
+    return pinned;
+}
+
+/* The experts of one call. `experts[u]` (u < n_used) is the index into the stacked host tensors
+ * (gate_up: (E, 2I, H), down: (E, H, I), biases (E, 2I) / (E, H) or NULL); its pairs are
+ * `pair_tok[pair_off[u] .. pair_off[u + 1])` with routing weights `pair_w`. `x`: (T, H) and `act_buf`:
+ * (n_pairs, I), both in the weights' dtype; `scratch`: (n_pairs, 2I) fp32; `out`: (T, H) fp32, added to. */
+void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_bias, const void *down_bias,
+                     int dtype, int H, int I, int act, float alpha, float limit,
+                     int n_used, const int32_t *experts, const int32_t *pair_off, const int32_t *pair_tok,
+                     const float *pair_w, const void *x, float *scratch, void *act_buf, float *out) {
+    const int two_i = 2 * I;
+    const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int n_pairs = pair_off[n_used];
+#pragma omp parallel
+    {
+        /* 1. gate_up rows of every used expert, for all its tokens at once */
+#pragma omp for schedule(static)
+        for (long task = 0; task < (long)n_used * up_tasks; task++) {
+            int u = (int)(task / up_tasks), r0 = (int)(task % up_tasks) * ROWS_PER_TASK;
+            int r1 = r0 + ROWS_PER_TASK < two_i ? r0 + ROWS_PER_TASK : two_i;
+            int p0 = pair_off[u], np = pair_off[u + 1] - p0;
+            size_t base = (size_t)experts[u] * two_i;
+            for (int r = r0; r < r1; r++)
+                row_dots(gate_up, dtype, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+        }
+        /* 2. the activation in fp32, stored in the weights' dtype for the down product */
+#pragma omp for schedule(static)
+        for (int p = 0; p < n_pairs; p++) {
+            int u = 0;
+            while (pair_off[u + 1] <= p) u++;
+            const float *h = scratch + (size_t)p * two_i;
+            size_t b = (size_t)experts[u] * two_i;
+            for (int i = 0; i < I; i++) {
+                float g = h[i], v = h[I + i];
+                if (gate_up_bias) {
+                    g += widen(gate_up_bias, dtype, b + i);
+                    v += widen(gate_up_bias, dtype, b + I + i);
+                }
+                float a = activate(g, v, act, alpha, limit);
+                if (dtype == W_BF16)
+                    ((uint16_t *)act_buf)[(size_t)p * I + i] = (uint16_t)(f32_bits(round_bf16(a)) >> 16);
+                else
+                    ((float *)act_buf)[(size_t)p * I + i] = a;
+            }
+        }
+        /* 3. down rows: each thread owns output rows, experts in a fixed order (deterministic sums) */
+#pragma omp for schedule(static)
+        for (int task = 0; task < down_tasks; task++) {
+            int r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
+            const size_t esize = dtype == W_BF16 ? 2 : 4;
+            float y[64];
+            for (int u = 0; u < n_used; u++) {
+                int p0 = pair_off[u], np = pair_off[u + 1] - p0;
+                size_t base = (size_t)experts[u] * H;
+                for (int r = r0; r < r1; r++) {
+                    for (int c = 0; c < np; c += 64) {
+                        int n = np - c < 64 ? np - c : 64;
+                        row_dots(down, dtype, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
+                                 NULL, n, y, 1);
+                        float bias = down_bias ? widen(down_bias, dtype, base + r) : 0.f;
+                        for (int j = 0; j < n; j++)
+                            out[(size_t)pair_tok[p0 + c + j] * H + r] += pair_w[p0 + c + j] * (y[j] + bias);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+"""Routed experts on the CPU at memory bandwidth: the C kernel of `cpu_moe.c`, built at first use.
+
+Hybrid misses compute some of a decode step's missing experts on the CPU, straight from the
+pinned host tier. Each such expert is read once for a few tokens, so the CPU's work is bound by
+how fast it streams the weights from DRAM; torch's bf16 CPU GEMM re-lays out the weight on every
+call and reached ~14 GB/s on a 16-core host, slower than copying the expert over PCIe. The C
+kernel reads every weight row once, widens bf16 in registers and accumulates in fp32 over all
+cores (OpenMP), computing exactly `moe_reference`'s sum for the pairs it is given.
+
+It is compiled with the system C compiler (`cc`, or `$CC`) into the user's cache the first time
+it is needed, keyed by the source and the CPU it was built for (`-march=native`). Where no
+compiler works, `load()` says why and callers keep the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from moestream.kernels.moe_reference import Activation
+
+SOURCE = Path(__file__).with_name("cpu_moe.c")
+DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+ACTIVATION_CODES = {"swiglu": 0, "swiglu_clamped": 1, "geglu_tanh": 2}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_threads: int | None = None
+
+
+def _cpu_key() -> str:
+    """What a `-march=native` build depends on: the machine and its instruction-set flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{flags}"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "moestream" / "kernels"
+
+
+def _build(out: Path) -> str | None:
+    """Compile the kernel into `out` (atomically); the error when it cannot be built, else None."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc or gcc) is on PATH"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    os.close(fd)
+    error = ""
+    try:
+        for arch in (["-march=native"], []):
+            cmd = [cc, "-O3", *arch, "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(SOURCE), "-o", tmp, "-lm"]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                error = str(e)
+                continue
+            if done.returncode == 0:
+                os.replace(tmp, out)
+                return None
+            error = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"{Path(cc).name} could not build {SOURCE.name}: {error}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None when it cannot be built (`unavailable_reason()`)."""
+    global _lib, _reason
+    with _lock:
+        if _lib is not None or _reason is not None:
+            return _lib
+        key = hashlib.sha256(SOURCE.read_bytes() + _cpu_key().encode()).hexdigest()[:16]
+        path = _cache_dir() / f"cpu_moe-{key}.so"
+        if not path.exists():
+            _reason = _build(path)
+            if _reason is not None:
+                return None
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            _reason = f"the built kernel {path} could not be loaded: {e}"
+            return None
+        p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.moe_cpu_init.argtypes = [i32, p, i32]
+        lib.moe_cpu_init.restype = i32
+        lib.moe_cpu_experts.argtypes = [p, p, p, p, i32, i32, i32, i32, f32, f32, i32, p, p, p, p, p, p, p, p]
+        lib.moe_cpu_experts.restype = None
+        _lib = lib
+        return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here (None when it can, or before anything tried)."""
+    return _reason
+
+
+def supports(dtype: torch.dtype, activation: str | Activation) -> bool:
+    return dtype in DTYPES and Activation.of(activation).name in ACTIVATION_CODES
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Size the kernel's thread team and pin its workers, one per core, away from the first core of
+    this process's CPU set, where the calling (Python) thread runs as the team's thread 0. Returns
+    the team size. None: one thread per CPU this process may use."""
+    global _threads
+    lib = load()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = max(1, threads or len(cpus))
+    if lib is not None:
+        workers = cpus[1:] or cpus
+        arr = (ctypes.c_int32 * len(workers))(*workers)
+        lib.moe_cpu_init(n, arr, len(workers))
+    _threads = n
+    return n
+
+
+def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+            activation: str | Activation = "swiglu", out_dtype: torch.dtype | None = None) -> Tensor:
+    """`moe_reference(hidden, slots..., slot_ids, weights)` on the CPU through the C kernel: (T, H) in
+    `out_dtype` (default hidden's; float32 keeps the fp32 sum for a caller that adds it to other rows).
+
+    `slots` holds stacked CPU tensors (`gate_up` (S, 2I, H), `down` (S, H, I), optional biases) in
+    bf16 or fp32; `slot_ids` (T, k) indexes them, -1 for pairs computed elsewhere."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU expert kernel is unavailable: {_reason}")
+    if _threads is None:
+        set_threads()
+    gate_up, down = slots["gate_up"], slots["down"]
+    gu_bias, dn_bias = slots.get("gate_up_bias"), slots.get("down_bias")
+    S, two_i, H = gate_up.shape
+    I = two_i // 2
+    act = Activation.of(activation)
+    for t in (gate_up, down, gu_bias, dn_bias):
+        if t is not None and (t.device.type != "cpu" or t.dtype != gate_up.dtype or not t.is_contiguous()):
+            raise ValueError("the CPU expert kernel needs contiguous CPU slot tensors of one dtype")
+    T, k = slot_ids.shape
+    out = torch.zeros(T, H, dtype=torch.float32)
+    ids = slot_ids.reshape(-1).numpy()
+    pairs = np.flatnonzero((ids >= 0) & (ids < S))
+    if pairs.size:
+        pairs = pairs[np.argsort(ids[pairs], kind="stable")]
+        experts, counts = np.unique(ids[pairs], return_counts=True)
+        experts = experts.astype(np.int32)
+        pair_off = np.zeros(len(experts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=pair_off[1:])
+        pair_tok = (pairs // k).astype(np.int32)
+        pair_w = weights.reshape(-1).float().numpy()[pairs].astype(np.float32)
+        x = hidden.to(gate_up.dtype).contiguous()
+        scratch = torch.empty(len(pairs), two_i, dtype=torch.float32)
+        act_buf = torch.empty(len(pairs), I, dtype=gate_up.dtype)
+        ptr = lambda t: None if t is None else t.data_ptr()   # noqa: E731
+        lib.moe_cpu_experts(ptr(gate_up), ptr(down), ptr(gu_bias), ptr(dn_bias), DTYPES[gate_up.dtype], H, I,
+                            ACTIVATION_CODES[act.name], act.alpha, act.limit, len(experts),
+                            experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
+                            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
+    return out.to(out_dtype or hidden.dtype)

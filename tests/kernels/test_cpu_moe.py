@@ -1,0 +1,104 @@
+"""The CPU expert kernel (kernels/cpu_moe.c) computes `moe_reference`'s sum for the pairs it is given.
+
+fp32 weights: equal to the reference to rounding. bf16 weights: equal to the same math carried out
+in fp32 on the bf16 values, with the activation rounded to bf16 before the down product (what the
+kernel and the GPU kernel do); the reference's bf16 GEMM rounds its gate_up product too, so it is
+only close to that."""
+
+import pytest
+import torch
+
+from moestream.kernels import cpu_moe
+from moestream.kernels.moe_reference import Activation, get_activation, moe_reference
+
+ACTIVATIONS = ["swiglu", Activation("swiglu_clamped", 1.702, 7.0), "geglu_tanh"]
+
+pytestmark = pytest.mark.skipif(cpu_moe.load() is None, reason=f"no C compiler here: {cpu_moe.unavailable_reason()}")
+
+
+def _experts(S, H, I, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots = {"gate_up": torch.randn(S, 2 * I, H, generator=g).to(dtype) / H ** 0.5,
+             "down": torch.randn(S, H, I, generator=g).to(dtype) / I ** 0.5}
+    if bias:
+        slots.update(gate_up_bias=torch.randn(S, 2 * I, generator=g).to(dtype),
+                     down_bias=torch.randn(S, H, generator=g).to(dtype))
+    return slots
+
+
+def _bf16_math(x, slots, ids, w, activation):
+    """The kernel's arithmetic on bf16 values, in fp32: fp32 products and sums, activation to bf16."""
+    act = get_activation(activation)
+    out = torch.zeros(x.shape[0], slots["gate_up"].shape[2], dtype=torch.float32)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            h = slots["gate_up"][e].float() @ x[t].float()
+            if "gate_up_bias" in slots:
+                h = h + slots["gate_up_bias"][e].float()
+            a = act(h[None])[0].to(torch.bfloat16).float()
+            y = slots["down"][e].float() @ a
+            if "down_bias" in slots:
+                y = y + slots["down_bias"][e].float()
+            out[t] += w[t, j] * y
+    return out
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("H, I", [(64, 48), (96, 40)])   # K a multiple of 32 and not (vector tails)
+def test_fp32_equals_the_reference(activation, bias, H, I):
+    S, T, k = 7, 6, 3
+    slots = _experts(S, H, I, torch.float32, bias)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.randint(-1, S, (T, k), generator=g, dtype=torch.int32)
+    w = torch.rand(T, k, generator=g)
+    ref = moe_reference(x, slots["gate_up"], slots["down"], ids, w, activation,
+                        slots.get("gate_up_bias"), slots.get("down_bias"))
+    out = cpu_moe.cpu_moe(x, slots, ids, w, activation)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("T", [1, 3, 70])   # decode, a partial token tile, more pairs than one pass holds
+def test_bf16_is_the_fp32_math_on_bf16_values(activation, T):
+    S, H, I, k = 5, 128, 64, 2
+    slots = _experts(S, H, I, torch.bfloat16, bias=True)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, S, (T, k), generator=g, dtype=torch.int32)
+    w = torch.rand(T, k, generator=g)
+    out = cpu_moe.cpu_moe(x, slots, ids, w, activation, out_dtype=torch.float32)
+    want = _bf16_math(x, slots, ids, w, activation)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    ref = moe_reference(x, slots["gate_up"], slots["down"], ids, w, activation,
+                        slots["gate_up_bias"], slots["down_bias"]).float()
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_pairs_marked_minus_one_and_unrouted_tokens_add_nothing():
+    slots = _experts(4, 64, 32, torch.float32, bias=True)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[-1, -1], [2, -1], [-1, -1]], dtype=torch.int32)
+    out = cpu_moe.cpu_moe(x, slots, ids, torch.ones(3, 2))
+    assert torch.count_nonzero(out[0]) == 0 and torch.count_nonzero(out[2]) == 0
+    assert torch.count_nonzero(out[1]) > 0
+
+
+def test_the_thread_team_can_be_resized():
+    slots = _experts(3, 64, 32, torch.bfloat16, bias=False)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    w = torch.rand(2, 2)
+    try:
+        assert cpu_moe.set_threads(1) == 1
+        one = cpu_moe.cpu_moe(x, slots, ids, w)
+        assert cpu_moe.set_threads(2) == 2
+        two = cpu_moe.cpu_moe(x, slots, ids, w)
+    finally:
+        cpu_moe.set_threads()
+    torch.testing.assert_close(one, two, rtol=0, atol=0)   # rows are owned by one thread: same sums
