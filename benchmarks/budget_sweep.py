@@ -36,7 +36,7 @@ def budgets(args) -> dict:
     bw = results["bandwidth"]["pinned_h2d_GBps"] * 1e9
     tier = None
     variants = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
-    for frac, prefetch in [(f, p) for f in args.fractions for p in variants]:
+    for frac, prefetch, cpu_misses in [(f, p, c) for f in args.fractions for p in variants for c in args.cpu_misses]:
         t0 = time.perf_counter()
         probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=8, host_tier="disk",
                                max_context=4096) if tier is None else None
@@ -55,7 +55,7 @@ def budgets(args) -> dict:
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
                                 pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
-                                prefetch=prefetch, cpu_misses=args.cpu_misses if cap < config.num_experts else 0.0)
+                                prefetch=prefetch, cpu_misses=cpu_misses if cap < config.num_experts else 0.0)
         load_s = time.perf_counter() - t0
         routing = apply_routing(engine, args.routing, args.trace)
         if isinstance(routing, TraceRouting) and args.trace_prediction_accuracy is not None:
@@ -70,13 +70,23 @@ def budgets(args) -> dict:
         res["prediction_accuracy"] = stats["prediction_accuracy"]
         res["prefetched"] = stats["prefetched"]
         res["within_budget"] = res["peak_device_bytes"] <= budget
+        res["cpu_misses"] = cpu_misses
         missed = res["decode_bytes_per_token"]
-        res["roofline_tok_s"] = bw / missed if missed else None
+        res["roofline_tok_s"] = bw / missed if missed else None   # the PCIe roofline of the copied bytes
         res["share_of_roofline"] = res["decode_tok_s"] / res["roofline_tok_s"] if missed else None
-        log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}, prefetch {prefetch}, routing {res['routing']}")
-        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token", "prediction_accuracy", "prefetched",
-                                             "roofline_tok_s", "share_of_roofline", "peak_device_bytes", "within_budget")}))
-        results[f"moestream_{int(frac * 100)}" + ("" if prefetch else "_noprefetch")] = res
+        # host -> compute bandwidth reached: expert bytes copied plus those the CPU read, per second
+        res["host_gb_s"] = (missed + res["decode_cpu_bytes_per_token"]) * res["decode_tok_s"] / 1e9
+        log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}, prefetch {prefetch}, "
+            f"cpu misses {cpu_misses}, routing {res['routing']}")
+        log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token",
+                                             "decode_cpu_bytes_per_token", "decode_cpu_share", "host_gb_s",
+                                             "prediction_accuracy", "prefetched", "roofline_tok_s", "share_of_roofline",
+                                             "peak_device_bytes", "within_budget")}))
+        if engine.bank.fetcher is not None and engine.bank.fetcher.costs is not None:
+            res["miss_costs"] = vars(engine.bank.fetcher.costs)
+            log(f"miss costs: {res['miss_costs']}")
+        key = f"moestream_{int(frac * 100)}" + ("" if prefetch else "_noprefetch")
+        results[key + (f"_cpu{cpu_misses}" if len(args.cpu_misses) > 1 else "")] = res
         del engine
         torch.cuda.empty_cache()
     del tier
@@ -104,7 +114,7 @@ def main() -> None:
     ap = checkpoint_args(__doc__)
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
-    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), default=0.0,
+    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[0.0],
                     help="hybrid misses at bounded budgets: a share computed on the CPU, or auto (needs the pinned tier)")
     ap.add_argument("--hf-offload", action="store_true")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")

@@ -33,6 +33,8 @@ class BenchResult:
     decode_tok_s: float
     decode_hit_rate: float
     decode_bytes_per_token: float
+    decode_cpu_bytes_per_token: float   # expert bytes the CPU read from host RAM per token (hybrid misses)
+    decode_cpu_share: float             # share of the decode misses the CPU computed
     prefill_bytes: float
     peak_device_bytes: int
     budget_bytes: int | None
@@ -49,7 +51,9 @@ class BenchResult:
                 ("prefill", f"{self.prefill_tok_s:.1f} tok/s"),
                 ("decode", f"{self.decode_tok_s:.2f} tok/s ({self.gen_tokens} tokens)"),
                 ("decode hit rate", f"{self.decode_hit_rate:.1%}"),
-                ("moved per token", f"{self.decode_bytes_per_token / 1e9:.3f} GB"),
+                ("moved per token", f"{self.decode_bytes_per_token / 1e9:.3f} GB copied, "
+                                    f"{self.decode_cpu_bytes_per_token / 1e9:.3f} GB read by the CPU "
+                                    f"({self.decode_cpu_share:.0%} of the misses)"),
                 ("peak device memory", format_bytes(self.peak_device_bytes)
                  + (f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""))]
         w = max(len(r[0]) for r in rows)
@@ -101,6 +105,8 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         prefill_tok_s=prompt_tokens / m.ttft_s if m.ttft_s else 0.0, decode_tok_s=m.decode_tok_s,
         decode_hit_rate=(total.hits - at_first.hits) / decode_pairs if decode_pairs else 1.0,
         decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,
+        decode_cpu_bytes_per_token=(total.cpu_bytes - at_first.cpu_bytes) / decode_steps,
+        decode_cpu_share=((total.cpu_served - at_first.cpu_served) / max(1, total.misses - at_first.misses)),
         prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget,
         graph_pool_bytes=int(graph_bytes),
         routing="model" if routing is None else routing.label)

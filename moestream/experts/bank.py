@@ -157,10 +157,10 @@ class ExpertBank:
     def ensure_resident(self, layer: int, expert_ids: np.ndarray, wait: str = "host") -> None:
         self.fetcher.ensure_resident(layer, expert_ids, wait)
 
-    def ensure_resident_hybrid(self, layer: int, routed: Tensor, hidden: Tensor, weights: Tensor,
+    def ensure_resident_hybrid(self, layer: int, routed: np.ndarray, hidden: Tensor, weights: Tensor,
                                wait: str = "host") -> Tensor | None:
-        """Like `ensure_resident`, computing a share of the misses on the CPU (routing, hidden rows and
-        weights given on the host): their fp32 rows, to add, or None."""
+        """Like `ensure_resident`, computing a share of the misses on the CPU (`routed`: the call's
+        (T, k) routing, read back): their fp32 rows, to add, or None."""
         return self.fetcher.ensure_resident_hybrid(layer, routed, hidden, weights, wait)
 
     def prefetch(self, layer: int, predicted: np.ndarray) -> None:

@@ -12,6 +12,7 @@ staging area instead, so a prompt neither thrashes the decode bank nor needs eve
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,63 +36,69 @@ CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misse
 class MissCosts:
     """What a miss costs each way, measured on this machine when the bank is built: copying one
     expert to the device; computing one expert on the CPU for its first token and for each further
-    one (the weights are read once, the tokens add arithmetic); and the fixed cost of a CPU call
-    (hidden rows to the host, the result back). Each is timed over experts not read before, so
-    the CPU's figures are DRAM's, not its cache's."""
+    one (the weights are read once, the tokens add arithmetic); the fixed cost of a CPU call
+    (hidden rows to the host, the result back); and `contention`, how much longer both paths take
+    when they run at once than the slower of them alone (both read host RAM: a host whose memory
+    bandwidth cannot feed the PCIe link and the cores together makes a split no better than either
+    path alone). Each is timed over experts not read before, so the figures are DRAM's, not a cache's."""
 
     copy_s: float
     cpu_expert_s: float
     cpu_token_s: float
     cpu_call_s: float
+    contention: float = 1.0
 
     def cpu_s(self, tokens: int) -> float:
         return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
 
     def split(self, missing: list[int], tokens: dict[int, int]) -> list[int]:
-        """The missing experts the CPU takes so that the CPU and the copies finish together: fewest
-        tokens first, while the CPU's total stays below the copies that remain."""
-        chosen, cpu_s, copies_s = [], self.cpu_call_s, len(missing) * self.copy_s
-        for e in sorted(missing, key=lambda e: (tokens[e], e)):
-            after = cpu_s + self.cpu_s(tokens[e])
-            if after > copies_s - self.copy_s:
-                break
-            chosen.append(e)
-            cpu_s, copies_s = after, copies_s - self.copy_s
-        return chosen
+        """The missing experts the CPU takes: the first m by fewest tokens, for the m whose predicted
+        time is least (the CPU's m alone, the copies alone, or both at once slowed by contention)."""
+        order = sorted(missing, key=lambda e: (tokens[e], e))
+        n = len(order)
+        best_m, best_s, cpu = 0, n * self.copy_s, self.cpu_call_s
+        for m, e in enumerate(order, start=1):
+            cpu += self.cpu_s(tokens[e])
+            took = cpu if m == n else max(cpu, (n - m) * self.copy_s) * self.contention
+            if took < best_s:
+                best_m, best_s = m, took
+        return order[:best_m]
 
     @classmethod
     def measure(cls, host_stack: Mapping[str, Tensor], host_dispatch: HostDispatch, device: torch.device,
                 hidden_size: int, dtype: torch.dtype, repeats: int = 4, group: int = 4) -> MissCosts:
         E = next(iter(host_stack.values())).shape[0]
         group = min(group, E)
-        experts = lambda r: [(r * group + j) % E for j in range(group)]   # noqa: E731  new ones each call
+        fresh = itertools.count()
+        experts = lambda: [next(fresh) % E for _ in range(group)]   # noqa: E731  experts not read before
         dest = {name: torch.empty_like(t[0], device=device) for name, t in host_stack.items()}
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
         def timed(fn) -> float:
-            fn(0)
+            fn()
             sync()
             t0 = time.perf_counter()
-            for r in range(1, repeats + 1):
-                fn(r)
+            for _ in range(repeats):
+                fn()
             sync()
             return (time.perf_counter() - t0) / repeats
 
-        def copies(r: int) -> None:
-            for e in experts(r):
+        def copies() -> None:
+            for e in experts():
                 for name, d in dest.items():
                     d.copy_(host_stack[name][e], non_blocking=True)
 
         def on_cpu(tokens: int):
             x = torch.randn(tokens, hidden_size).to(dtype)
             w = torch.ones(tokens, group)
-            return lambda r: host_dispatch(x, host_stack, torch.tensor([experts(r)] * tokens, dtype=torch.int32), w)
+            return lambda: host_dispatch(x, host_stack, torch.tensor([experts()] * tokens, dtype=torch.int32), w)
 
-        one = timed(on_cpu(1)) / group
-        four = timed(on_cpu(4)) / group
+        one, four, copy = timed(on_cpu(1)), timed(on_cpu(4)), timed(copies)
+        cpu_one = on_cpu(1)
+        both = timed(lambda: (copies(), cpu_one()))
         x = torch.randn(1, hidden_size).to(dtype)
-        return cls(copy_s=timed(copies) / group, cpu_expert_s=one, cpu_token_s=max(0.0, four - one) / 3,
-                   cpu_call_s=timed(lambda r: x.to(device).cpu()))
+        return cls(copy_s=copy / group, cpu_expert_s=one / group, cpu_token_s=max(0.0, four - one) / (3 * group),
+                   cpu_call_s=timed(lambda: x.to(device).cpu()), contention=max(1.0, both / max(one, copy)))
 
 
 def staging_half(staging_slots: int, top_k: int) -> int:
@@ -183,18 +190,18 @@ class Fetcher:
         """Copy the other missing experts in (the compute stream waits for them, the host does not),
         compute `on_cpu`'s pairs on the CPU meanwhile, then add the two results."""
         ls = self.slots[layer]
-        routed = expert_ids.reshape(hidden.shape[0], -1).cpu()
-        cpu_out = self.serve_on_cpu(layer, routed, on_cpu, hidden.cpu(), weights.cpu(), wait="device")
+        routed = expert_ids.reshape(hidden.shape[0], -1).cpu().numpy()
+        cpu_out = self.serve_on_cpu(layer, routed, on_cpu, hidden, weights, wait="device")
         out = self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)   # on_cpu: no slot
         return (out.float() + cpu_out.to(out.device, non_blocking=True)).to(out.dtype)
 
-    def ensure_resident_hybrid(self, layer: int, routed: Tensor, hidden: Tensor, weights: Tensor,
+    def ensure_resident_hybrid(self, layer: int, routed: np.ndarray, hidden: Tensor, weights: Tensor,
                                wait: str = "host") -> Tensor | None:
         """`ensure_resident` for a decode segment, with hybrid misses, given the call's routing
-        `routed` (T, k), hidden rows and routing weights already read back to the host: returns the
-        CPU-computed rows (T, H) fp32 on the CPU to add to the layer's output, or None when every
-        miss was copied."""
-        flat = routed.reshape(-1).numpy()
+        `routed` (T, k) already on the host: returns the CPU-computed rows (T, H) fp32 on the CPU to
+        add to the layer's output, or None when every miss was copied (the hidden rows and weights
+        are then never read back)."""
+        flat = routed.reshape(-1)
         flat = flat[flat >= 0]
         ls = self.slots[layer]
         missing = [e for e in np.unique(flat).tolist() if e not in ls.where]
@@ -204,19 +211,23 @@ class Fetcher:
             return None
         return self.serve_on_cpu(layer, routed, on_cpu, hidden, weights, wait)
 
-    def serve_on_cpu(self, layer: int, routed: Tensor, on_cpu: list[int], hidden: Tensor, weights: Tensor,
+    def serve_on_cpu(self, layer: int, routed: np.ndarray, on_cpu: list[int], hidden: Tensor, weights: Tensor,
                      wait: str) -> Tensor:
         """Install the routed experts not in `on_cpu` (copies queued first, so they overlap the CPU
-        work), then compute `on_cpu`'s pairs from host RAM. `routed`, `hidden` and `weights` are on the
-        host; returns those pairs' rows (T, H), fp32, on the CPU."""
-        at_cpu = torch.isin(routed, torch.tensor(on_cpu, dtype=routed.dtype))
-        flat, cpu_flat = routed[~at_cpu].numpy(), routed[at_cpu].numpy()
-        self.ensure_resident(layer, flat[flat >= 0], wait)
-        experts, counts = np.unique(cpu_flat, return_counts=True)
+        work), then compute `on_cpu`'s pairs from host RAM. `routed` (T, k) is on the host; the
+        hidden rows and weights are read back in one copy. Returns those pairs' rows (T, H), fp32,
+        on the CPU."""
+        at_cpu = np.isin(routed, on_cpu)
+        kept = routed[~at_cpu]
+        self.ensure_resident(layer, kept[kept >= 0], wait)
+        T, H = hidden.shape
+        host = torch.cat((weights.reshape(-1).float(), hidden.reshape(-1).float())).cpu()
+        experts, counts = np.unique(routed[at_cpu], return_counts=True)
         self.policy.record(layer, experts, counts)
         t0 = time.perf_counter()
-        out = self.host_dispatch[layer](hidden, self.host_stacks[layer],
-                                        torch.where(at_cpu, routed, -1).to(torch.int32), weights.float())
+        out = self.host_dispatch[layer](host[routed.size:].view(T, H).to(hidden.dtype), self.host_stacks[layer],
+                                        torch.from_numpy(np.where(at_cpu, routed, -1).astype(np.int32)),
+                                        host[:routed.size].view(routed.shape))
         self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()),
                           cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape),
                           cpu_s=time.perf_counter() - t0)

@@ -169,26 +169,17 @@ class SegmentedDecode:
     def _make_resident(self, i: int, carry: _Carry) -> None:
         """The one sync of a layer: read its routing (and the next layer's prediction), fetch, prefetch."""
         bank = self.bank
+        if carry.predicted is None:
+            actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
+        else:
+            both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
+            actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
         wait = "device" if self.cache.device.type == "cuda" else "host"
         if self.cpu_rows is None:
-            if carry.predicted is None:
-                actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
-            else:
-                both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
-                actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
             bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
-        else:   # the CPU may compute some experts: routing, weights and hidden rows in one read-back
-            ids, weights, h = carry.ids, carry.weights, carry.h
-            parts = [ids.reshape(-1).float(), weights.reshape(-1).float(), h.reshape(-1).float()]
-            if carry.predicted is not None:
-                parts.append(carry.predicted.reshape(-1).float())
-            host = torch.cat(parts).cpu()
-            n, T = ids.numel(), h.shape[0]
-            routed = host[:n].to(torch.int32).view(T, -1)
-            weights_host = host[n:2 * n].view(T, -1)
-            hidden_host = host[2 * n:2 * n + h.numel()].view(T, -1).to(h.dtype)
-            predicted = host[2 * n + h.numel():].to(torch.int32).numpy() if carry.predicted is not None else None
-            rows = bank.ensure_resident_hybrid(self.moe_layers[i], routed, hidden_host, weights_host, wait=wait)
+        else:
+            routed = actual.reshape(carry.h.shape[0], -1)
+            rows = bank.ensure_resident_hybrid(self.moe_layers[i], routed, carry.h, carry.weights, wait=wait)
             if rows is not None:
                 self.cpu_rows[i].copy_(rows, non_blocking=True)
             elif self._rows_set[i]:

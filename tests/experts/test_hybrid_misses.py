@@ -52,22 +52,24 @@ def test_bad_hybrid_settings_are_refused(tiny_qwen3, kwargs, match):
         moestream.load(tiny_qwen3, device="cpu", dtype="float32", **kwargs)
 
 
-def test_measured_costs_split_the_misses_so_both_paths_finish_together():
+def test_measured_costs_split_the_misses_where_the_predicted_time_is_least():
     from moestream.experts.fetch import MissCosts
 
     costs = MissCosts(copy_s=1.0, cpu_expert_s=0.4, cpu_token_s=0.2, cpu_call_s=0.1)
     tokens = {10: 1, 11: 1, 12: 3, 13: 1, 14: 2}
-    chosen = costs.split(list(tokens), tokens)
-    # Fewest tokens first: 10, 11, 13 (1 token each) fit (CPU 0.5, 0.9, 1.3 s against 4, 3, 2 s of
-    # copies still to come); 14 (2 tokens: 0.6 s more, 1.9 s) would outlast the last copy.
-    assert chosen == [10, 11, 13]
-    cpu = costs.cpu_call_s + sum(costs.cpu_s(tokens[e]) for e in chosen)
-    assert cpu <= (len(tokens) - len(chosen)) * costs.copy_s
+    # Fewest tokens first (10, 11, 13: 0.4 s each on the CPU; 14: 0.6; 12: 0.8): giving the CPU four
+    # takes max(0.1 + 1.8, 1 copy) = 1.9 s, the least (three: max(1.3, 2.0); all five: 2.7).
+    assert costs.split(list(tokens), tokens) == [10, 11, 13, 14]
     assert costs.cpu_s(3) == pytest.approx(0.8)   # the weights once, two more tokens
     slow = MissCosts(copy_s=1.0, cpu_expert_s=5.0, cpu_token_s=0.0, cpu_call_s=0.0)
     assert slow.split([1, 2], {1: 1, 2: 1}) == []   # slow CPU: copy all
     free = MissCosts(copy_s=1.0, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_call_s=0.0)
     assert free.split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [1, 2, 3]   # free CPU: all
+    # Paths that slow each other down when run together: all on the faster one rather than a split.
+    even = dict(copy_s=1.0, cpu_expert_s=0.9, cpu_token_s=0.0, cpu_call_s=0.0)
+    six = {e: 1 for e in range(6)}
+    assert len(MissCosts(**even).split(list(six), six)) == 3
+    assert len(MissCosts(**even, contention=2.0).split(list(six), six)) == 6
 
 
 def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
