@@ -42,16 +42,44 @@ def main() -> None:
     ap.add_argument("--experts-per-call", type=int, nargs="+", default=[1, 3, 6])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--memory", nargs="+", choices=["pinned", "huge"], default=["pinned"],
+                    help="host memory of the pool: pinned by cudaHostAlloc (4 KiB pages), or anonymous memory "
+                         "advised into transparent huge pages, then registered with CUDA")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     H, I, P = args.hidden, args.intermediate, args.pool
     cuda = torch.cuda.is_available()
     gen = torch.Generator().manual_seed(0)
-    stack = {"gate_up": torch.randn(P, 2 * I, H, generator=gen).to(torch.bfloat16),
-             "down": torch.randn(P, H, I, generator=gen).to(torch.bfloat16)}
+    source = {"gate_up": torch.randn(P, 2 * I, H, generator=gen).to(torch.bfloat16),
+              "down": torch.randn(P, H, I, generator=gen).to(torch.bfloat16)}
+    expert_bytes = sum(t[0].nbytes for t in source.values())
+    result = {}
+    for memory in args.memory:
+        stack = {n: _host(t, memory, cuda) for n, t in source.items()}
+        print(f"--- memory: {memory}", flush=True)
+        result[memory] = _measure(args, stack, expert_bytes, gen, cuda)
+    result.update(hidden=H, intermediate=I, expert_bytes=expert_bytes, pool=P,
+                  kernel_unavailable=cpu_moe.unavailable_reason())
+    (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
+
+
+def _host(t: torch.Tensor, memory: str, cuda: bool) -> torch.Tensor:
+    if memory == "pinned":
+        return t.pin_memory() if cuda else t.clone()
+    import mmap
+    buf = mmap.mmap(-1, t.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    out = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)
+    out.copy_(t)
     if cuda:
-        stack = {n: t.pin_memory() for n, t in stack.items()}
-    expert_bytes = sum(t[0].nbytes for t in stack.values())
+        rc = torch.cuda.cudart().cudaHostRegister(out.data_ptr(), out.nbytes, 0)
+        assert int(rc) == 0, rc
+    out._keep = buf
+    return out
+
+
+def _measure(args, stack, expert_bytes, gen, cuda) -> dict:
+    H, I, P = args.hidden, args.intermediate, args.pool
     rows = []
     cores = len(cpu_moe.os.sched_getaffinity(0))
     for threads in args.threads or sorted({1, max(1, cores // 2), max(1, cores - 1), cores}):
@@ -75,8 +103,7 @@ def main() -> None:
                 print(f"threads {threads:3d}  experts {m}  tokens {T:2d}  C kernel {kernel * 1e6:8.1f} us "
                       f"({row['kernel_gb_s']:6.1f} GB/s)   torch {ref * 1e6:8.1f} us ({row['torch_gb_s']:6.1f} GB/s)",
                       flush=True)
-    result = dict(hidden=H, intermediate=I, expert_bytes=expert_bytes, pool=P, rows=rows,
-                  kernel_unavailable=cpu_moe.unavailable_reason())
+    result = dict(rows=rows)
     torch.set_num_threads(cores)
     span = max(1, min(32, P // 4))
     read = timed(lambda i: stack["gate_up"][(i * span) % (P - span):(i * span) % (P - span) + span].sum(), 8)
@@ -95,7 +122,7 @@ def main() -> None:
         per = timed(copy, args.calls)
         result.update(copy_us=per * 1e6, copy_gb_s=expert_bytes / per / 1e9)
         print(f"PCIe copy of one expert: {per * 1e6:.1f} us ({expert_bytes / per / 1e9:.1f} GB/s)")
-    (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

@@ -51,10 +51,10 @@ class MissCosts:
     def cpu_s(self, tokens: int) -> float:
         return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
 
-    def split(self, missing: list[int], tokens: dict[int, int]) -> list[int]:
-        """The missing experts the CPU takes: the first m by fewest tokens, for the m whose predicted
-        time is least (the CPU's m alone, the copies alone, or both at once slowed by contention)."""
-        order = sorted(missing, key=lambda e: (tokens[e], e))
+    def split(self, order: list[int], tokens: dict[int, int]) -> list[int]:
+        """The missing experts the CPU takes: the first m of `order` (the ones it should take first),
+        for the m whose predicted time is least (the CPU's m alone, the copies alone, or both at
+        once slowed by contention)."""
         n = len(order)
         best_m, best_s, cpu = 0, n * self.copy_s, self.cpu_call_s
         for m, e in enumerate(order, start=1):
@@ -66,7 +66,7 @@ class MissCosts:
 
     @classmethod
     def measure(cls, host_stack: Mapping[str, Tensor], host_dispatch: HostDispatch, device: torch.device,
-                hidden_size: int, dtype: torch.dtype, repeats: int = 4, group: int = 4) -> MissCosts:
+                hidden_size: int, dtype: torch.dtype, repeats: int = 6, group: int = 4) -> MissCosts:
         E = next(iter(host_stack.values())).shape[0]
         group = min(group, E)
         fresh = itertools.count()
@@ -74,14 +74,16 @@ class MissCosts:
         dest = {name: torch.empty_like(t[0], device=device) for name, t in host_stack.items()}
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-        def timed(fn) -> float:
+        def timed(fn) -> float:   # the fastest of a few calls: robust to a busy moment on the host
             fn()
-            sync()
-            t0 = time.perf_counter()
+            best = float("inf")
             for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
                 fn()
-            sync()
-            return (time.perf_counter() - t0) / repeats
+                sync()
+                best = min(best, time.perf_counter() - t0)
+            return best
 
         def copies() -> None:
             for e in experts():
@@ -142,7 +144,7 @@ class Fetcher:
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing)
         if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
-            on_cpu = self._cpu_share_of(flat, missing)
+            on_cpu = self._cpu_share_of(layer, flat, missing)
             if on_cpu:
                 return self._hybrid(layer, hidden, expert_ids, weights, flat, on_cpu)
         self.ensure_resident(layer, flat)
@@ -175,15 +177,18 @@ class Fetcher:
             record.update(copy_wait_s=time.perf_counter() - t0)
         self.stats.record(layer, **record)
 
-    def _cpu_share_of(self, flat: np.ndarray, missing: list[int]) -> list[int]:
+    def _cpu_share_of(self, layer: int, flat: np.ndarray, missing: list[int]) -> list[int]:
         """The missing experts the CPU computes: as the measured costs say ("auto"), or `cpu_share` of
-        them, fewest routed tokens first."""
+        them. The CPU takes first those with the fewest routed tokens (its work grows with them, a
+        copy's does not), then those the residency policy values least: a copied expert stays in
+        the bank for later tokens, a CPU-served one does not, so the hot ones are the ones to copy."""
         experts, counts = np.unique(flat, return_counts=True)
         tokens = dict(zip(experts.tolist(), counts.tolist()))
+        worth = dict(zip(missing, self.policy.priority(layer, np.asarray(missing)).tolist()))
+        order = sorted(missing, key=lambda e: (tokens[e], worth[e], e))
         if self.costs is not None:
-            return self.costs.split(missing, tokens)
-        n = int(round(len(missing) * self.cpu_share))
-        return sorted(missing, key=lambda e: (tokens[e], e))[:n] if n else []
+            return self.costs.split(order, tokens)
+        return order[:int(round(len(missing) * self.cpu_share))]
 
     def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
                 on_cpu: list[int]) -> Tensor:
@@ -205,7 +210,7 @@ class Fetcher:
         flat = flat[flat >= 0]
         ls = self.slots[layer]
         missing = [e for e in np.unique(flat).tolist() if e not in ls.where]
-        on_cpu = self._cpu_share_of(flat, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
+        on_cpu = self._cpu_share_of(layer, flat, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
         if not on_cpu:
             self.ensure_resident(layer, flat, wait)
             return None
