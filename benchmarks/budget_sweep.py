@@ -2,7 +2,7 @@
 
     python benchmarks/budget_sweep.py --ckpt /tmp/q3 --out $OUT [--fractions 1 0.5 0.25 0.15]
         [--routing model|uniform|trace --trace benchmarks/traces/demo_heldout_trace.json]
-        [--prefetch on|off|both] [--pin-profile P --pin-top-k K] [--hf-offload]
+        [--prefetch on|off|both] [--pin-profile P --pin-top-k K] [--hf-offload] [--max-context 4096]
 
 Each budget is what `plan_memory` says its capacity needs; one pinned host tier is filled once and
 shared by every budget's bank. Also measured: the pinned host→device bandwidth, from which each
@@ -39,7 +39,7 @@ def budgets(args) -> dict:
     for frac, prefetch, cpu_misses in [(f, p, c) for f in args.fractions for p in variants for c in args.cpu_misses]:
         t0 = time.perf_counter()
         probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=8, host_tier="disk",
-                               max_context=4096) if tier is None else None
+                               max_context=args.max_context) if tier is None else None
         if tier is None:
             t1 = time.perf_counter()
             tier = PinnedHostTier(probe.bank.store, probe.bank.formats)
@@ -48,11 +48,11 @@ def budgets(args) -> dict:
             del probe
             torch.cuda.empty_cache()
         cap = max(config.top_k, round(config.num_experts * frac))
-        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=4096).total_bytes
+        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context).total_bytes
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         pinned = _pins_from_profile(args.pin_profile, args.pin_top_k, config) if args.pin_top_k else None
-        engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=4096,
+        engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=args.max_context,
                                 pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
                                 prefetch=prefetch, cpu_misses=cpu_misses if cap < config.num_experts else 0.0)
@@ -114,6 +114,7 @@ def main() -> None:
     ap = checkpoint_args(__doc__)
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
+    ap.add_argument("--max-context", type=int, default=4096, help="context each engine is planned and built for")
     ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[0.0],
                     help="hybrid misses at bounded budgets: a share computed on the CPU, or auto (needs the pinned tier)")
     ap.add_argument("--hf-offload", action="store_true")

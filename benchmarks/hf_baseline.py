@@ -312,6 +312,12 @@ def _env(device: str) -> dict[str, Any]:
         env["accelerate"] = accelerate.__version__
     except ImportError:
         env["accelerate"] = None
+    try:  # transformers runs its Qwen3-Next / Qwen3.5 linear attention on fla's kernels when it imports
+        import fla
+
+        env["fla"] = fla.__version__
+    except ImportError:
+        env["fla"] = None
     if device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
         env["cuda"] = torch.version.cuda

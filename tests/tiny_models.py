@@ -112,10 +112,14 @@ def randomise_correction_bias(model: transformers.PreTrainedModel) -> None:
                 b.normal_(0, 0.3)
 
 
-def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Random weights with non-trivial norms, biases and sharper routers, so differences show."""
+def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Random weights with non-trivial norms, biases and sharper routers, so differences show.
+    `overrides`: config fields set on the tiny config first (e.g. wider heads for a GPU kernel)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    config = tiny_config(arch)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -14,6 +14,9 @@ into one lower-triangular solve (the UT transform), so a chunk costs O(C²·D + 
 instead of C dependent steps, and only the chunk-to-chunk state update is sequential.
 `recurrent_gated_delta_rule` loops the step over a sequence: the definition, for tests.
 
+`l2_normalise` is how q and k are normalised before any of them (`kernels.delta_rule` calls
+these forms, or flash-linear-attention's kernels on CUDA).
+
 Contract for all three: fp32 tensors, heads already expanded to the value heads, q and k already
 normalised and q already scaled (the mixer does that); shapes q, k (B, H, L, Dk), v (B, H, L, Dv),
 g, beta (B, H, L), state (B, H, Dk, Dv). Nothing here reads a value back to the host.
@@ -26,6 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 CHUNK = 64
+
+
+def l2_normalise(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x² + eps) over the last dim, as transformers (and FLA) normalise q and k."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

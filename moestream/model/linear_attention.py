@@ -2,8 +2,8 @@
 
 Per token: in_proj_qkvz gives queries, keys, values and an output gate z; in_proj_ba gives the
 write strength b and the decay input a. q, k and v go through a short causal depthwise conv
-(its last K-1 inputs are state) and silu; q and k are L2-normalised (q also scaled by 1/sqrt(Dk));
-then the gated delta rule (`kernels.delta_rule_reference`) with beta = sigmoid(b) and log decay
+(its last K-1 inputs are state) and silu; then the gated delta rule (`kernels.delta_rule`: q and k
+L2-normalised, q also scaled by 1/sqrt(Dk)) with beta = sigmoid(b) and log decay
 g = -exp(A_log) · softplus(a + dt_bias) updates each value head's state and reads it with q. The
 output is RMS-normalised per head, gated by silu(z), and projected back by out_proj.
 
@@ -16,7 +16,8 @@ heads, then all v heads.
 With a cache (`RecurrentCache`), a call continues each row from the state its cache row holds
 (zeros at position 0) and stores the state after its tokens: a prompt may arrive in chunks,
 across steps, and every row of a decode batch carries its own state whatever its length. Prefill
-uses the chunked form, one-token steps the recurrent form; both are plain device work.
+uses the chunked form, one-token steps the recurrent form; both are plain device work
+(flash-linear-attention's kernels on CUDA in bf16/fp16 when installed, else the torch reference).
 """
 
 from __future__ import annotations
@@ -26,15 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, LinearAttentionConfig, ModelConfig
-from moestream.kernels.delta_rule_reference import chunk_gated_delta_rule, gated_delta_step
+from moestream.kernels.delta_rule import gated_delta_rule
 from moestream.model.cache import RecurrentCache
 from moestream.model.context import ForwardContext
 from moestream.model.norms import GatedRMSNorm
-
-
-def l2_normalise(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum x² + eps) over the last dim, as transformers (and FLA) normalise q and k."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def _shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -118,20 +114,13 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat((conv_in, mixed), dim=1)                       # (B, K-1+L, channels)
         mixed = F.silu(F.conv1d(window.transpose(1, 2), self.conv1d.weight, groups=mixed.shape[-1])).transpose(1, 2)
         q, k, v = mixed.split(self.widths, dim=-1)
-        q = q.reshape(B, L, self.key_heads, self.key_dim).repeat_interleave(self.group, dim=2)
-        k = k.reshape(B, L, self.key_heads, self.key_dim).repeat_interleave(self.group, dim=2)
+        q = q.reshape(B, L, self.key_heads, self.key_dim)
+        k = k.reshape(B, L, self.key_heads, self.key_dim)
         v = v.reshape(B, L, self.value_heads, self.value_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        q, k, v, beta, g = (t.transpose(1, 2).float() for t in (q, k, v, beta, g))   # heads first, fp32
-        q = l2_normalise(q) * self.key_dim ** -0.5
-        k = l2_normalise(k)
-        if L == 1:
-            out, state = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0], state)
-            out = out[:, :, None]
-        else:
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, state)
+        out, state = gated_delta_rule(q, k, v, g, beta, state)
         if cache is not None:
             cache.write(rows, ctx.positions[:, -1] + 1, window[:, window.shape[1] - (self.kernel - 1):], state)
-        out = self.norm(out.transpose(1, 2).to(x.dtype), z)
+        out = self.norm(out, z)
         return self.out_proj(out.reshape(B, L, self.value_heads * self.value_dim))
