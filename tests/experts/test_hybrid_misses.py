@@ -65,7 +65,7 @@ def test_measured_costs_split_the_misses_where_the_predicted_time_is_least():
     slow = MissCosts(copy_s=1.0, cpu_expert_s=5.0, cpu_token_s=0.0, cpu_call_s=0.0)
     assert slow.split([1, 2], {1: 1, 2: 1}) == []   # slow CPU: copy all
     free = MissCosts(copy_s=1.0, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_call_s=0.0)
-    assert free.split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [1, 2, 3]   # free CPU: all
+    assert free.split([3, 1, 2], {1: 1, 2: 1, 3: 1}) == [3, 1, 2]   # free CPU: all, in the order given
     # Paths that slow each other down when run together: all on the faster one rather than a split.
     even = dict(copy_s=1.0, cpu_expert_s=0.9, cpu_token_s=0.0, cpu_call_s=0.0)
     six = {e: 1 for e in range(6)}
