@@ -38,7 +38,8 @@ def budgets(args) -> dict:
     variants = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
     for frac, prefetch, cpu_misses in [(f, p, c) for f in args.fractions for p in variants for c in args.cpu_misses]:
         t0 = time.perf_counter()
-        probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=8, host_tier="disk",
+        top_k = json.loads((args.ckpt / "config.json").read_text()).get("num_experts_per_tok", 8)
+        probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=top_k, host_tier="disk",
                                max_context=args.max_context) if tier is None else None
         if tier is None:
             t1 = time.perf_counter()
