@@ -19,9 +19,10 @@ checkpoint is written on the GPU, then
 moestream's routing is uniform synthetic (labelled: k distinct experts per token, the worst case for a
 bank; at full residency it changes which experts are read, not how many bytes), sampled at
 --temperature; HF runs its own routing, greedy. The checkpoint is deleted after its shape unless
---keep (the device's disk holds one at a time). Steps that would not finish within --budget-s of the
-start are skipped and say so. Results: `$OUT/family_decode.json` (rewritten after every step, so a
-call cut short keeps what finished) and a table per shape.
+--keep (the device's disk holds one at a time). Each shape gets an equal share of what is left of
+--budget-s; steps that would not finish within it are skipped and say so. Results:
+`$OUT/family_decode.json` (rewritten after every step, so a call cut short keeps what finished) and a
+table per shape.
 """
 
 from __future__ import annotations
@@ -202,14 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     def record() -> None:
         write_result(args.out, "family_decode", results)
 
-    for shape, layers in args.shape:
+    for i, (shape, layers) in enumerate(args.shape):
         result = {"shape": shape, "layers": layers, "checkpoint_bytes": 0, "rows": [], "skipped": []}
         results["shapes"].append(result)
-        if not deadline.allows(150):
+        share = Deadline(deadline.left() / (len(args.shape) - i))   # the time left, split over the shapes left
+        if not share.allows(120):
             result["skipped"].append("the whole shape: out of time")
         else:
             try:
-                measure_shape(result, args, deadline, record)
+                measure_shape(result, args, share, record)
             except Exception as exc:   # one shape failing must not lose the other's figures
                 log(f"{shape} failed: {exc!r}")
                 result["error"] = repr(exc)
