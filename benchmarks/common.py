@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 import sys
 import time
@@ -24,9 +25,15 @@ def checkpoint_args(doc: str, run: bool = True) -> argparse.ArgumentParser:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=24)
     if run:
-        ap.add_argument("--prompt-tokens", type=int, default=512)
-        ap.add_argument("--gen-tokens", type=int, default=64)
-        ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
+        run_args(ap)
+    return ap
+
+
+def run_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The prompt and generation lengths of a timed run, and its sampling temperature."""
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampled decode keeps random-weight routing diverse")
     return ap
 
 
@@ -34,13 +41,16 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def ensure_checkpoint(ckpt: Path, shape: str = "qwen3-30b-a3b", layers: int = 24) -> None:
-    """Write the random checkpoint of `shape` with `layers` layers unless it is there already."""
+def ensure_checkpoint(ckpt: Path, shape: str = "qwen3-30b-a3b", layers: int | None = 24, device: str = "cuda",
+                      tiny: bool = False) -> None:
+    """Write the random checkpoint of `shape` with `layers` layers (None: the real model's) unless it is
+    there already (`tiny`: the shape shrunk, for a smoke test of a benchmark on any machine)."""
     if (ckpt / "model.safetensors.index.json").exists() or (ckpt / "model.safetensors").exists():
         return
     t0 = time.perf_counter()
     subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,
-                    "--layers", str(layers), "--dtype", "bf16", "--out", str(ckpt), "--device", "cuda"], check=True)
+                    *(["--layers", str(layers)] if layers else []), "--dtype", "bf16", "--out", str(ckpt),
+                    "--device", device, *(["--tiny"] if tiny else [])], check=True)
     log(f"checkpoint written in {time.perf_counter() - t0:.1f} s")
 
 
@@ -81,7 +91,7 @@ def hf_peer(ckpt: Path, mode: str, out: Path, extra: list[str], timeout: int) ->
 
 
 def write_result(out: Path, name: str, result: dict) -> None:
-    result["machine"] = torch.cuda.get_device_name()
+    result["machine"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     result["date"] = time.strftime("%Y-%m-%d")
     result["torch"] = torch.__version__
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))

@@ -13,6 +13,9 @@ Modes:
   ``max_memory={0: --gpu-memory, "cpu": --cpu-memory}``: layers that do not fit
   the budget stay in host RAM and are copied to the GPU at every forward.
 
+Attention: ``--attn-impl auto`` (default) leaves the choice to transformers, sdpa where the model
+has it (GPT-OSS's sinks have no sdpa form: eager); the JSON records what ran.
+
 Measurement (on seeded random token ids, batch 1, greedy, KV cache):
 
 * ``load_s``: ``from_pretrained`` wall time (page cache state is not controlled).
@@ -64,7 +67,9 @@ def load_model(
     """Load in bf16 per ``mode``; returns the model and facts about how it was loaded."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16, "attn_implementation": attn_impl}
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
+    if attn_impl != "auto":  # auto: transformers' own choice (sdpa where the model has it; GPT-OSS's sinks have not)
+        kwargs["attn_implementation"] = attn_impl
     if mode == "resident":
         if device != "cpu":  # CPU is the default placement; skipping device_map avoids needing accelerate there
             kwargs["device_map"] = {"": device}
@@ -80,7 +85,8 @@ def load_model(
     _sync(device)
     load_s = time.perf_counter() - t0
     model.eval()
-    facts = {"load_s": load_s, "experts_impl_via": via, "experts_impl_effective": _experts_impl_of(model)}
+    facts = {"load_s": load_s, "experts_impl_via": via, "experts_impl_effective": _experts_impl_of(model),
+             "attn_impl_effective": getattr(model.config, "_attn_implementation", None)}
     facts.update(_placement(model))
     return model, facts
 
@@ -331,7 +337,7 @@ def summary_line(r: dict[str, Any]) -> str:
     budget = f" budget={r['gpu_memory_budget']}" if r["gpu_memory_budget"] else ""
     return (
         f"hf {r['mode']}{budget} {r['model_type']} L={r['num_hidden_layers']} experts={r['experts_impl_effective']}"
-        f"/{r['decode_experts_impl']} prompt={r['prompt_tokens']} gen={r['gen_tokens']} | load {r['load_s']:.1f}s"
+        f"/{r['decode_experts_impl']} attn={r['attn_impl_effective']} prompt={r['prompt_tokens']} gen={r['gen_tokens']} | load {r['load_s']:.1f}s"
         f" | TTFT {r['ttft_s'] * 1e3:.1f} ms | decode {tok_s} tok/s | peak GPU {peak} GiB"
         f" | weights {r['weight_gib_by_device']}"
     )
@@ -350,7 +356,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("auto", "same", "grouped_mm", "batched_mm", "eager"),
         help="auto: like generate() (grouped_mm -> batched_mm for decode on GPU); same: keep --experts-impl",
     )
-    ap.add_argument("--attn-impl", default="sdpa")
+    ap.add_argument("--attn-impl", default="auto",
+                    help="auto (default): transformers' choice, sdpa where the model supports it (GPT-OSS: eager)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=None, help="default 32 (resident) / 4 (offload)")
     ap.add_argument("--warmup-tokens", type=int, default=2)

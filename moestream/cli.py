@@ -144,6 +144,10 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                    help="load the warmed bank from this folder when it matches; otherwise build, warm and save it there")
     p.add_argument("--warmup-tokens", type=integer(0), default=None,
                    help="generate this many tokens before the first request (default: 8 with --prepack, else 0)")
+    p.add_argument("--mla-absorbed", action="store_true",
+                   help="multi-head latent attention models (DeepSeek-V2/V3, GLM-4.7-Flash): attend over the latent "
+                        "cache with the key/value up-projections absorbed into the query and output, instead of "
+                        "expanding every cached position per head")
     p.add_argument("--verbose", action="store_true", help="print the memory plan, discovery and prepack details to stderr")
     _add_quant_args(p)
 
@@ -237,7 +241,8 @@ def engine_config(args):
         from moestream.runtime.distributed import torchrun_devices
 
         devices, device = torchrun_devices(launched, args.device), "auto"
-    runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices)
+    runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices,
+                            mla_absorbed=getattr(args, "mla_absorbed", False))
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),

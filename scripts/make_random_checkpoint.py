@@ -37,6 +37,10 @@ Design notes:
   are what it dequantizes to): experts stacked per layer, ``mlp.experts.gate_up_proj`` (E, H, 2I) with
   gate and up columns interleaved, ``down_proj`` (E, I, H), their biases, and ``layer_types`` repeated
   to ``--layers``.
+* Gemma 4 (``gemma-4-26b-a4b``): the text-only export's layout (``gemma4_text``, weights under
+  ``model.layers``; the Hub checkpoint is the multimodal wrapper), experts stacked per layer
+  (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)), tied embeddings (no
+  ``lm_head.weight``), the last layer full attention whatever ``--layers`` says, as transformers forces.
 * Qwen3-Next: its zero-centred norms (scale 1 + weight) are written as zeros, as HF initialises
   them; its multi-token-prediction weights (``mtp.*``) are not written (transformers ignores them).
 """
@@ -442,6 +446,54 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         "use_cache": True,
         "vocab_size": 248320,
     },
+    # google/gemma-4-26B-A4B as its text-only export (model_type gemma4_text, Gemma4ForCausalLM): the
+    # published checkpoint is the multimodal gemma4 wrapper, whose text_config this is. 30 layers, five
+    # sliding-window (1024) layers to each full one; full layers 512 wide with 2 key/value heads whose
+    # keys are the values (attention_k_eq_v), proportional rope on a quarter of each head; a dense GeGLU
+    # MLP (2112) beside 128 GeGLU experts (704) at top-8 in every layer; tied embeddings, soft-capped
+    # logits. No per-layer input embeddings and no shared key/value layers (both 0 here).
+    "gemma-4-26b-a4b": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": True,
+        "bos_token_id": 2,
+        "enable_moe_block": True,
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2816,
+        "hidden_size_per_layer_input": 0,
+        "initializer_range": 0.02,
+        "intermediate_size": 2112,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "max_position_embeddings": 262144,
+        "model_type": "gemma4_text",
+        "moe_intermediate_size": 704,
+        "num_attention_heads": 16,
+        "num_experts": 128,
+        "num_global_key_value_heads": 2,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 8,
+        "num_kv_shared_layers": 0,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "sliding_window": 1024,
+        "tie_word_embeddings": True,
+        "top_k_experts": 8,
+        "torch_dtype": "bfloat16",
+        "use_bidirectional_attention": "vision",
+        "use_cache": True,
+        "use_double_wide_mlp": False,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+    },
 }
 
 # openai/gpt-oss-120b: gpt-oss-20b's layer, 36 layers of 128 experts
@@ -482,6 +534,7 @@ PUBLISHED_GENERATION_CONFIGS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": {"bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
                     "pad_token_id": 199999},
     "qwen3.6-35b-a3b": {},
+    "gemma-4-26b-a4b": {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0},   # special ids only
 }
 
 PUBLISHED_GENERATION_CONFIGS["gpt-oss-120b"] = PUBLISHED_GENERATION_CONFIGS["gpt-oss-20b"]   # same tokenizer
@@ -534,9 +587,11 @@ def build_config(shape: str, layers: int | None = None, dtype: str = "bf16", tin
         cfg["num_hidden_layers"] = layers
     elif tiny:
         cfg["num_hidden_layers"] = TINY_DEFAULT_LAYERS
-    if "layer_types" in cfg:   # GPT-OSS lists one type per layer: the published pattern, repeated to the count
+    if "layer_types" in cfg:   # one type per layer: the published pattern, repeated to the count
         pattern = PUBLISHED_CONFIGS[shape]["layer_types"]
         cfg["layer_types"] = [pattern[i % len(pattern)] for i in range(cfg["num_hidden_layers"])]
+        if cfg["model_type"] == "gemma4_text":   # transformers forces Gemma 4's last layer full: say so
+            cfg["layer_types"][-1] = "full_attention"
     cfg["torch_dtype"] = DTYPES[dtype][2]
     return cfg
 
@@ -565,10 +620,13 @@ def _shrink(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["intermediate_size"] = TINY_MOE_INTERMEDIATE  # Mixtral/OLMoE: intermediate_size is the expert width
     if "shared_expert_intermediate_size" in cfg:
         cfg["shared_expert_intermediate_size"] = TINY_SHARED_INTERMEDIATE
-    top_k = cfg["num_experts_per_tok"]
+    top_k = cfg.get("num_experts_per_tok") or cfg["top_k_experts"]
     key = next(k for k in ("num_local_experts", "n_routed_experts", "num_experts") if k in cfg)
     cfg[key] = min(cfg[key], max(8, 2 * top_k))
     cfg["vocab_size"] = TINY_VOCAB
+    if "global_head_dim" in cfg:  # Gemma 4: full layers twice as wide, one key/value head; a window the tests exceed
+        cfg.update(global_head_dim=2 * TINY_HEAD_DIM, num_global_key_value_heads=1, sliding_window=4,
+                   vocab_size_per_layer_input=TINY_VOCAB)
     cfg["max_position_embeddings"] = min(cfg["max_position_embeddings"], 512)
     if "kv_lora_rank" in cfg:  # MLA: narrower latent, rope key and heads; a null q_lora_rank stays null
         cfg.update(kv_lora_rank=32, qk_nope_head_dim=TINY_HEAD_DIM, qk_rope_head_dim=8, v_head_dim=TINY_HEAD_DIM)
@@ -651,6 +709,8 @@ def plan_tensors(cfg: dict[str, Any]) -> list[TensorSpec]:
 
 def _layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
     """Tensors of one decoder layer: norms, attention, then the (sparse or dense) MLP."""
+    if cfg["model_type"] == "gemma4_text":
+        return _gemma4_layer_specs(cfg, layer)
     p = f"model.layers.{layer}."
     hidden, norm = cfg["hidden_size"], _norm_init(cfg)
     mixer = _linear_attention_specs(cfg, p + "linear_attn.") if _is_linear_layer(cfg, layer) else (
@@ -696,6 +756,41 @@ def _attention_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     if mt == "gpt_oss":  # o_proj's bias too, and one sink logit per head (HF draws them normal)
         specs += [TensorSpec(p + "o_proj.bias", (hidden,), "zeros"), TensorSpec(p + "sinks", (heads,), "normal")]
     return specs
+
+
+def _gemma4_layer_specs(cfg: dict[str, Any], layer: int) -> list[TensorSpec]:
+    """A Gemma 4 MoE layer as transformers v5 saves it: the layer scalar; attention (a full layer's heads
+    global_head_dim wide over num_global_key_value_heads, no v_proj where keys are the values); the dense
+    GeGLU MLP; the four sandwich norms and the MoE branch's three; the router (its own input scale and a
+    per-expert output scale) and the experts stacked per layer, gate_up (E, 2I, H) and down (E, H, I)."""
+    p, hidden, heads = f"model.layers.{layer}.", cfg["hidden_size"], cfg["num_attention_heads"]
+    full = cfg["layer_types"][layer] == "full_attention"
+    head_dim = cfg["global_head_dim"] if full else cfg["head_dim"]
+    kv_heads = cfg["num_global_key_value_heads"] if full and cfg["attention_k_eq_v"] else cfg["num_key_value_heads"]
+    n_exp, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+    a = p + "self_attn."
+    specs = [
+        TensorSpec(p + "layer_scalar", (1,), "ones"),
+        TensorSpec(a + "q_proj.weight", (heads * head_dim, hidden), "normal"),
+        TensorSpec(a + "q_norm.weight", (head_dim,), "ones"),
+        TensorSpec(a + "k_norm.weight", (head_dim,), "ones"),
+        TensorSpec(a + "k_proj.weight", (kv_heads * head_dim, hidden), "normal"),
+    ]
+    if not (full and cfg["attention_k_eq_v"]):
+        specs.append(TensorSpec(a + "v_proj.weight", (kv_heads * head_dim, hidden), "normal"))
+    specs.append(TensorSpec(a + "o_proj.weight", (hidden, heads * head_dim), "normal"))
+    specs += _mlp_specs(p + "mlp.", hidden, cfg["intermediate_size"])
+    specs += [TensorSpec(p + f"{n}.weight", (hidden,), "ones") for n in
+              ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    return specs + [
+        TensorSpec(p + "router.scale", (hidden,), "ones"),
+        TensorSpec(p + "router.per_expert_scale", (n_exp,), "ones"),
+        TensorSpec(p + "router.proj.weight", (n_exp, hidden), "normal"),
+        TensorSpec(p + "experts.gate_up_proj", (n_exp, 2 * inter, hidden), "normal"),
+        TensorSpec(p + "experts.down_proj", (n_exp, hidden, inter), "normal"),
+        *(TensorSpec(p + f"{n}.weight", (hidden,), "ones") for n in
+          ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2")),
+    ]
 
 
 def _mla_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:

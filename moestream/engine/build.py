@@ -26,6 +26,7 @@ from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
 from moestream.model.decoder import MoECausalLM
+from moestream.model.mla import set_absorbed
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
@@ -210,6 +211,9 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
     model = build_model(plan, index)
     if plan.device.type == "cuda":
         model.fuse_projections()
+    if cfg.runtime.mla_absorbed and not set_absorbed(model):   # before any decode graph is captured
+        raise InputError(f"mla_absorbed is for multi-head latent attention models (deepseek_v2, deepseek_v3, "
+                         f"glm4_moe_lite); this one is {plan.spec.name}. Leave the option out.")
     if sharded:
         store, pinned = ShardStore(store, placement), placement.local_pins(pinned)
     bank = build_bank(plan, cfg, store, pinned)

@@ -55,12 +55,13 @@ class RuntimeConfig:
     kv_rows: int = 1                      # sequences whose full-context KV the memory plan reserves (a server: max_batch)
     devices: list[str] | None = None      # expert parallel: one rank per device, each holding 1/N of the experts
     rank_timeout_s: float = 120.0         # a rank silent this long (start-up, a collective) ends the group
+    mla_absorbed: bool = False            # MLA models: attend in latent space, W_UK/W_UV absorbed (model/mla.py)
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
-                      "rank_timeout_s": (int, float)})
+                      "rank_timeout_s": (int, float), "mla_absorbed": (bool,)})
         if self.rank_timeout_s <= 0:
             raise InputError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}.")
         if self.devices is not None:

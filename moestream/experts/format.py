@@ -183,9 +183,9 @@ class DenseFormat(ExpertFormat):
             out["down_bias"].copy_(down_bias)
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
-        """The Triton kernels on CUDA (biases and the clamped SwiGLU included) for activations they
-        implement; elsewhere, without Triton, or for an activation without a kernel (Gemma 4's
-        GeGLU), the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
+        """The Triton kernels on CUDA (biases, GPT-OSS's clamped SwiGLU and Gemma 4's GeGLU included)
+        for activations they implement; elsewhere, without Triton, or for an activation without a
+        kernel, the plain-torch reference, which groups pairs on the host (`dispatch_syncs`)."""
         from moestream import kernels
         from moestream.kernels.moe_reference import FUSED_ACTIVATIONS
 

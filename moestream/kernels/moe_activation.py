@@ -11,13 +11,21 @@ import triton
 import triton.language as tl
 
 # Activation name -> constexpr code understood by `activate`.
-ACTIVATION_CODES: dict[str, int] = {"swiglu": 0, "swiglu_clamped": 1}
+ACTIVATION_CODES: dict[str, int] = {"swiglu": 0, "swiglu_clamped": 1, "geglu_tanh": 2}
+
+# gelu's tanh approximation, 0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3))) with c = sqrt(2 / pi), is
+# x * sigmoid(2c * (x + 0.044715 * x^3)) exactly (1 + tanh(z) = 2 * sigmoid(2z)): written so, it needs
+# only tl.sigmoid, which the compiler and the interpreter both have.
+GELU_TANH_2C = tl.constexpr(1.5957691216057308)   # 2 * sqrt(2 / pi)
 
 
 @triton.jit
 def activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
     """Epilogue activation on fp32 accumulators (biases already added); codes match ACTIVATION_CODES."""
-    tl.static_assert((ACTIVATION == 0) | (ACTIVATION == 1), "unknown activation code")
+    tl.static_assert((ACTIVATION == 0) | (ACTIVATION == 1) | (ACTIVATION == 2), "unknown activation code")
+    if ACTIVATION == 2:   # Gemma 4: gelu_tanh(gate) * up
+        inner = gate + 0.044715 * gate * gate * gate
+        return gate * tl.sigmoid(GELU_TANH_2C * inner) * up
     if ACTIVATION == 1:   # GPT-OSS: gate clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)

@@ -84,10 +84,10 @@ ACTIVATIONS: dict[str, Callable[[Tensor, Activation], Tensor]] = {"swiglu": _swi
                                                                  "geglu_tanh": _geglu_tanh}
 
 # Activations the fused Triton kernels implement (moe_activation.ACTIVATION_CODES, kept here so
-# that asking needs no Triton import). The others run on this reference on every device: on CUDA
+# that asking needs no Triton import). Any other runs on this reference on every device: on CUDA
 # it reads the routing back (`ExpertFormat.dispatch_syncs`), so such a model decodes without CUDA
-# graphs. geglu_tanh (Gemma 4) has no kernel yet.
-FUSED_ACTIVATIONS: frozenset[str] = frozenset({"swiglu", "swiglu_clamped"})
+# graphs. Today every activation has its kernel.
+FUSED_ACTIVATIONS: frozenset[str] = frozenset({"swiglu", "swiglu_clamped", "geglu_tanh"})
 
 # Names an ArchSpec may already ask for but whose reference is not written yet (none today).
 PLANNED_ACTIVATIONS: frozenset[str] = frozenset()

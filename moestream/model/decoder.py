@@ -83,6 +83,12 @@ class MoECausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MOE_BLOCKS)]
 
+    @property
+    def splits_at_routers(self) -> bool:
+        """Every MoE layer is an `MoEBlock`, which segmented decode cuts between its router and its
+        experts; Gemma 4's layer is its own block, run whole, so its fetch cannot sit between segments."""
+        return all(isinstance(block, MoEBlock) for block in self.moe_blocks())
+
     def fuse_projections(self) -> None:
         """One GEMM for q, k and v in every mixer that has them (model/projections.py); once, after loading."""
         for layer in self.model.layers:

@@ -31,9 +31,9 @@ class ModelRunner:
                  max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True):
         """`segmented`: decode with a fetch bank may run as segments split at each router (the bank
         sees the routing between segments); off where the bank is behind another protocol (expert
-        parallel), then decode runs eagerly."""
+        parallel, or a model whose MoE layers do not split at their routers), then decode runs eagerly."""
         self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
-        self.segmented = segmented
+        self.segmented = segmented and model.splits_at_routers
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")

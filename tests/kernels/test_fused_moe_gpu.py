@@ -406,17 +406,42 @@ _INTERPRETER_BIAS_SCRIPT = textwrap.dedent("""
         weights = torch.rand(T, k, generator=g)
         weights[slot_ids < 0] = float("nan")
         slot_ids = slot_ids.int()
-        for act in (Activation("swiglu_clamped", 1.3, 0.6), Activation("swiglu")):
+        # GPT-OSS's clamped SwiGLU and the plain one with biases; Gemma 4's GeGLU with and without them
+        runs = [(Activation("swiglu_clamped", 1.3, 0.6), True), (Activation("swiglu"), True),
+                (Activation("geglu_tanh"), True), (Activation("geglu_tanh"), False)]
+        for act, biased in runs:
+            biases = (gate_up_bias, down_bias) if biased else (None, None)
             ref = moe_reference(hidden.float(), gate_up.float(), down.float(), slot_ids, weights, act,
-                                gate_up_bias.float(), down_bias.float())
+                                *(b.float() if b is not None else None for b in biases))
             tol = 1e-5 if dtype == torch.float32 else 3e-3
             for path in ("decode", "grouped"):
                 out = fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, act, path=path,
-                                            gate_up_bias=gate_up_bias, down_bias=down_bias)
+                                            gate_up_bias=biases[0], down_bias=biases[1])
                 err = float((out.float() - ref).norm() / ref.norm())
-                assert not out.isnan().any() and err < tol, (T, act, path, err)
+                assert not out.isnan().any() and err < tol, (T, act, biased, path, err)
     print("interpreter ok")
 """)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_geglu_tanh_matches_reference(T: int, path: str) -> None:
+    """Gemma 4-like experts (no biases, k = 8, I a quarter of H) in bf16: the kernel's gelu_tanh(gate) * up
+    against the reference's fp32 torch gelu(approximate="tanh"), -1 slots skipped; a SwiGLU epilogue
+    would be far off, so the activation really is the one asked for."""
+    from moestream.kernels.moe_reference import Activation
+
+    inputs = make_inputs(T, 320, 80, 32, 8, torch.bfloat16, "cuda", seed=29 + T)
+    act = Activation("geglu_tanh")
+    poison_allocator(T, 8, 320, 80, torch.bfloat16)
+    out = fused(inputs, path, activation=act)
+    assert not out.isnan().any()
+    hidden, gate_up, down, slot_ids, weights = inputs
+    want = moe_reference(hidden.float(), gate_up.float(), down.float(), slot_ids, weights.float(), act)
+    assert rel_err(out, want) < 1e-2
+    swiglu = moe_reference(hidden.float(), gate_up.float(), down.float(), slot_ids, weights.float(), "swiglu")
+    assert rel_err(swiglu, want) > 5e-2
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)

@@ -1,9 +1,9 @@
 """Gemma 4's parts on the CPU, each against transformers' own module: the norms (pow, fp32 scale),
 the router (normed residual, scale, per-expert scale after renormalising), the GeGLU experts over
 bank slots, the proportional rotary, the scaled embedding, the stacked-rows expert store; prompts
-longer than the window prefilled in chunks; the GPU path falling back to the reference; and what the
-config reader does with Gemma 4's layouts (Google's global_* keys, the last layer forced full) and
-refuses. The shared reference tests (tests/model/test_reference.py) run the tiny Gemma 4 too."""
+longer than the window prefilled in chunks; the GPU path (the fused GeGLU kernel, whole-step CUDA
+graphs when resident, never graph segments); and what the config reader does with Gemma 4's layouts
+(Google's global_* keys, the last layer forced full) and refuses. The shared reference tests (tests/model/test_reference.py) run the tiny Gemma 4 too."""
 
 from __future__ import annotations
 
@@ -112,13 +112,39 @@ def test_stacked_rows_store_reads_one_expert_as_transformers_holds_it(tiny_check
     assert torch.equal(out["gate_up"], experts.gate_up_proj[5]) and torch.equal(out["down"], experts.down_proj[5])
 
 
-def test_gpu_path_falls_back_to_the_reference_for_geglu():
-    """No Triton kernel has the GeGLU: on CUDA the dispatch is the reference, which reads back."""
+def test_geglu_experts_run_the_fused_kernel_on_cuda(monkeypatch):
+    """The fused kernels have the GeGLU epilogue: where they run (CUDA with Triton) the dispatch is the
+    kernel, which reads nothing back; on the CPU it is the reference."""
+    from moestream import kernels
+
     fmt, cuda = DenseFormat("bf16", torch.bfloat16), torch.device("cuda")
     shape = ExpertShape.of(ours_config())
     assert shape.activation.name == "geglu_tanh" and not shape.plain
-    assert fmt.dispatch_syncs(cuda, shape)
-    assert not fmt.dispatch_syncs(torch.device("cpu"), shape)
+    monkeypatch.setattr(kernels, "fused_moe_available", lambda: True)
+    assert fmt.uses_kernels(cuda, shape) and not fmt.dispatch_syncs(cuda, shape)
+    assert not fmt.uses_kernels(torch.device("cpu"), shape)
+
+
+def test_gemma4_decode_never_splits_at_routers(tiny_checkpoints):
+    """Gemma 4's layer is its own MoE block (fetch inside it): a fetch bank's decode is never cut into
+    graph segments, which would capture its read-back; it runs eagerly instead."""
+    engine = moestream.load(tiny_checkpoints["gemma4"][0], device="cpu", dtype="float32", capacity=4)
+    assert not engine.model.splits_at_routers and not engine.runner.segmented
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_gpu_decode_matches_transformers(tiny_checkpoints, capacity):
+    """On the GPU in fp32: the fused GeGLU kernel; resident, decode as whole-step CUDA graphs (rings,
+    proportional rope, the layer scalar inside them); with a fetch bank, eager decode. Greedy tokens
+    equal transformers' for a prompt longer than the window and a short one, batched."""
+    folder, ref = tiny_checkpoints["gemma4"]
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 5)]
+    want = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
+                         min_new_tokens=16, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    engine = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, prefill_chunk=5)
+    assert not engine.bank.dispatch_syncs and engine.bank.graph_safe == (capacity is None)
+    assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == want
 
 
 def test_long_prompt_in_chunks_shorter_than_the_window_equals_transformers(tiny_checkpoints):

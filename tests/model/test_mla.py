@@ -11,7 +11,8 @@ import torch
 
 import moestream
 from moestream.archs import ARCHS
-from moestream.cli import main as cli_main
+from moestream.cli import build_parser, engine_config, main as cli_main
+from moestream.errors import InputError
 from moestream.engine.plan import plan_memory
 from moestream.model.cache import LatentCache
 from moestream.model.decoder import cache_bytes
@@ -184,6 +185,20 @@ def test_absorbed_form_equals_the_expanded_form(tiny):
         reference_tokens(ref_model, p, 12) for p in prompts]
 
 
+def test_mla_absorbed_option_builds_the_absorbed_form(tiny, tiny_qwen3):
+    """`mla_absorbed` (EngineConfig's runtime section, `--mla-absorbed`) switches every MLA layer before
+    the runner exists, decoding transformers' tokens; a model without MLA refuses it by name."""
+    folder, ref_model = tiny
+    engine = moestream.load(folder, device="cpu", dtype="float32", mla_absorbed=True)
+    layers = [m for m in engine.model.modules() if isinstance(m, MultiLatentAttention)]
+    assert len(layers) == engine.config.num_layers and all(m.absorbed for m in layers)
+    assert engine.generate([LONG[:9]], max_tokens=8, ignore_eos=True) == [reference_tokens(ref_model, LONG[:9], 8)]
+    with pytest.raises(InputError, match="mla_absorbed is for multi-head latent attention"):
+        moestream.load(tiny_qwen3, device="cpu", dtype="float32", mla_absorbed=True)
+    args = build_parser().parse_args(["run", str(folder), "--mla-absorbed", "-p", "1 2"])
+    assert engine_config(args).runtime.mla_absorbed is True
+
+
 def test_absorbed_form_reads_a_quantized_kv_b_proj(tiny_quant_checkpoints):
     """With attention quantized, kv_b_proj is a QuantLinear: the absorbed form uses its dequantized weight."""
     folder = tiny_quant_checkpoints["deepseek_v3"][0]
@@ -224,7 +239,7 @@ def test_mla_decode_under_cuda_graphs_equals_eager_decode(tiny_checkpoints, arch
     eager = moestream.load(folder, device="cuda", dtype="float32", cuda_graphs=False)
     set_absorbed(eager.model, absorbed)
     want = eager.generate(prompts, max_tokens=12, ignore_eos=True)
-    for capacity in (None, 3):
-        graphs = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity)
-        set_absorbed(graphs.model, absorbed)
+    for capacity in (None, 4):   # 4 of 8 at top-2: a batch of two can be made resident, so it segments
+        graphs = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, mla_absorbed=absorbed)
+        assert graphs.bank.graph_safe if capacity is None else graphs.bank.can_segment(2)
         assert graphs.generate(prompts, max_tokens=12, ignore_eos=True) == want, f"capacity {capacity}"

@@ -21,7 +21,8 @@ from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b", "glm-4.5-air", "qwen3-next-80b-a3b",
-          "deepseek-v2-lite", "glm-4.7-flash", "gpt-oss-20b", "gpt-oss-120b", "qwen3.6-35b-a3b")
+          "deepseek-v2-lite", "glm-4.7-flash", "gpt-oss-20b", "gpt-oss-120b", "qwen3.6-35b-a3b",
+          "gemma-4-26b-a4b")
 HYBRID = ("qwen3-next-80b-a3b", "qwen3.6-35b-a3b")   # every 4th layer is full attention
 
 
@@ -190,6 +191,7 @@ EXPECTED_FULL = {
     "gpt-oss-20b": (2880, "num_local_experts", 32, 4, 2880, 24, 64, 8, 201088),
     "gpt-oss-120b": (2880, "num_local_experts", 128, 4, 2880, 36, 64, 8, 201088),
     "qwen3.6-35b-a3b": (2048, "num_experts", 256, 8, 512, 40, 16, 2, 248320),
+    "gemma-4-26b-a4b": (2816, "num_experts", 128, 8, 704, 30, 16, 8, 262144),
 }
 
 
@@ -197,7 +199,8 @@ EXPECTED_FULL = {
 def test_full_size_config_numbers(shape: str) -> None:
     hidden, ekey, experts, top_k, width, layers, heads, kv, vocab = EXPECTED_FULL[shape]
     cfg = mrc.build_config(shape)
-    assert (cfg["hidden_size"], cfg[ekey], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == (
+    assert (cfg["hidden_size"], cfg[ekey], cfg.get("num_experts_per_tok", cfg.get("top_k_experts")),
+            cfg["num_hidden_layers"]) == (
         hidden,
         experts,
         top_k,
@@ -205,7 +208,7 @@ def test_full_size_config_numbers(shape: str) -> None:
     )
     assert (cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg else cfg["intermediate_size"]) == width
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (heads, kv, vocab)
-    assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["tie_word_embeddings"] is (shape == "gemma-4-26b-a4b") and cfg["torch_dtype"] == "bfloat16"
     assert mrc.build_config(shape, layers=3)["num_hidden_layers"] == 3
 
 
@@ -238,12 +241,19 @@ def test_full_size_param_count_matches_transformers(shape: str, tmp_path: Path) 
     hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
     assert hf_cfg.hidden_size == cfg["hidden_size"] and hf_cfg.num_hidden_layers == 2
     rope = getattr(hf_cfg, "rope_parameters", None) or {"rope_theta": getattr(hf_cfg, "rope_theta", None)}
-    assert rope["rope_theta"] == cfg["rope_theta"]  # legacy top-level rope_theta is understood
+    if "rope_theta" in cfg:
+        assert rope["rope_theta"] == cfg["rope_theta"]  # legacy top-level rope_theta is understood
+    else:   # Gemma 4: one rope per layer type, as written
+        assert rope == cfg["rope_parameters"]
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     ours = sum(s.numel for s in mrc.plan_tensors(cfg))
-    # everything save_pretrained writes: parameters and persistent buffers (GLM's router bias)
-    assert sum(t.numel() for t in model.state_dict().values()) == ours
+    # everything save_pretrained writes: parameters and persistent buffers (GLM's router bias); a tied
+    # lm_head is the embedding, not written
+    state = model.state_dict()
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight")
+    assert sum(t.numel() for t in state.values()) == ours
 
 
 def test_parse_size() -> None:
@@ -380,3 +390,36 @@ def test_tiny_runs_in_the_engine_like_transformers(tiny_ckpts: dict[str, Path], 
         expected = ref(ids).logits
     got = moestream.load(tiny_ckpts[shape], device="cpu", dtype="float32").logits(ids)
     assert (got - expected).abs().max() / expected.abs().max() <= 1e-4, shape
+
+
+def test_gemma4_specifics() -> None:
+    """Five sliding layers to each full one, the last one full whatever the layer count; full layers
+    512 wide with 2 key/value heads and no v_proj (keys are the values); a dense MLP beside 128 stacked
+    GeGLU experts; 25.2B parameters at 30 layers (the published total); moestream reads the config as
+    a gemma4 model with a ring cache of the window on sliding layers."""
+    cfg = mrc.build_config("gemma-4-26b-a4b")
+    assert cfg["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 5
+    assert mrc.build_config("gemma-4-26b-a4b", layers=8)["layer_types"][4:] == [
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    specs = {s.name: s.shape for s in mrc.plan_tensors(cfg)}
+    assert specs["model.layers.0.self_attn.k_proj.weight"] == (8 * 256, 2816)
+    assert specs["model.layers.0.self_attn.v_proj.weight"] == (8 * 256, 2816)
+    assert specs["model.layers.5.self_attn.q_proj.weight"] == (16 * 512, 2816)
+    assert specs["model.layers.5.self_attn.k_proj.weight"] == (2 * 512, 2816)
+    assert "model.layers.5.self_attn.v_proj.weight" not in specs and "lm_head.weight" not in specs
+    assert specs["model.layers.0.mlp.gate_proj.weight"] == (2112, 2816)
+    assert specs["model.layers.0.experts.gate_up_proj"] == (128, 2 * 704, 2816)
+    assert specs["model.layers.0.experts.down_proj"] == (128, 2816, 704)
+    total = sum(s.numel for s in mrc.plan_tensors(cfg))
+    assert 25.1e9 < total < 25.3e9
+    from moestream.archs import detect_arch, model_config_from_hf
+    from moestream.model.decoder import cache_bytes
+
+    config = model_config_from_hf(cfg, detect_arch(cfg))
+    assert (config.num_experts, config.top_k, config.vocab_size) == (128, 8, 262144)
+    # a 2-layer cut (sliding, full) at a context beyond the window: the sliding layer holds the window only
+    two = mrc.build_config("gemma-4-26b-a4b", layers=2)
+    two_config = model_config_from_hf(two, detect_arch(two))
+    per_row = cache_bytes(two_config, detect_arch(two), 1, 4096, torch.bfloat16)
+    bf16_kv = 2 * 2   # keys and values, 2 bytes each
+    assert per_row == bf16_kv * (1024 * 8 * 256 + 4096 * 2 * 512)
