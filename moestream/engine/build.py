@@ -164,7 +164,9 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
         try:
             cfg = rank_config(cfg, 0)
             engine = _build(cfg, 0, world, group)
-            group.wait_ready(checkpoint_digest(engine.plan.folder))
+            graph_safe = group.wait_ready(checkpoint_digest(engine.plan.folder))
+            # Graphs (NCCL only) capture the all-reduces: every rank must replay the same whole steps.
+            engine.runner.set_cuda_graphs(engine.runner.cuda_graphs and graph_safe and engine.bank.graph_safe)
         except BaseException:
             group.close()
             raise
@@ -224,16 +226,20 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
         for layer, frequencies in seed.items():
             bank.policy.seed(layer, placement.local_frequencies(layer, frequencies) if sharded else frequencies)
         bank.fill()
-    model.attach_experts(ShardedExperts(bank, placement) if sharded else bank)
+    experts = ShardedExperts(bank, placement) if sharded else None
+    model.attach_experts(experts if sharded else bank)
     runner_class = DistributedRunner if group is not None else ModelRunner
     runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
                           cfg.runtime.cuda_graphs, segmented=not sharded)
     if group is not None:
         runner.group = group
+    if sharded:
+        runner.after_replay = experts.collectives.graph_replayed
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
                     discovery=discovery, prepack=prepack,
-                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None)
+                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None,
+                    collectives=experts.collectives if sharded else None)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

@@ -6,7 +6,8 @@ experts of every layer (±1), so the banks are the same size. A rank's bank, hos
 local id space (local id i = the rank's i-th expert): `ShardStore` presents the checkpoint that way.
 `ShardedExperts` is the model's `RoutedExperts` on every rank: routed ids become local ids, or -1
 for another rank's expert (the bank skips those pairs), the rank's bank computes its partial sum,
-and one all-reduce per MoE layer adds the ranks' partials. Routing itself is computed identically
+and one all-reduce per MoE layer adds the ranks' partials (counted and timed by
+`CollectiveStats`). Routing itself is computed identically
 on every rank (the router is replicated), so no ids need to travel.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moestream.experts.collective import CollectiveStats
 from moestream.experts.format import ExpertFormat
 
 
@@ -115,13 +117,15 @@ class ShardedExperts:
         if self.owned is not None:
             bank.external_hits = self._fold_hits
         # gloo reduces fp32 and fp16 but not bf16 everywhere; NCCL reduces any of them in place.
-        self.reduce_fp32 = dist.get_backend(group) == "gloo"
+        gloo = dist.get_backend(group) == "gloo"
+        self.reduce_fp32 = gloo
+        self.collectives = CollectiveStats(bank.device, events=not gloo and bank.device.type == "cuda")
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
+        return self._sum(layer, self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
+        return self._sum(layer, self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def _to_local(self, layer: int, expert_ids: Tensor) -> Tensor:
         local = self.local[layer][expert_ids]
@@ -134,10 +138,10 @@ class ShardedExperts:
             self.bank.stats.record(layer, hits=int(count))
             count.zero_()
 
-    def _sum(self, partial: Tensor) -> Tensor:
-        if self.reduce_fp32 and partial.dtype != torch.float32:
-            total = partial.float()
-            dist.all_reduce(total, group=self.group)
-            return total.to(partial.dtype)
-        dist.all_reduce(partial, group=self.group)
-        return partial
+    def _sum(self, layer: int, partial: Tensor) -> Tensor:
+        total = partial.float() if self.reduce_fp32 and partial.dtype != torch.float32 else partial
+        self.collectives.run(layer, self._all_reduce, total)
+        return total.to(partial.dtype)
+
+    def _all_reduce(self, tensor: Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)

@@ -45,8 +45,19 @@ _POLL = timedelta(seconds=5)   # how often a waiting follower checks that rank 0
 _KEPT_CALLS = 4096             # published calls kept in the store
 
 
-def _backend(devices: list[str]) -> str:
-    return "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
+def backend(runtime) -> str:
+    """The collectives' backend of a group (`RuntimeConfig.dist_backend`): NCCL on CUDA, gloo on the
+    CPU, unless one is named (gloo on CUDA tensors lets two ranks share one GPU)."""
+    if runtime.dist_backend != "auto":
+        return runtime.dist_backend
+    return "nccl" if torch.device(runtime.devices[0]).type == "cuda" else "gloo"
+
+
+def use_device(device: str) -> None:
+    """Make a CUDA rank's device the current one: NCCL's communicator, the copy and capture streams
+    and CUDA graphs are created on the current device, whatever device the tensors name."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
 
 
 @dataclass(frozen=True)
@@ -98,8 +109,13 @@ def checkpoint_digest(folder) -> str:
 
 
 def rank_config(cfg, rank: int):
-    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does."""
-    runtime = dataclasses.replace(cfg.runtime, device=cfg.runtime.devices[rank], devices=None, cuda_graphs=False)
+    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does.
+
+    CUDA graphs stay on only over NCCL, whose all-reduce a graph can capture (gloo's runs on the
+    host); the group still switches them off unless every rank's bank can replay a whole step
+    (`RankGroup.wait_ready`)."""
+    graphs = cfg.runtime.cuda_graphs and backend(cfg.runtime) == "nccl"
+    runtime = dataclasses.replace(cfg.runtime, device=cfg.runtime.devices[rank], devices=None, cuda_graphs=graphs)
     warm = cfg.warm_start if rank == 0 else dataclasses.replace(cfg.warm_start, warmup_tokens=0)
     return dataclasses.replace(cfg, runtime=runtime, warm_start=warm)
 
@@ -127,7 +143,8 @@ class RankGroup:
         self.store.set("config", pickle.dumps(cfg))
         atexit.register(self.close)   # followers stop when rank 0's process ends, whatever it ran
         try:
-            dist.init_process_group(_backend(devices), store=self.store, rank=0, world_size=self.world,
+            use_device(devices[0])
+            dist.init_process_group(backend(cfg.runtime), store=self.store, rank=0, world_size=self.world,
                                     timeout=self.timeout)
         except Exception as exc:
             self._kill()
@@ -136,11 +153,13 @@ class RankGroup:
         self.calls = 0
         self.closed = False
 
-    def wait_ready(self, digest: str | None = None) -> None:
+    def wait_ready(self, digest: str | None = None) -> bool:
         """Every follower has built its engine (or one failed: its error, raised here) from the same
-        checkpoint as rank 0 (`digest`)."""
+        checkpoint as rank 0 (`digest`). Returns whether every follower's bank can replay a whole
+        decode step as a CUDA graph (the group captures graphs only if all of them can)."""
         if digest is not None:
             self.store.set("checkpoint", digest)
+        graph_safe = True
         for rank in range(1, self.world):
             key = f"state/{rank}"
             try:
@@ -150,9 +169,11 @@ class RankGroup:
                 raise DistributedError(f"rank {rank} did not finish loading within "
                                        f"{self.timeout.total_seconds():g} s; raise rank_timeout_s for large models.") from None
             state = self.store.get(key).decode()
-            if state != "ready":
+            if state not in ("ready", "ready+graphs"):
                 self.close()
                 raise DistributedError(f"rank {rank} failed to load: {state}")
+            graph_safe = graph_safe and state == "ready+graphs"
+        return graph_safe
 
     def publish(self, op: str, *args) -> None:
         self.store.set(f"call/{self.calls}", pickle.dumps((op, args)))
@@ -189,6 +210,10 @@ class DistributedRunner(ModelRunner):
 
     group: RankGroup
 
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        self.group.publish("set_cuda_graphs", enabled)
+        super().set_cuda_graphs(enabled)
+
     def ensure_rows(self, rows: int):
         if self.cache is None or self.cache.rows < rows:
             self.group.publish("ensure_rows", rows)
@@ -210,6 +235,9 @@ class DistributedRunner(ModelRunner):
         self.group.publish("logits", input_ids.cpu(), attention_mask.cpu() if attention_mask is not None else None)
         return _checked(super().logits, input_ids, attention_mask)
 
+    def reset_rank_stats(self) -> None:
+        """Every follower starts its statistics again (rank 0 resets its own)."""
+        self.group.publish("reset_stats")
 
     def rank_stats(self) -> list[dict]:
         """Every follower's bank statistics (rank 1, 2, ...), asked for between steps."""
@@ -242,7 +270,8 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     cfg = pickle.loads(store.get("config"))
-    dist.init_process_group(_backend(cfg.runtime.devices), store=store, rank=rank, world_size=world, timeout=timeout)
+    use_device(cfg.runtime.devices[rank])
+    dist.init_process_group(backend(cfg.runtime), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         engine = build(rank_config(cfg, rank), rank=rank, world=world)
         store.wait(["checkpoint"], timeout)
@@ -252,7 +281,7 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
     except BaseException as exc:
         store.set(f"state/{rank}", f"{type(exc).__name__}: {exc}")
         return
-    store.set(f"state/{rank}", "ready")
+    store.set(f"state/{rank}", "ready+graphs" if engine.bank.graph_safe else "ready")
     runner, device, call = engine.runner, engine.device, 0
     with torch.inference_mode():
         while True:
@@ -271,6 +300,9 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
                 return
             if op == "report_stats":
                 store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))
+                continue
+            if op == "reset_stats":
+                engine.reset_stats()
                 continue
             args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
             getattr(runner, op)(*args)
