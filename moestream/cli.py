@@ -547,21 +547,13 @@ def cmd_check(args) -> int:
     from moestream.engine.plan import plan_load
 
     cfg = engine_config(args)
-    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts
-        from moestream.experts.sharded import Placement
-        from moestream.runtime.distributed import rank_config
+    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts, sized by its budget
+        from moestream.engine.ranks import explain_ranks, plan_ranks
 
-        devices = cfg.runtime.devices
-        E = plan_load(rank_config(cfg, 0)).config.num_experts
-        if len(devices) > E:
-            raise InputError(f"{len(devices)} ranks for {E} experts per layer: use at most {E} devices.")
-        for rank in range(len(devices)):
-            share = Placement(rank, len(devices), E).count
-            plan = plan_load(rank_config(cfg, rank), experts_here=share)
-            if rank == 0:
-                _print_model(plan)
-            print(f"\nrank {rank}            {plan.device}: {share} of the {E} experts of every layer")
-            print(plan.memory.explain())
+        plans = plan_ranks(cfg)
+        _print_model(plans[0].plan)
+        print()
+        print(explain_ranks(plans))
         return 0
     plan = plan_load(cfg)
     _print_model(plan)

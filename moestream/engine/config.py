@@ -58,12 +58,16 @@ class RuntimeConfig:
     rank_timeout_s: float = 120.0         # a rank silent this long (start-up, a collective) ends the group
     dist_backend: str = "auto"            # auto (NCCL on CUDA, gloo on CPU) | nccl | gloo; gloo lets two ranks
                                           # share one GPU (testing the dispatch on CUDA tensors, debugging)
+    ranks_on_device: int = 1              # set per rank by the group: ranks sharing this device split its free memory
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
-                      "rank_timeout_s": (int, float), "dist_backend": (str,)})
+                      "rank_timeout_s": (int, float), "dist_backend": (str,),
+                      "ranks_on_device": INT})
+        if self.ranks_on_device < 1:
+            raise InputError(f"ranks_on_device must be at least 1, got {self.ranks_on_device}.")
         if self.dist_backend not in DIST_BACKENDS:
             raise InputError(f"dist_backend {self.dist_backend!r} is unknown; use one of {', '.join(DIST_BACKENDS)}.")
         if self.rank_timeout_s <= 0:

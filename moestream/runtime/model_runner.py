@@ -193,12 +193,19 @@ class ModelRunner:
     def eager(self) -> Iterator[None]:
         """Run every step eagerly inside (routers swapped for observers would not be seen by graphs
         captured before, and capturing with them would count the capture's warm-up steps)."""
-        saved = (self.cuda_graphs, self._graphs)
-        self.cuda_graphs, self._graphs = False, {}
+        self.enter_eager()
         try:
             yield
         finally:
-            self.cuda_graphs, self._graphs = saved   # graphs of a reallocated cache are recaptured on use
+            self.leave_eager()
+
+    def enter_eager(self) -> None:
+        """`eager`'s first half (a separate call, so an expert-parallel group can make it on every rank)."""
+        self._saved_graphs = (self.cuda_graphs, self._graphs)
+        self.cuda_graphs, self._graphs = False, {}
+
+    def leave_eager(self) -> None:
+        self.cuda_graphs, self._graphs = self._saved_graphs   # graphs of a reallocated cache are recaptured on use
 
     @torch.inference_mode()
     def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:
