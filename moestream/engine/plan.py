@@ -226,6 +226,19 @@ def default_device_budget(device: torch.device) -> int | None:
     return max(0, free - 2**30)
 
 
+def device_budget(cfg: EngineConfig, device: torch.device,
+                  free_memory: Callable[[torch.device], int | None] = default_device_budget) -> int | None:
+    """The budget `cfg` plans against on `device`: the one given, none with a capacity, else the
+    device's free memory (`free_memory`) shared by the ranks placed on it (expert parallel)."""
+    bank = cfg.bank
+    if bank.gpu_memory is not None:
+        return parse_bytes(bank.gpu_memory)
+    if bank.capacity is not None:
+        return None
+    free = free_memory(device)
+    return None if free is None else free // cfg.runtime.ranks_on_device
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     folder: Path
@@ -288,11 +301,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         precision = functools.partial(_recipe_precision, recipe, L)
         formats = expert_formats(config, dtype, recipe)
     bank = cfg.bank
-    if bank.gpu_memory is not None or bank.capacity is not None:
-        budget = bank.gpu_memory
-    else:   # the device's free memory, shared by the ranks placed on it (expert parallel on one GPU)
-        free = default_device_budget(device)
-        budget = None if free is None else free // cfg.runtime.ranks_on_device
+    budget = device_budget(cfg, device)
     planned, capacity = config, bank.capacity
     if experts_here is not None:   # this rank's bank only ever holds its own experts
         planned = dataclasses.replace(config, num_experts=experts_here, top_k=min(config.top_k, experts_here))

@@ -20,24 +20,17 @@ from dataclasses import dataclass
 import torch
 
 from moestream.engine.config import EngineConfig
-from moestream.engine.plan import LoadPlan, default_device_budget, plan_load, read_model, resolve_device
+from moestream.engine.plan import LoadPlan, default_device_budget, device_budget, plan_load, read_model, resolve_device
 from moestream.errors import InputError
 from moestream.experts.sharded import Placement, expert_counts
 from moestream.runtime.distributed import rank_config
-from moestream.sizes import parse_bytes
 
 FreeMemory = Callable[[torch.device], int | None]   # a device's usable free bytes (None: unbounded)
 
 
 def rank_budget(cfg: EngineConfig, free_memory: FreeMemory = default_device_budget) -> int | None:
-    """The budget of one rank (`cfg` is its `rank_config`): the given one, none with a capacity,
-    else its device's free memory shared among the ranks on that device (as `plan_load` does)."""
-    if cfg.bank.gpu_memory is not None:
-        return parse_bytes(cfg.bank.gpu_memory)
-    if cfg.bank.capacity is not None:
-        return None
-    free = free_memory(resolve_device(cfg.runtime.device))
-    return None if free is None else free // cfg.runtime.ranks_on_device
+    """The budget of one rank (`cfg` is its `rank_config`), as its plan would take it."""
+    return device_budget(cfg, resolve_device(cfg.runtime.device), free_memory)
 
 
 def with_budget(cfg: EngineConfig, budget: int | None) -> EngineConfig:

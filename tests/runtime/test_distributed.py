@@ -272,3 +272,13 @@ def test_heterogeneous_budgets_give_banks_in_proportion(tiny_qwen3):
     assert f"rank 0            cpu: 6 of the {E} experts" in text and f"rank 1            cpu: 2 of the {E} experts" in text
     equal = plan_ranks(cfg, budgets=[base.fixed_bytes + 20 * expert] * 2)
     assert [r.placement.count for r in equal] == [E // 2, E // 2]
+
+
+def test_benchmark_routings_are_refused_with_several_devices():
+    from moestream.bench import UniformRouting, use_routing
+
+    class GroupEngine:   # rank 0 of a group: the followers would keep routing by the model
+        group = object()
+
+    with pytest.raises(InputError, match="not supported with several devices"):
+        use_routing(GroupEngine(), UniformRouting(2))
