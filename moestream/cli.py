@@ -118,9 +118,7 @@ def _model_arg(value: str | None) -> str:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
-    p.add_argument("--devices", default=None, metavar="LIST",
-                   help="expert parallel: one rank per device, each holding 1/N of the experts: cuda:0,cuda:1 | all | "
-                        "a GPU count | cpu,cpu (budgets are per device)")
+    _add_devices_args(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
     _add_budget_args(p)
@@ -150,6 +148,15 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                         "expanding every cached position per head")
     p.add_argument("--verbose", action="store_true", help="print the memory plan, discovery and prepack details to stderr")
     _add_quant_args(p)
+
+
+def _add_devices_args(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="expert parallel: one rank per device, each holding a share of the experts: cuda:0,cuda:1 | "
+                        "all | a GPU count | cpu,cpu (budgets are per device)" + what)
+    p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"],
+                   help="the ranks' collectives (default: NCCL on CUDA, gloo on CPU); gloo lets two ranks share "
+                        "one GPU, for testing and debugging")
 
 
 def _add_quant_args(p: argparse.ArgumentParser, what: str = "quantize on load") -> None:
@@ -242,7 +249,8 @@ def engine_config(args):
 
         devices, device = torchrun_devices(launched, args.device), "auto"
     runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices,
-                            mla_absorbed=getattr(args, "mla_absorbed", False))
+                            mla_absorbed=getattr(args, "mla_absorbed", False),
+                            dist_backend=getattr(args, "dist_backend", "auto"))
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
@@ -341,10 +349,32 @@ def cmd_run(args) -> int:
 
 def _report_stats(engine, args) -> None:
     if getattr(args, "stats", False):
-        engine.bank.sync_stats()
-        print(engine.bank.stats.table(), file=sys.stderr)
+        print(_stats_text(engine), file=sys.stderr)
     if getattr(args, "stats_json", None):
         _write_json(Path(args.stats_json), engine.stats())
+
+
+def _stats_text(engine) -> str:
+    """--stats: the bank's table per layer (rank 0's with several devices), then a line per rank."""
+    engine.bank.sync_stats()
+    table = engine.bank.stats.table()
+    if engine.group is None:
+        return table
+    return table + "\n" + ranks_table(engine.stats()["ranks"])
+
+
+def ranks_table(ranks: list[dict]) -> str:
+    """One line per rank of an expert-parallel group: its bank and its all-reduces (calls replayed
+    inside CUDA graphs are counted, not timed)."""
+    rows = [("rank", "device", "hits", "misses", "hit rate", "MB copied", "all-reduces", "in graphs", "MB reduced",
+             "all-reduce s")]
+    for rank, r in enumerate(ranks):
+        c = r.get("collective", {})
+        rows.append((str(rank), r.get("device", "?"), str(r["hits"]), str(r["misses"]), f"{r['hit_rate']:.1%}",
+                     f"{r['bytes_copied'] / 1e6:.1f}", str(c.get("calls", 0)), str(c.get("graph_calls", 0)),
+                     f"{c.get('bytes', 0) / 1e6:.1f}", f"{c.get('seconds', 0.0):.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
 def cmd_serve(args) -> int:
@@ -447,7 +477,7 @@ def cmd_bench(args) -> int:
                        temperature=args.temperature, routing=routing)
     print(result.table())
     if args.stats:
-        print(engine.bank.stats.table())
+        print(_stats_text(engine))
     if args.json:
         _write_json(Path(args.json), {**result.as_dict(), "stats": engine.stats()})
     return 0
@@ -522,21 +552,13 @@ def cmd_check(args) -> int:
     from moestream.engine.plan import plan_load
 
     cfg = engine_config(args)
-    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts
-        from moestream.experts.sharded import Placement
-        from moestream.runtime.distributed import rank_config
+    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts, sized by its budget
+        from moestream.engine.ranks import explain_ranks, plan_ranks
 
-        devices = cfg.runtime.devices
-        E = plan_load(rank_config(cfg, 0)).config.num_experts
-        if len(devices) > E:
-            raise InputError(f"{len(devices)} ranks for {E} experts per layer: use at most {E} devices.")
-        for rank in range(len(devices)):
-            share = Placement(rank, len(devices), E).count
-            plan = plan_load(rank_config(cfg, rank), experts_here=share)
-            if rank == 0:
-                _print_model(plan)
-            print(f"\nrank {rank}            {plan.device}: {share} of the {E} experts of every layer")
-            print(plan.memory.explain())
+        plans = plan_ranks(cfg)
+        _print_model(plans[0].plan)
+        print()
+        print(explain_ranks(plans))
         return 0
     plan = plan_load(cfg)
     _print_model(plan)
@@ -698,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
     check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     check.add_argument("--device", default="auto")
-    check.add_argument("--devices", default=None, metavar="LIST", help="one plan per rank of an expert-parallel group")
+    _add_devices_args(check, "; one plan per rank")
     check.add_argument("--dtype", default="auto")
     check.add_argument("--max-context", type=integer(2), default=None)
     _add_budget_args(check)

@@ -111,6 +111,9 @@ def use_routing(engine, routing: UniformRouting | TraceRouting) -> None:
     """Make every MoE block of `engine` choose its experts by `routing` (benchmark-only). A routing
     swapped in earlier is replaced, not stacked. With a replayed prediction accuracy set, next-layer
     prefetch predicts from the trace too."""
+    if getattr(engine, "group", None) is not None:   # the other ranks would keep routing by the model
+        raise InputError("benchmark routings (uniform, trace replay) are not supported with several devices yet; "
+                         "measure the model's own routing, or use one device.")
     for block in engine.model.moe_blocks():
         router = block.router
         inner = router.inner if isinstance(router, ChosenRouter) else router

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import torch
 
 from moestream.checkpoint import TensorIndex
 from moestream.engine.config import EngineConfig
-from moestream.engine.plan import LoadPlan, plan_load
+from moestream.engine.plan import LoadPlan, plan_load, read_model
+from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_budget
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
 from moestream.kernels import cpu_moe
@@ -156,11 +158,12 @@ def save_prepack(bank: ExpertBank, status: PrepackStatus | None) -> str | None:
     return None
 
 
-def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
+def build(cfg: EngineConfig, rank: int = 0, world: int = 1, gather: Callable[[int | None], list] | None = None):
     """Load a checkpoint as `cfg` says and return a ready Engine (warmed up and snapshot saved when asked).
 
     With `cfg.runtime.devices` this process becomes rank 0 of an expert-parallel group and starts the
-    others (`runtime/distributed.py`); `rank` / `world` are given to the followers' builds."""
+    others (`runtime/distributed.py`); `rank` / `world` are given to the followers' builds, with
+    `gather`, which hands this rank's budget to the group and returns every rank's."""
     group = None
     if cfg.runtime.devices:
         _check_expert_parallel(cfg, plan_load(rank_config(cfg, 0)).config.num_experts)
@@ -168,8 +171,10 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
         world = group.world
         try:
             cfg = rank_config(cfg, 0)
-            engine = _build(cfg, 0, world, group)
-            group.wait_ready(checkpoint_digest(engine.plan.folder))
+            engine = _build(cfg, 0, world, group, group.gather_budgets)
+            graph_safe = group.wait_ready(checkpoint_digest(engine.plan.folder))
+            # Graphs (NCCL only) capture the all-reduces: every rank must replay the same whole steps.
+            engine.runner.set_cuda_graphs(engine.runner.cuda_graphs and graph_safe and engine.bank.graph_safe)
         except BaseException:
             group.close()
             raise
@@ -177,15 +182,12 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1):
         if cfg.warm_start.warmup_tokens > 0:
             engine.warm_up(cfg.warm_start.warmup_tokens)
         return engine
-    return _build(cfg, rank, world, None)
+    return _build(cfg, rank, world, None, gather)
 
 
 def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
     """What expert parallel cannot do (or not yet), refused by name before any process starts."""
-    world = len(cfg.runtime.devices)
-    if world > num_experts:
-        raise InputError(f"{world} ranks for {num_experts} experts per layer: every rank needs at least one expert; "
-                         f"use at most {num_experts} devices.")
+    check_world(len(cfg.runtime.devices), num_experts)
     unsupported = [(cfg.runtime.prefix_cache_bytes > 0, "a prefix cache"), (cfg.bank.miss_policy == "skip", "--miss-policy skip"),
                    (cfg.bank.prefetch, "--prefetch"), (cfg.warm_start.prepack is not None, "--prepack")]
     for present, what in unsupported:
@@ -193,16 +195,19 @@ def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
             raise InputError(f"{what} is not supported with several devices yet; leave it out or use one device.")
 
 
-def _build(cfg: EngineConfig, rank: int, world: int, group):
+def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
     from moestream.engine.engine import Engine
 
     sharded = world > 1
     warm = cfg.warm_start
-    if sharded:
-        config = plan_load(cfg).config
+    if sharded:   # this rank's share of the experts, from every rank's budget (heterogeneous cards differ)
+        budget = rank_budget(cfg)
+        counts = rank_counts(cfg, gather(budget))
+        cfg = with_budget(cfg, budget)   # planned once, against what was measured and exchanged
+        config = read_model(cfg)[3]
         profile, _ = prepare_profile(warm.profile, config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
-        placement = (Placement.balanced(rank, world, config.num_experts, profile_seed(profile)) if profile is not None
-                     else Placement(rank, world, config.num_experts))
+        placement = (Placement.balanced(rank, world, config.num_experts, profile_seed(profile), counts)
+                     if profile is not None else Placement(rank, world, config.num_experts, counts=counts))
     plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
     tokenizer = load_tokenizer(plan.folder)
@@ -232,16 +237,20 @@ def _build(cfg: EngineConfig, rank: int, world: int, group):
         for layer, frequencies in seed.items():
             bank.policy.seed(layer, placement.local_frequencies(layer, frequencies) if sharded else frequencies)
         bank.fill()
-    model.attach_experts(ShardedExperts(bank, placement) if sharded else bank)
+    experts = ShardedExperts(bank, placement) if sharded else None
+    model.attach_experts(experts if sharded else bank)
     runner_class = DistributedRunner if group is not None else ModelRunner
     runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
                           cfg.runtime.cuda_graphs, segmented=not sharded)
     if group is not None:
         runner.group = group
+    if sharded:
+        runner.after_replay = experts.collectives.graph_replayed
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
                     discovery=discovery, prepack=prepack,
-                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None)
+                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None,
+                    collectives=experts.collectives if sharded else None)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

@@ -22,6 +22,7 @@ from moestream.quant.recipe import QuantRecipe
 from moestream.runtime.distributed import torchrun_env
 from moestream.sizes import parse_bytes
 
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -56,12 +57,20 @@ class RuntimeConfig:
     devices: list[str] | None = None      # expert parallel: one rank per device, each holding 1/N of the experts
     rank_timeout_s: float = 120.0         # a rank silent this long (start-up, a collective) ends the group
     mla_absorbed: bool = False            # MLA models: attend in latent space, W_UK/W_UV absorbed (model/mla.py)
+    dist_backend: str = "auto"            # auto (NCCL on CUDA, gloo on CPU) | nccl | gloo; gloo lets two ranks
+                                          # share one GPU (testing the dispatch on CUDA tensors, debugging)
+    ranks_on_device: int = 1              # set per rank by the group: ranks sharing this device split its free memory
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
-                      "rank_timeout_s": (int, float), "mla_absorbed": (bool,)})
+                      "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),
+                      "ranks_on_device": INT})
+        if self.ranks_on_device < 1:
+            raise InputError(f"ranks_on_device must be at least 1, got {self.ranks_on_device}.")
+        if self.dist_backend not in DIST_BACKENDS:
+            raise InputError(f"dist_backend {self.dist_backend!r} is unknown; use one of {', '.join(DIST_BACKENDS)}.")
         if self.rank_timeout_s <= 0:
             raise InputError(f"rank_timeout_s must be positive, got {self.rank_timeout_s}.")
         if self.devices is not None:
@@ -89,8 +98,13 @@ class RuntimeConfig:
             raise InputError(f"devices must all be CUDA devices or all be cpu, got {', '.join(devices)}.")
         cuda = [torch.device(d) for d in devices if torch.device(d).type == "cuda"]
         named = [d if d.index is not None else torch.device("cuda", 0) for d in cuda]
-        if len(set(named)) != len(named) and torchrun_env() is None:   # under torchrun ranks span hosts
-            raise InputError(f"devices names the same GPU twice ({', '.join(devices)}); give each rank its own.")
+        if not cuda and self.dist_backend == "nccl":
+            raise InputError("dist_backend nccl needs CUDA devices; CPU ranks reduce over gloo.")
+        # NCCL refuses two ranks on one GPU; gloo allows it (both ranks then share the GPU's memory).
+        shared = len(set(named)) != len(named) and torchrun_env() is None   # under torchrun ranks span hosts
+        if shared and self.dist_backend != "gloo":
+            raise InputError(f"devices names the same GPU twice ({', '.join(devices)}); give each rank its own "
+                             "(or, to test on one GPU, dist_backend gloo: the ranks then share its memory).")
         if cuda:
             count = torch.cuda.device_count()
             missing = [str(d) for d in named if d.index >= count]

@@ -23,6 +23,7 @@ from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan
 from moestream.errors import InputError, NumericsError
 from moestream.experts.bank import ExpertBank
+from moestream.experts.collective import CollectiveStats
 from moestream.model.decoder import MoECausalLM
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
@@ -59,8 +60,10 @@ class RunMetrics:
 
 class Engine:
     def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
-                 max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None):
+                 max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None,
+                 collectives: CollectiveStats | None = None):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
+        self.collectives = collectives     # this rank's all-reduces, when it is one of an expert-parallel group
         self.prefix_cache = prefix_cache   # finished sequences' KV, reused by prompts that extend them
         self.group = None                  # the other ranks, when this engine is rank 0 of an expert-parallel group
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
@@ -97,16 +100,21 @@ class Engine:
     def stats(self) -> dict:
         """Hits, misses, evictions, bytes copied and copy wait time, per layer and in total (read
         between steps, so another thread stepping the engine is safe). With several devices the
-        totals add up every rank's bank, `ranks` holds each rank's own figures and `layers` rank 0's."""
+        totals add up every rank's bank, `ranks` holds each rank's own figures (its device and its
+        all-reduces under `collective`: calls, bytes, seconds, and the calls replayed inside CUDA
+        graphs, counted but not timed) and `layers` rank 0's."""
         with self._lock:
             self.bank.sync_stats()
             mine = self.bank.stats.as_dict()
+            if self.collectives is not None:
+                mine = {**mine, "device": str(self.device), "collective": self.collectives.as_dict()}
             if self.group is None:
                 return mine
             ranks = [mine] + self.runner.rank_stats()
         total = {key: sum(r[key] for r in ranks) for key in ("hits", "misses", "evictions", "bytes_copied", "copy_wait_s")}
         looked_up = total["hits"] + total["misses"]
-        return {**mine, **total, "hit_rate": total["hits"] / looked_up if looked_up else 0.0,
+        top = {k: v for k, v in mine.items() if k not in ("device", "collective")}
+        return {**top, **total, "hit_rate": total["hits"] / looked_up if looked_up else 0.0,
                 "bytes_copied_per_token": total["bytes_copied"] / mine["tokens"] if mine["tokens"] else 0.0,
                 "ranks": ranks}
 
@@ -116,8 +124,14 @@ class Engine:
             return self.prefix_cache.as_dict() if self.prefix_cache is not None else None
 
     def reset_stats(self) -> None:
-        self.bank.sync_stats()
-        self.bank.stats.reset()
+        """Start every counter again, on every rank of a group."""
+        with self._lock:
+            self.bank.sync_stats()
+            self.bank.stats.reset()
+            if self.collectives is not None:
+                self.collectives.reset()
+            if self.group is not None:
+                self.runner.reset_rank_stats()
 
     def warm_up(self, tokens: int = 8, bank_is_warm: bool = False) -> None:
         """Hybrid warm-up: a few generated tokens of a short prompt compile kernels, capture decode

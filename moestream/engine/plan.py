@@ -226,6 +226,19 @@ def default_device_budget(device: torch.device) -> int | None:
     return max(0, free - 2**30)
 
 
+def device_budget(cfg: EngineConfig, device: torch.device,
+                  free_memory: Callable[[torch.device], int | None] = default_device_budget) -> int | None:
+    """The budget `cfg` plans against on `device`: the one given, none with a capacity, else the
+    device's free memory (`free_memory`) shared by the ranks placed on it (expert parallel)."""
+    bank = cfg.bank
+    if bank.gpu_memory is not None:
+        return parse_bytes(bank.gpu_memory)
+    if bank.capacity is not None:
+        return None
+    free = free_memory(device)
+    return None if free is None else free // cfg.runtime.ranks_on_device
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     folder: Path
@@ -244,16 +257,21 @@ class LoadPlan:
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
 
 
+def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
+    """The checkpoint's folder, raw config.json, arch and model configuration (nothing else read)."""
+    folder = resolve_checkpoint(cfg.model)
+    raw = read_config(folder)
+    spec = detect_arch(raw)
+    return folder, raw, spec, model_config_from_hf(raw, spec)
+
+
 def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     """Everything a load decides from config.json and the configuration alone (no weights read).
 
     `experts_here`: on a rank of an expert-parallel group, how many experts per layer it owns (its
     bank's capacity is planned against those)."""
     cfg.validate()
-    folder = resolve_checkpoint(cfg.model)
-    raw = read_config(folder)
-    spec = detect_arch(raw)
-    config = model_config_from_hf(raw, spec)
+    folder, raw, spec, config = read_model(cfg)
     device = resolve_device(cfg.runtime.device)
     dtype = resolve_dtype(cfg.runtime.dtype, device)
     context = min(cfg.runtime.max_context or config.max_position, config.max_position)
@@ -283,8 +301,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         precision = functools.partial(_recipe_precision, recipe, L)
         formats = expert_formats(config, dtype, recipe)
     bank = cfg.bank
-    budget = bank.gpu_memory if bank.gpu_memory is not None else (
-        None if bank.capacity is not None else default_device_budget(device))
+    budget = device_budget(cfg, device)
     planned, capacity = config, bank.capacity
     if experts_here is not None:   # this rank's bank only ever holds its own experts
         planned = dataclasses.replace(config, num_experts=experts_here, top_k=min(config.top_k, experts_here))

@@ -1,12 +1,15 @@
 """Expert parallel: each rank of a group holds a disjoint share of every layer's routed experts.
 
 Placement is round-robin (expert e lives on rank e mod world), or, given a profile, balanced per
-layer so the hottest experts spread over the ranks; either way every rank owns the same number of
-experts of every layer (±1), so the banks are the same size. A rank's bank, host tier and residency policy see only its own experts, in a
+layer so the hottest experts spread over the ranks. Every rank owns the same number of experts
+of every layer (±1), unless the ranks' budgets differ (heterogeneous cards): then each owns a
+share in proportion to the bank memory its budget leaves (`expert_counts`), so every rank keeps
+the same fraction of its experts resident. A rank's bank, host tier and residency policy see only its own experts, in a
 local id space (local id i = the rank's i-th expert): `ShardStore` presents the checkpoint that way.
 `ShardedExperts` is the model's `RoutedExperts` on every rank: routed ids become local ids, or -1
 for another rank's expert (the bank skips those pairs), the rank's bank computes its partial sum,
-and one all-reduce per MoE layer adds the ranks' partials. Routing itself is computed identically
+and one all-reduce per MoE layer adds the ranks' partials (counted and timed by
+`CollectiveStats`). Routing itself is computed identically
 on every rank (the router is replicated), so no ids need to travel.
 """
 
@@ -20,15 +23,41 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moestream.experts.collective import CollectiveStats
 from moestream.experts.format import ExpertFormat
 
 
-def balanced_owners(frequencies: np.ndarray, world: int) -> list[list[int]]:
+def expert_counts(num_experts: int, weights: list[float]) -> tuple[int, ...]:
+    """Experts per rank in proportion to `weights` (largest remainders; each rank at least one,
+    their sum `num_experts`). Deterministic: every rank computes the same answer."""
+    world = len(weights)
+    total = float(sum(weights))
+    if total <= 0:
+        return tuple(len(range(r, num_experts, world)) for r in range(world))
+    spare = num_experts - world   # one expert each first
+    exact = [spare * w / total for w in weights]
+    counts = [1 + int(x) for x in exact]
+    for r in sorted(range(world), key=lambda r: (-(exact[r] - int(exact[r])), r))[:num_experts - sum(counts)]:
+        counts[r] += 1
+    return tuple(counts)
+
+
+def interleaved_owners(num_experts: int, counts: tuple[int, ...]) -> list[list[int]]:
+    """Per rank, the experts it holds when rank r holds counts[r] of them: each expert in turn to
+    the rank furthest below its share (round-robin when the counts are round-robin's)."""
+    owned: list[list[int]] = [[] for _ in counts]
+    for e in range(num_experts):
+        r = min((r for r, c in enumerate(counts) if len(owned[r]) < c), key=lambda r: (len(owned[r]) / counts[r], r))
+        owned[r].append(e)
+    return owned
+
+
+def balanced_owners(frequencies: np.ndarray, world: int, counts: tuple[int, ...] | None = None) -> list[list[int]]:
     """Per rank, the experts it holds: hottest first, each to the least loaded rank with room
-    (every rank keeps its round-robin count, so banks stay the same size). Deterministic: every
-    rank computes the same answer."""
+    (every rank keeps its count: round-robin's, or `counts`, so bank sizes stay as planned).
+    Deterministic: every rank computes the same answer."""
     E = len(frequencies)
-    quota = [len(range(r, E, world)) for r in range(world)]
+    quota = list(counts) if counts is not None else [len(range(r, E, world)) for r in range(world)]
     owned: list[list[int]] = [[] for _ in range(world)]
     load = [0.0] * world
     for e in np.argsort(-np.asarray(frequencies, dtype=np.float64), kind="stable").tolist():
@@ -40,27 +69,36 @@ def balanced_owners(frequencies: np.ndarray, world: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which experts this rank holds: round-robin (e mod world), or per MoE layer as given (a
-    profile's balanced split). Every rank holds the same number of experts in every layer."""
+    """Which experts this rank holds: round-robin (e mod world), or interleaved by `counts` (ranks
+    with more memory hold more), or per MoE layer as given (a profile's balanced split). A rank
+    holds the same number of experts in every layer."""
 
     rank: int
     world: int
     num_experts: int
     layers: dict[int, tuple[int, ...]] = field(default_factory=dict)   # MoE layer → this rank's experts
+    counts: tuple[int, ...] | None = None   # experts per rank (None: round-robin's equal shares)
 
     @classmethod
-    def balanced(cls, rank: int, world: int, num_experts: int, frequencies: dict[int, np.ndarray]) -> Placement:
+    def balanced(cls, rank: int, world: int, num_experts: int, frequencies: dict[int, np.ndarray],
+                 counts: tuple[int, ...] | None = None) -> Placement:
         """Hot experts spread over the ranks, layer by layer, by a profile's usage."""
         return cls(rank, world, num_experts,
-                   {layer: tuple(balanced_owners(f, world)[rank]) for layer, f in frequencies.items()})
+                   {layer: tuple(balanced_owners(f, world, counts)[rank]) for layer, f in frequencies.items()}, counts)
 
     def experts(self, layer: int) -> list[int]:
         """Global ids of the experts this rank holds in `layer`, in local-id order."""
         held = self.layers.get(layer)
-        return list(held) if held is not None else list(range(self.rank, self.num_experts, self.world))
+        if held is not None:
+            return list(held)
+        if self.counts is not None:
+            return interleaved_owners(self.num_experts, self.counts)[self.rank]
+        return list(range(self.rank, self.num_experts, self.world))
 
     @property
     def count(self) -> int:
+        if self.counts is not None:
+            return self.counts[self.rank]
         return len(range(self.rank, self.num_experts, self.world))
 
     def to_local(self, layer: int, device: torch.device) -> Tensor:
@@ -115,13 +153,15 @@ class ShardedExperts:
         if self.owned is not None:
             bank.external_hits = self._fold_hits
         # gloo reduces fp32 and fp16 but not bf16 everywhere; NCCL reduces any of them in place.
-        self.reduce_fp32 = dist.get_backend(group) == "gloo"
+        gloo = dist.get_backend(group) == "gloo"
+        self.reduce_fp32 = gloo
+        self.collectives = CollectiveStats(bank.device, events=not gloo and bank.device.type == "cuda")
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
+        return self._sum(layer, self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        return self._sum(self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
+        return self._sum(layer, self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def _to_local(self, layer: int, expert_ids: Tensor) -> Tensor:
         local = self.local[layer][expert_ids]
@@ -134,10 +174,10 @@ class ShardedExperts:
             self.bank.stats.record(layer, hits=int(count))
             count.zero_()
 
-    def _sum(self, partial: Tensor) -> Tensor:
-        if self.reduce_fp32 and partial.dtype != torch.float32:
-            total = partial.float()
-            dist.all_reduce(total, group=self.group)
-            return total.to(partial.dtype)
-        dist.all_reduce(partial, group=self.group)
-        return partial
+    def _sum(self, layer: int, partial: Tensor) -> Tensor:
+        total = partial.float() if self.reduce_fp32 and partial.dtype != torch.float32 else partial
+        self.collectives.run(layer, self._all_reduce, total)
+        return total.to(partial.dtype)
+
+    def _all_reduce(self, tensor: Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)

@@ -8,7 +8,10 @@ replicated dense weights and its own share of the routed experts (`experts/shard
 model call that rank 0 makes (prefill a chunk into a row, decode a batch, a full forward, a cache
 row grown or moved) is published in the store first, every follower makes the same call, and the
 MoE layers' all-reduces keep the ranks in step inside it. Tensors stay on the ranks; only ids,
-positions and sizes travel through the store.
+positions and sizes travel through the store, and, at start-up, each rank's memory budget (so
+unequal cards get unequal shares of the experts) and whether its bank can replay whole decode
+steps as CUDA graphs (over NCCL the graphs capture the all-reduces; the group uses them only if
+every rank can).
 
 Under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, possibly across hosts) nothing is
 started: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT+1, the other ranks run `follow` there
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -45,8 +49,19 @@ _POLL = timedelta(seconds=5)   # how often a waiting follower checks that rank 0
 _KEPT_CALLS = 4096             # published calls kept in the store
 
 
-def _backend(devices: list[str]) -> str:
-    return "nccl" if torch.device(devices[0]).type == "cuda" else "gloo"
+def backend(runtime) -> str:
+    """The collectives' backend of a group (`RuntimeConfig.dist_backend`): NCCL on CUDA, gloo on the
+    CPU, unless one is named (gloo on CUDA tensors lets two ranks share one GPU)."""
+    if runtime.dist_backend != "auto":
+        return runtime.dist_backend
+    return "nccl" if torch.device(runtime.devices[0]).type == "cuda" else "gloo"
+
+
+def use_device(device: str) -> None:
+    """Make a CUDA rank's device the current one: NCCL's communicator, the copy and capture streams
+    and CUDA graphs are created on the current device, whatever device the tensors name."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
 
 
 @dataclass(frozen=True)
@@ -97,11 +112,34 @@ def checkpoint_digest(folder) -> str:
     return h.hexdigest()
 
 
+def _named(device: str) -> torch.device:
+    d = torch.device(device)
+    return torch.device(d.type, 0) if d.type == "cuda" and d.index is None else d
+
+
 def rank_config(cfg, rank: int):
-    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does."""
-    runtime = dataclasses.replace(cfg.runtime, device=cfg.runtime.devices[rank], devices=None, cuda_graphs=False)
+    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does.
+
+    CUDA graphs stay on only over NCCL, whose all-reduce a graph can capture (gloo's runs on the
+    host); the group still switches them off unless every rank's bank can replay a whole step
+    (`RankGroup.wait_ready`)."""
+    devices = cfg.runtime.devices
+    graphs = cfg.runtime.cuda_graphs and backend(cfg.runtime) == "nccl"
+    mine = _named(devices[rank])
+    sharing = 1 if torchrun_env() is not None else sum(_named(d) == mine for d in devices)   # torchrun: across hosts
+    runtime = dataclasses.replace(cfg.runtime, device=devices[rank], devices=None, cuda_graphs=graphs,
+                                  ranks_on_device=sharing)
     warm = cfg.warm_start if rank == 0 else dataclasses.replace(cfg.warm_start, warmup_tokens=0)
     return dataclasses.replace(cfg, runtime=runtime, warm_start=warm)
+
+
+def gather_budgets(store, rank: int, world: int, timeout: timedelta, budget: int | None) -> list[int | None]:
+    """Every rank's budget in rank order (each rank measured its own device): the ranks place their
+    experts from all of them, each computing the same placement."""
+    store.set(f"budget/{rank}", json.dumps(budget))
+    keys = [f"budget/{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    return [json.loads(store.get(key)) for key in keys]
 
 
 class RankGroup:
@@ -127,7 +165,8 @@ class RankGroup:
         self.store.set("config", pickle.dumps(cfg))
         atexit.register(self.close)   # followers stop when rank 0's process ends, whatever it ran
         try:
-            dist.init_process_group(_backend(devices), store=self.store, rank=0, world_size=self.world,
+            use_device(devices[0])
+            dist.init_process_group(backend(cfg.runtime), store=self.store, rank=0, world_size=self.world,
                                     timeout=self.timeout)
         except Exception as exc:
             self._kill()
@@ -136,11 +175,13 @@ class RankGroup:
         self.calls = 0
         self.closed = False
 
-    def wait_ready(self, digest: str | None = None) -> None:
+    def wait_ready(self, digest: str | None = None) -> bool:
         """Every follower has built its engine (or one failed: its error, raised here) from the same
-        checkpoint as rank 0 (`digest`)."""
+        checkpoint as rank 0 (`digest`). Returns whether every follower's bank can replay a whole
+        decode step as a CUDA graph (the group captures graphs only if all of them can)."""
         if digest is not None:
             self.store.set("checkpoint", digest)
+        graph_safe = True
         for rank in range(1, self.world):
             key = f"state/{rank}"
             try:
@@ -150,9 +191,21 @@ class RankGroup:
                 raise DistributedError(f"rank {rank} did not finish loading within "
                                        f"{self.timeout.total_seconds():g} s; raise rank_timeout_s for large models.") from None
             state = self.store.get(key).decode()
-            if state != "ready":
+            if state not in ("ready", "ready+graphs"):
                 self.close()
                 raise DistributedError(f"rank {rank} failed to load: {state}")
+            graph_safe = graph_safe and state == "ready+graphs"
+        return graph_safe
+
+    def gather_budgets(self, budget: int | None) -> list[int | None]:
+        """Rank 0's budget given, every rank's returned (see `gather_budgets`)."""
+        try:
+            return gather_budgets(self.store, 0, self.world, self.timeout, budget)
+        except DistributedError:
+            raise
+        except Exception:
+            raise DistributedError(f"a rank did not report its memory budget within {self.timeout.total_seconds():g} s; "
+                                   "check that every device can start an engine.") from None
 
     def publish(self, op: str, *args) -> None:
         self.store.set(f"call/{self.calls}", pickle.dumps((op, args)))
@@ -189,6 +242,26 @@ class DistributedRunner(ModelRunner):
 
     group: RankGroup
 
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        self.group.publish("set_cuda_graphs", enabled)
+        super().set_cuda_graphs(enabled)
+
+    def enter_eager(self) -> None:
+        self.group.publish("enter_eager")
+        super().enter_eager()
+
+    def leave_eager(self) -> None:
+        self.group.publish("leave_eager")
+        super().leave_eager()
+
+    def prepare(self, batch: int, length: int, prompt_length: int = 1) -> None:
+        self.group.publish("prepare", batch, length, prompt_length)   # a capture runs collectives on every rank
+        _checked(super().prepare, batch, length, prompt_length)
+
+    def capture_batches(self, max_batch: int, length: int) -> None:
+        self.group.publish("capture_batches", max_batch, length)
+        _checked(super().capture_batches, max_batch, length)
+
     def ensure_rows(self, rows: int):
         if self.cache is None or self.cache.rows < rows:
             self.group.publish("ensure_rows", rows)
@@ -210,6 +283,9 @@ class DistributedRunner(ModelRunner):
         self.group.publish("logits", input_ids.cpu(), attention_mask.cpu() if attention_mask is not None else None)
         return _checked(super().logits, input_ids, attention_mask)
 
+    def reset_rank_stats(self) -> None:
+        """Every follower starts its statistics again (rank 0 resets its own)."""
+        self.group.publish("reset_stats")
 
     def rank_stats(self) -> list[dict]:
         """Every follower's bank statistics (rank 1, 2, ...), asked for between steps."""
@@ -242,9 +318,11 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     cfg = pickle.loads(store.get("config"))
-    dist.init_process_group(_backend(cfg.runtime.devices), store=store, rank=rank, world_size=world, timeout=timeout)
+    use_device(cfg.runtime.devices[rank])
+    dist.init_process_group(backend(cfg.runtime), store=store, rank=rank, world_size=world, timeout=timeout)
     try:
-        engine = build(rank_config(cfg, rank), rank=rank, world=world)
+        engine = build(rank_config(cfg, rank), rank=rank, world=world,
+                       gather=functools.partial(gather_budgets, store, rank, world, timeout))
         store.wait(["checkpoint"], timeout)
         if checkpoint_digest(engine.plan.folder) != store.get("checkpoint").decode():
             raise DistributedError(f"its checkpoint at {engine.plan.folder} differs from rank 0's (config.json or "
@@ -252,7 +330,7 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
     except BaseException as exc:
         store.set(f"state/{rank}", f"{type(exc).__name__}: {exc}")
         return
-    store.set(f"state/{rank}", "ready")
+    store.set(f"state/{rank}", "ready+graphs" if engine.bank.graph_safe else "ready")
     runner, device, call = engine.runner, engine.device, 0
     with torch.inference_mode():
         while True:
@@ -271,6 +349,9 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
                 return
             if op == "report_stats":
                 store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))
+                continue
+            if op == "reset_stats":
+                engine.reset_stats()
                 continue
             args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
             getattr(runner, op)(*args)

@@ -9,7 +9,7 @@ tells the bank what kind of step it is and how many tokens went through.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -36,7 +36,10 @@ class ModelRunner:
         self.segmented = segmented and model.splits_at_routers
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
-        self.cuda_graphs = cuda_graphs and device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
+        self.cuda_graphs = self._graphs_allowed(cuda_graphs)
+        # Called after each whole-step graph replay with the rows it ran: the host sees nothing of
+        # a replay, so expert parallel counts the all-reduces captured in it here.
+        self.after_replay: Callable[[int], None] | None = None
         self.cache: ModelCache | None = None
         self.scratch_row: int | None = None   # the cache's last row, where padded decode rows write
         self._rotary = None
@@ -44,6 +47,15 @@ class ModelRunner:
         # One memory pool for every batch size's whole-step graphs: only one replays at a time, and
         # each step's logits are consumed before the next replay.
         self._graph_pool = None
+
+    def _graphs_allowed(self, wanted: bool) -> bool:
+        return wanted and self.device.type == "cuda" and not os.environ.get("MOESTREAM_NO_CUDA_GRAPHS")
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """Switch decode graphs on or off (before the first model call: the cache's scratch row
+        depends on it); an expert-parallel group makes every rank take the same decision."""
+        self.cuda_graphs = self._graphs_allowed(enabled)
+        self.drop_graphs()
 
     def rotary_table(self):
         if self._rotary is None:
@@ -122,6 +134,8 @@ class ModelRunner:
         self.bank.begin_step(True)
         logits = runner(tokens, positions, kv_len)
         self.bank.after_step(B)
+        if self.after_replay is not None and isinstance(runner, DecodeGraphs):
+            self.after_replay(runner.batch)
         return logits
 
     def padded_batch(self, batch: int) -> int:
@@ -179,12 +193,19 @@ class ModelRunner:
     def eager(self) -> Iterator[None]:
         """Run every step eagerly inside (routers swapped for observers would not be seen by graphs
         captured before, and capturing with them would count the capture's warm-up steps)."""
-        saved = (self.cuda_graphs, self._graphs)
-        self.cuda_graphs, self._graphs = False, {}
+        self.enter_eager()
         try:
             yield
         finally:
-            self.cuda_graphs, self._graphs = saved   # graphs of a reallocated cache are recaptured on use
+            self.leave_eager()
+
+    def enter_eager(self) -> None:
+        """`eager`'s first half (a separate call, so an expert-parallel group can make it on every rank)."""
+        self._saved_graphs = (self.cuda_graphs, self._graphs)
+        self.cuda_graphs, self._graphs = False, {}
+
+    def leave_eager(self) -> None:
+        self.cuda_graphs, self._graphs = self._saved_graphs   # graphs of a reallocated cache are recaptured on use
 
     @torch.inference_mode()
     def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:

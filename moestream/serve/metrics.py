@@ -2,7 +2,8 @@
 
 Request counts by API and status, tokens in / out / reused, time to first token and between
 tokens, queue depth and running sequences (sampled after every step), and the state of the
-prefix cache and the expert bank, read when `/metrics` is scraped.
+prefix cache and the expert bank, read when `/metrics` is scraped; with several devices, each
+rank's bank and all-reduces (calls, bytes, seconds) labelled by rank.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class ServerMetrics:
                                         "Share of prompt tokens restored instead of prefilled", registry=r)
         self.bank_hit_rate = Gauge("moestream_bank_hit_rate", "Expert lookups served by the bank", registry=r)
         self.bank_bytes_copied = Gauge("moestream_bank_bytes_copied", "Expert bytes copied into the bank", registry=r)
+        # Expert parallel: each rank's own bank and all-reduces (absent with one device).
+        self.rank_hit_rate = Gauge("moestream_rank_bank_hit_rate", "Expert lookups served by this rank's bank",
+                                   ["rank", "device"], registry=r)
+        self.rank_bytes_copied = Gauge("moestream_rank_bank_bytes_copied", "Expert bytes copied into this rank's bank",
+                                       ["rank", "device"], registry=r)
+        self.rank_collective_calls = Gauge("moestream_rank_allreduce_calls",
+                                           "All-reduces of the MoE layers' partial outputs run by this rank",
+                                           ["rank", "device"], registry=r)
+        self.rank_collective_bytes = Gauge("moestream_rank_allreduce_bytes", "Bytes this rank's all-reduces reduced",
+                                           ["rank", "device"], registry=r)
+        self.rank_collective_seconds = Gauge("moestream_rank_allreduce_seconds",
+                                             "Time in this rank's all-reduces (those replayed in CUDA graphs untimed)",
+                                             ["rank", "device"], registry=r)
 
     # ---- called by the worker thread ------------------------------------------------------
     def first_token(self, request) -> None:
@@ -69,4 +83,12 @@ class ServerMetrics:
         bank = self.engine.stats()
         self.bank_hit_rate.set(bank["hit_rate"])
         self.bank_bytes_copied.set(bank["bytes_copied"])
+        for rank, figures in enumerate(bank.get("ranks", ())):
+            labels = (str(rank), figures.get("device", ""))
+            collective = figures.get("collective", {})
+            self.rank_hit_rate.labels(*labels).set(figures["hit_rate"])
+            self.rank_bytes_copied.labels(*labels).set(figures["bytes_copied"])
+            self.rank_collective_calls.labels(*labels).set(collective.get("calls", 0))
+            self.rank_collective_bytes.labels(*labels).set(collective.get("bytes", 0))
+            self.rank_collective_seconds.labels(*labels).set(collective.get("seconds", 0.0))
         return generate_latest(self.registry)

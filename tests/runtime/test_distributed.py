@@ -71,6 +71,8 @@ def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
     (dict(devices=["cpu", "cpu"], device="cpu"), "either device or devices"),
     (dict(devices=["cpu", "cpu"], prefix_cache_memory="1MiB"), "prefix cache is not supported"),
     (dict(devices=["cpu", "cpu"], miss_policy="skip"), "--miss-policy skip is not supported"),
+    (dict(devices=["cpu", "cpu"], dist_backend="nccl"), "nccl needs CUDA devices"),
+    (dict(devices=["cpu", "cpu"], dist_backend="mpi"), "dist_backend 'mpi' is unknown"),
 ])
 def test_bad_device_lists_are_refused_before_anything_starts(tiny_qwen3, kwargs, match):
     with pytest.raises(InputError, match=match):
@@ -81,6 +83,8 @@ def test_bad_device_lists_are_refused_before_anything_starts(tiny_qwen3, kwargs,
 def test_gpus_that_do_not_exist_are_named(tiny_qwen3):
     with pytest.raises(InputError, match="does not exist"):
         moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"])
+    with pytest.raises(InputError, match="does not exist"):   # gloo lets ranks share a GPU; it must still exist
+        moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:0"], dist_backend="gloo")
 
 
 def test_more_ranks_than_experts_is_refused(tiny_qwen3):
@@ -91,10 +95,13 @@ def test_more_ranks_than_experts_is_refused(tiny_qwen3):
 
 def test_cli_runs_with_two_cpu_ranks(tiny_qwen3):
     r = subprocess.run([sys.executable, "-m", "moestream", "run", str(tiny_qwen3), "--devices", "cpu,cpu",
-                        "-p", "5 6 7 8", "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+                        "-p", "5 6 7 8", "--max-tokens", "4", "--stats"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     single = moestream.load(tiny_qwen3, device="cpu").generate([5, 6, 7, 8], max_tokens=4)
     assert r.stdout.split() == [str(t) for t in single]
+    ranks = [line.split() for line in r.stderr.splitlines() if line.split()[:1] in (["0"], ["1"]) and "cpu" in line]
+    assert len(ranks) == 2 and "all-reduces" in r.stderr   # --stats: a line per rank, its all-reduces counted
+    assert ranks[0][6] == ranks[1][6] != "0"
     bad = subprocess.run([sys.executable, "-m", "moestream", "run", str(tiny_qwen3), "--devices", "all", "-p", "5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("moestream: error:") and "Traceback" not in bad.stderr
@@ -162,3 +169,116 @@ def test_the_checkpoint_digest_tells_different_checkpoints_apart(tiny_checkpoint
 
     a, b = tiny_checkpoints["qwen3_moe"][0], tiny_checkpoints["mixtral"][0]
     assert checkpoint_digest(a) == checkpoint_digest(a) != checkpoint_digest(b)
+
+
+def test_each_rank_reports_its_all_reduces(tiny_qwen3):
+    """Every rank ran one all-reduce per MoE layer per model call, of the tokens' fp32 partial rows;
+    resetting the statistics on rank 0 resets every rank's."""
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        engine.generate(PROMPTS, max_tokens=5, ignore_eos=True)
+        stats = engine.stats()
+        moe_layers, H = len(stats["layers"]), engine.config.hidden_size
+        for rank in stats["ranks"]:
+            c = rank["collective"]
+            assert rank["device"] == "cpu" and c["graph_calls"] == 0 and c["seconds"] > 0
+            assert c["calls"] == stats["ranks"][0]["collective"]["calls"] and c["calls"] % moe_layers == 0
+            assert c["bytes"] == stats["tokens"] * H * 4 * moe_layers
+        assert "collective" not in stats   # the totals add up banks; the all-reduces are per rank
+        engine.reset_stats()
+        assert all(r["collective"]["calls"] == 0 and r["tokens"] == 0 for r in engine.stats()["ranks"])
+
+
+def test_collective_stats_count_and_time_each_reduce_on_the_host():
+    from moestream.experts.collective import CollectiveStats
+
+    stats = CollectiveStats(torch.device("cpu"), events=False)
+    seen = []
+    stats.run(3, seen.append, torch.ones(5, 16))
+    stats.run(4, seen.append, torch.ones(2, 16, dtype=torch.float16))
+    assert len(seen) == 2
+    figures = stats.as_dict()
+    assert figures["calls"] == 2 and figures["bytes"] == 5 * 16 * 4 + 2 * 16 * 2 and figures["seconds"] >= 0
+    stats.reset()
+    assert stats.as_dict() == {"calls": 0, "bytes": 0, "seconds": 0.0, "graph_calls": 0}
+
+
+def test_metrics_show_each_ranks_bank_and_all_reduces():
+    from moestream.serve.metrics import ServerMetrics
+
+    rank = {"hit_rate": 0.5, "bytes_copied": 100, "device": "cuda:1",
+            "collective": {"calls": 48, "bytes": 4096, "seconds": 0.25, "graph_calls": 0}}
+
+    class Engine:
+        def prefix_cache_stats(self):
+            return None
+
+        def stats(self):
+            return {"hit_rate": 0.5, "bytes_copied": 200, "ranks": [dict(rank, device="cuda:0"), rank]}
+
+    text = ServerMetrics(Engine()).render().decode()
+    assert 'moestream_rank_allreduce_seconds{device="cuda:1",rank="1"} 0.25' in text
+    assert 'moestream_rank_allreduce_calls{device="cuda:0",rank="0"} 48.0' in text
+    assert 'moestream_rank_bank_hit_rate{device="cuda:1",rank="1"} 0.5' in text
+
+
+def test_unequal_counts_place_every_expert_once():
+    from moestream.experts.sharded import Placement, expert_counts, interleaved_owners
+
+    for E, world in [(8, 2), (9, 3), (128, 4), (5, 2)]:
+        equal = expert_counts(E, [1.0] * world)
+        assert interleaved_owners(E, equal) == [list(range(r, E, world)) for r in range(world)]   # round-robin
+    counts = expert_counts(128, [3.0, 1.0])
+    assert counts == (96, 32)
+    assert expert_counts(8, [5.0, 0.0]) == (7, 1)   # every rank holds at least one
+    placements = [Placement(r, 2, 128, counts=counts) for r in range(2)]
+    held = [p.experts(0) for p in placements]
+    assert sorted(held[0] + held[1]) == list(range(128)) and [len(h) for h in held] == [96, 32]
+    table = placements[1].to_local(0, torch.device("cpu"))
+    assert [int(table[e]) for e in held[1]] == list(range(32)) and int(table[held[0][0]]) == -1
+    balanced = [Placement.balanced(r, 2, 128, {0: [float(e % 7) for e in range(128)]}, counts) for r in range(2)]
+    assert [b.count for b in balanced] == [96, 32] and sorted(balanced[0].experts(0) + balanced[1].experts(0)) == list(range(128))
+
+
+def test_each_rank_budgets_its_own_devices_free_memory(tiny_qwen3):
+    from moestream.engine import BankConfig, EngineConfig, RuntimeConfig
+    from moestream.engine.ranks import rank_budget
+    from moestream.runtime.distributed import rank_config
+
+    def config(**bank):
+        return EngineConfig(tiny_qwen3, RuntimeConfig(devices=["cpu"] * 3), BankConfig(**bank)).validate()
+
+    free = {"cpu": 3 * 2**30}
+    measured = [rank_budget(rank_config(config(), r), lambda d: free[d.type]) for r in range(3)]
+    assert measured == [2**30] * 3                       # three ranks on one device split its free memory
+    assert rank_budget(rank_config(config(gpu_memory="2GiB"), 1), lambda d: 1) == 2 * 2**30   # per device, as given
+    assert rank_budget(rank_config(config(capacity=2), 1), lambda d: 1) is None
+
+
+def test_heterogeneous_budgets_give_banks_in_proportion(tiny_qwen3):
+    """A rank with five times the bank room owns (about) five times the experts, so both keep the
+    same share of theirs resident; `check` prints each rank's plan."""
+    from moestream.engine import EngineConfig, RuntimeConfig
+    from moestream.engine.ranks import explain_ranks, plan_ranks
+
+    cfg = EngineConfig(tiny_qwen3, RuntimeConfig(devices=["cpu", "cpu"])).validate()
+    base = plan_ranks(cfg, budgets=[None, None])[0].plan.memory   # unbounded: equal shares, fully resident
+    E = 2 * base.num_experts
+    expert = sum(base.layer_slot_bytes)
+    plans = plan_ranks(cfg, budgets=[base.fixed_bytes + 100 * expert, base.fixed_bytes + 20 * expert])
+    assert [r.placement.count for r in plans] == [6, 2] and sum(r.placement.count for r in plans) == E
+    assert [r.plan.memory.capacity for r in plans] == [6, 2]   # both hold all of theirs
+    assert all(r.plan.memory.total_bytes <= r.budget for r in plans)
+    text = explain_ranks(plans)
+    assert f"rank 0            cpu: 6 of the {E} experts" in text and f"rank 1            cpu: 2 of the {E} experts" in text
+    equal = plan_ranks(cfg, budgets=[base.fixed_bytes + 20 * expert] * 2)
+    assert [r.placement.count for r in equal] == [E // 2, E // 2]
+
+
+def test_benchmark_routings_are_refused_with_several_devices():
+    from moestream.bench import UniformRouting, use_routing
+
+    class GroupEngine:   # rank 0 of a group: the followers would keep routing by the model
+        group = object()
+
+    with pytest.raises(InputError, match="not supported with several devices"):
+        use_routing(GroupEngine(), UniformRouting(2))

@@ -1,0 +1,82 @@
+"""Expert parallel on CUDA tensors (skipped without CUDA): two ranks sharing one GPU over gloo give
+the single-process engine's tokens; with two GPUs, NCCL's all-reduce is captured inside the decode
+graphs and the tokens stay the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moestream
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL ranks cannot share one)")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 0, 0, 0, 0]])
+MASK = (IDS != 0).long()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def single(tiny_qwen3):
+    """The single-process engine's fp32 logits and greedy tokens on the GPU."""
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="float32")
+    return (engine.config.top_k, engine.logits(IDS, MASK).cpu(),
+            engine.generate(PROMPTS, max_tokens=16, ignore_eos=True))
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["resident", "bounded"])
+def test_two_ranks_sharing_one_gpu_over_gloo_give_one_process_tokens(tiny_qwen3, single, bounded):
+    top_k, want_logits, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:0"], dist_backend="gloo", dtype="float32",
+                        capacity=top_k if bounded else None, rank_timeout_s=120) as engine:
+        assert engine.device.type == "cuda" and not engine.runner.cuda_graphs   # gloo's reduce is not capturable
+        assert rel(engine.logits(IDS, MASK).cpu()[MASK.bool()], want_logits[MASK.bool()]) <= 1e-4
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+        stats = engine.stats()
+        assert [r["device"] for r in stats["ranks"]] == ["cuda:0", "cuda:0"]
+        for r in stats["ranks"]:
+            assert r["collective"]["calls"] > 0 and r["collective"]["graph_calls"] == 0 and r["collective"]["seconds"] > 0
+        assert (stats["misses"] > 0) == bounded
+
+
+def test_two_ranks_sharing_one_gpu_in_bf16_stay_close(tiny_qwen3):
+    """bf16 partial outputs are rounded on each rank before they are summed, so not bit-exact."""
+    want = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16").logits(IDS, MASK).cpu()
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:0"], dist_backend="gloo", dtype="bfloat16",
+                        rank_timeout_s=120) as engine:
+        got = engine.logits(IDS, MASK).cpu()
+    assert got.dtype == torch.bfloat16 and rel(got[MASK.bool()], want[MASK.bool()]) <= 3e-2
+
+
+@two_gpus
+@pytest.mark.parametrize("bounded", [False, True], ids=["resident", "bounded"])
+def test_nccl_all_reduce_runs_inside_the_decode_graphs(tiny_qwen3, single, bounded):
+    """Fully resident ranks replay whole decode steps, all-reduces included; a bounded bank reads
+    its routing back, so every rank decodes eagerly (the group decides together)."""
+    top_k, want_logits, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32",
+                        capacity=top_k if bounded else None, rank_timeout_s=120) as engine:
+        assert engine.runner.cuda_graphs == (not bounded)
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+        assert engine.generate(PROMPTS[1], max_tokens=16, ignore_eos=True) == \
+            moestream.load(tiny_qwen3, device="cuda", dtype="float32").generate(PROMPTS[1], max_tokens=16,
+                                                                                  ignore_eos=True)
+        stats = engine.stats()
+        for r in stats["ranks"]:
+            c = r["collective"]
+            assert c["seconds"] > 0                              # prefill's reduces, timed by CUDA events
+            assert (c["graph_calls"] > 0) == (not bounded)       # decode's, replayed inside the graphs
+
+
+@two_gpus
+def test_a_server_sized_group_captures_every_batch_on_every_rank(tiny_qwen3, single):
+    """Start-up captures of the padded batch sizes run on every rank (their all-reduces pair up)."""
+    _, _, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32", kv_rows=4, max_batch=4,
+                        warmup_tokens=2, rank_timeout_s=120) as engine:
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
