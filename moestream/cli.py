@@ -825,6 +825,16 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             sys.stdout = open(os.devnull, "w")
         return 0
+    except Exception:
+        # A Ctrl-C that landed inside a library's import can leave that library half-initialised, so
+        # the failure surfaces as some other exception (numpy's lazy submodules recurse forever): once
+        # an interrupt was seen, whatever follows is that interrupt.
+        if not _interrupts.seen:
+            raise
+        print("moestream: interrupted", file=sys.stderr)
+        if argv is None:
+            _exit_now(130)
+        return 130
 
 
 if __name__ == "__main__":
