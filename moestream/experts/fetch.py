@@ -182,6 +182,8 @@ class Fetcher:
         them. The CPU takes first those with the fewest routed tokens (its work grows with them, a
         copy's does not), then those the residency policy values least: a copied expert stays in
         the bank for later tokens, a CPU-served one does not, so the hot ones are the ones to copy."""
+        if self.costs is None and self.cpu_share == 1:
+            return missing
         experts, counts = np.unique(flat, return_counts=True)
         tokens = dict(zip(experts.tolist(), counts.tolist()))
         worth = dict(zip(missing, self.policy.priority(layer, np.asarray(missing)).tolist()))
@@ -196,16 +198,16 @@ class Fetcher:
         compute `on_cpu`'s pairs on the CPU meanwhile, then add the two results."""
         ls = self.slots[layer]
         routed = expert_ids.reshape(hidden.shape[0], -1).cpu().numpy()
-        cpu_out = self.serve_on_cpu(layer, routed, on_cpu, hidden, weights, wait="device")
+        cpu_out = self.serve_on_cpu(layer, routed, on_cpu, hidden.cpu(), weights.float().cpu(), wait="device")
         out = self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)   # on_cpu: no slot
         return (out.float() + cpu_out.to(out.device, non_blocking=True)).to(out.dtype)
 
     def ensure_resident_hybrid(self, layer: int, routed: np.ndarray, hidden: Tensor, weights: Tensor,
                                wait: str = "host") -> Tensor | None:
         """`ensure_resident` for a decode segment, with hybrid misses, given the call's routing
-        `routed` (T, k) already on the host: returns the CPU-computed rows (T, H) fp32 on the CPU to
-        add to the layer's output, or None when every miss was copied (the hidden rows and weights
-        are then never read back)."""
+        `routed` (T, k), hidden rows (T, H) and routing weights (T, k), read back to the host with
+        it: returns the CPU-computed rows (T, H) fp32 on the CPU to add to the layer's output, or
+        None when every miss was copied."""
         flat = routed.reshape(-1)
         flat = flat[flat >= 0]
         ls = self.slots[layer]
@@ -219,20 +221,16 @@ class Fetcher:
     def serve_on_cpu(self, layer: int, routed: np.ndarray, on_cpu: list[int], hidden: Tensor, weights: Tensor,
                      wait: str) -> Tensor:
         """Install the routed experts not in `on_cpu` (copies queued first, so they overlap the CPU
-        work), then compute `on_cpu`'s pairs from host RAM. `routed` (T, k) is on the host; the
-        hidden rows and weights are read back in one copy. Returns those pairs' rows (T, H), fp32,
-        on the CPU."""
+        work), then compute `on_cpu`'s pairs from host RAM. `routed` (T, k), `hidden` and `weights`
+        are on the host. Returns those pairs' rows (T, H), fp32, on the CPU."""
         at_cpu = np.isin(routed, on_cpu)
         kept = routed[~at_cpu]
         self.ensure_resident(layer, kept[kept >= 0], wait)
-        T, H = hidden.shape
-        host = torch.cat((weights.reshape(-1).float(), hidden.reshape(-1).float())).cpu()
         experts, counts = np.unique(routed[at_cpu], return_counts=True)
         self.policy.record(layer, experts, counts)
         t0 = time.perf_counter()
-        out = self.host_dispatch[layer](host[routed.size:].view(T, H).to(hidden.dtype), self.host_stacks[layer],
-                                        torch.from_numpy(np.where(at_cpu, routed, -1).astype(np.int32)),
-                                        host[:routed.size].view(routed.shape))
+        out = self.host_dispatch[layer](hidden, self.host_stacks[layer],
+                                        torch.from_numpy(np.where(at_cpu, routed, -1).astype(np.int32)), weights)
         self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()),
                           cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape),
                           cpu_s=time.perf_counter() - t0)

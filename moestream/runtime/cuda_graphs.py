@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moestream.experts.bank import ExpertBank
@@ -109,6 +110,7 @@ class _Carry:
     weights: torch.Tensor | None = None
     predicted: torch.Tensor | None = None   # next MoE layer's experts, its router applied to this h
     logits: torch.Tensor | None = None
+    readback: torch.Tensor | None = None    # what the host reads after this segment, as one fp32 vector
 
 
 class SegmentedDecode:
@@ -164,22 +166,30 @@ class SegmentedDecode:
         predicted = None
         if self.prefetch and i + 1 < len(self.moe_layers):
             predicted = self.layers[self.moe_layers[i + 1]].ffn.router.predict(h)
-        return _Carry(ctx, x, h, ids, weights, predicted)
+        # One vector for the layer's one read-back, built inside the segment: the routing, the next
+        # layer's prediction, and, where the CPU may compute experts, the weights and hidden rows.
+        parts = [ids.reshape(-1).float()]
+        if predicted is not None:
+            parts.append(predicted.reshape(-1).float())
+        if self.cpu_rows is not None:
+            parts += [weights.reshape(-1).float(), h.reshape(-1).float()]
+        return _Carry(ctx, x, h, ids, weights, predicted, readback=torch.cat(parts))
 
     def _make_resident(self, i: int, carry: _Carry) -> None:
         """The one sync of a layer: read its routing (and the next layer's prediction), fetch, prefetch."""
         bank = self.bank
-        if carry.predicted is None:
-            actual, predicted = carry.ids.reshape(-1).cpu().numpy(), None
-        else:
-            both = torch.cat((carry.ids.reshape(-1), carry.predicted.reshape(-1))).cpu().numpy()
-            actual, predicted = both[:carry.ids.numel()], both[carry.ids.numel():]
+        host = carry.readback.cpu()
+        n, T = carry.ids.numel(), carry.h.shape[0]
+        p = n + (carry.predicted.numel() if carry.predicted is not None else 0)
+        actual = host[:n].numpy().astype(np.int64)
+        predicted = host[n:p].numpy().astype(np.int64) if carry.predicted is not None else None
         wait = "device" if self.cache.device.type == "cuda" else "host"
         if self.cpu_rows is None:
             bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
         else:
-            routed = actual.reshape(carry.h.shape[0], -1)
-            rows = bank.ensure_resident_hybrid(self.moe_layers[i], routed, carry.h, carry.weights, wait=wait)
+            rest = host[p:]
+            weights, hidden = rest[:n].view(T, -1), rest[n:].view(T, -1).to(carry.h.dtype)
+            rows = bank.ensure_resident_hybrid(self.moe_layers[i], actual.reshape(T, -1), hidden, weights, wait=wait)
             if rows is not None:
                 self.cpu_rows[i].copy_(rows, non_blocking=True)
             elif self._rows_set[i]:
