@@ -55,18 +55,24 @@ def sum_pairs(per_pair: Tensor, dtype, fused: bool) -> Tensor:
     return sum_pairs_reference(per_pair, dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def fused_moe_available() -> bool:
-    """True when `fused_moe` can run here: a CUDA device is visible and Triton imports."""
+def cuda_module_available(module: str) -> bool:
+    """True when a CUDA device is visible and `module` imports (a broken install — ImportError, a
+    missing libcuda, a library built against another Triton — counts as absent)."""
     import torch
 
     if not torch.cuda.is_available():
         return False
     try:
-        importlib.import_module("triton")
-    except Exception:  # a broken install (ImportError, missing libcuda, ...) means "no"
+        importlib.import_module(module)
+    except Exception:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def fused_moe_available() -> bool:
+    """True when `fused_moe` can run here: a CUDA device is visible and Triton imports."""
+    return cuda_module_available("triton")
 
 
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True) -> Tensor:

@@ -27,7 +27,7 @@ import importlib
 import torch
 from torch import Tensor
 
-from . import fused_ops_enabled
+from . import cuda_module_available, fused_ops_enabled
 from .delta_rule_reference import chunk_gated_delta_rule, gated_delta_step, l2_normalise
 
 _FLA_DTYPES = (torch.bfloat16, torch.float16)
@@ -36,13 +36,7 @@ _FLA_DTYPES = (torch.bfloat16, torch.float16)
 @functools.lru_cache(maxsize=None)
 def fla_available() -> bool:
     """True when a CUDA device is visible and flash-linear-attention's gated delta rule imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        importlib.import_module("fla.ops.gated_delta_rule")
-    except Exception:   # absent, or broken against this Triton/torch: the reference runs
-        return False
-    return True
+    return cuda_module_available("fla.ops.gated_delta_rule")
 
 
 def _fla_head_dim(d: int) -> bool:
