@@ -105,3 +105,20 @@ def test_cpu_threads_set_the_threads_the_cpu_misses_run_on(tiny_qwen3, resident)
         assert hybrid.stats()["cpu_served"] > 0
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_hybrid_misses_on_the_gpu_give_the_resident_tokens(tiny_qwen3, share):
+    """On CUDA the CPU's rows come from the C kernel over the pinned tier and join the decode graph
+    segments; at the smallest bank (top-k slots) with every miss on the CPU, most routed experts of a
+    step miss, and the tokens stay the fully resident GPU engine's (fp32)."""
+    resident = moestream.load(tiny_qwen3, device="cuda", dtype="float32")
+    want = resident.generate(PROMPTS, max_tokens=16, ignore_eos=True)
+    k = resident.config.top_k
+    hybrid = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=k, host_tier="pinned",
+                            cpu_misses=share, discovery=False)
+    assert hybrid.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+    assert [hybrid.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+    stats = hybrid.stats()
+    assert stats["cpu_served"] > 0 and stats["cpu_bytes"] > 0
