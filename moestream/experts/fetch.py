@@ -144,7 +144,8 @@ class Fetcher:
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing)
         if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
-            on_cpu = self._cpu_share_of(layer, flat, missing)
+            experts, counts = np.unique(flat, return_counts=True)
+            on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
             if on_cpu:
                 return self._hybrid(layer, hidden, expert_ids, weights, flat, on_cpu)
         self.ensure_resident(layer, flat)
@@ -177,15 +178,13 @@ class Fetcher:
             record.update(copy_wait_s=time.perf_counter() - t0)
         self.stats.record(layer, **record)
 
-    def _cpu_share_of(self, layer: int, flat: np.ndarray, missing: list[int]) -> list[int]:
+    def _cpu_share_of(self, layer: int, tokens: dict[int, int], missing: list[int]) -> list[int]:
         """The missing experts the CPU computes: as the measured costs say ("auto"), or `cpu_share` of
         them. The CPU takes first those with the fewest routed tokens (its work grows with them, a
         copy's does not), then those the residency policy values least: a copied expert stays in
         the bank for later tokens, a CPU-served one does not, so the hot ones are the ones to copy."""
         if self.costs is None and self.cpu_share == 1:
             return missing
-        experts, counts = np.unique(flat, return_counts=True)
-        tokens = dict(zip(experts.tolist(), counts.tolist()))
         worth = dict(zip(missing, self.policy.priority(layer, np.asarray(missing)).tolist()))
         order = sorted(missing, key=lambda e: (tokens[e], worth[e], e))
         if self.costs is not None:
@@ -211,8 +210,12 @@ class Fetcher:
         flat = routed.reshape(-1)
         flat = flat[flat >= 0]
         ls = self.slots[layer]
-        missing = [e for e in np.unique(flat).tolist() if e not in ls.where]
-        on_cpu = self._cpu_share_of(layer, flat, missing) if missing and hidden.shape[0] <= CPU_MAX_TOKENS else []
+        on_cpu = []
+        if hidden.shape[0] <= CPU_MAX_TOKENS:
+            experts, counts = np.unique(flat, return_counts=True)
+            tokens = dict(zip(experts.tolist(), counts.tolist()))
+            missing = [e for e in tokens if e not in ls.where]
+            on_cpu = self._cpu_share_of(layer, tokens, missing) if missing else []
         if not on_cpu:
             self.ensure_resident(layer, flat, wait)
             return None
@@ -223,7 +226,9 @@ class Fetcher:
         """Install the routed experts not in `on_cpu` (copies queued first, so they overlap the CPU
         work), then compute `on_cpu`'s pairs from host RAM. `routed` (T, k), `hidden` and `weights`
         are on the host. Returns those pairs' rows (T, H), fp32, on the CPU."""
-        at_cpu = np.isin(routed, on_cpu)
+        served = np.zeros(self.slots.num_experts + 1, dtype=bool)   # [-1]: no expert, never on the CPU
+        served[on_cpu] = True
+        at_cpu = served[routed]
         kept = routed[~at_cpu]
         self.ensure_resident(layer, kept[kept >= 0], wait)
         experts, counts = np.unique(routed[at_cpu], return_counts=True)

@@ -39,6 +39,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _threads: int | None = None
+_checked: dict[int, Tensor] = {}   # id of a slots mapping -> the gate_up tensor it held when checked
 
 
 def _cpu_key() -> str:
@@ -154,19 +155,21 @@ def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weigh
     S, two_i, H = gate_up.shape
     I = two_i // 2
     act = Activation.of(activation)
-    for t in (gate_up, down, gu_bias, dn_bias):
-        if t is not None and (t.device.type != "cpu" or t.dtype != gate_up.dtype or not t.is_contiguous()):
-            raise ValueError("the CPU expert kernel needs contiguous CPU slot tensors of one dtype")
+    if _checked.get(id(slots)) is not gate_up:   # a host tier's stacks are checked once
+        for t in (gate_up, down, gu_bias, dn_bias):
+            if t is not None and (t.device.type != "cpu" or t.dtype != gate_up.dtype or not t.is_contiguous()):
+                raise ValueError("the CPU expert kernel needs contiguous CPU slot tensors of one dtype")
+        _checked[id(slots)] = gate_up
     T, k = slot_ids.shape
     out = torch.zeros(T, H, dtype=torch.float32)
     ids = slot_ids.reshape(-1).numpy()
     pairs = np.flatnonzero((ids >= 0) & (ids < S))
     if pairs.size:
         pairs = pairs[np.argsort(ids[pairs], kind="stable")]
-        experts, counts = np.unique(ids[pairs], return_counts=True)
-        experts = experts.astype(np.int32)
-        pair_off = np.zeros(len(experts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=pair_off[1:])
+        sorted_ids = ids[pairs]
+        starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+        experts = sorted_ids[starts].astype(np.int32)
+        pair_off = np.append(starts, len(pairs)).astype(np.int32)
         pair_tok = (pairs // k).astype(np.int32)
         pair_w = weights.reshape(-1).float().numpy()[pairs].astype(np.float32)
         x = hidden.to(gate_up.dtype).contiguous()
