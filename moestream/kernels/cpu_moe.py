@@ -122,14 +122,22 @@ def supports(dtype: torch.dtype, activation: str | Activation) -> bool:
     return dtype in DTYPES and Activation.of(activation).name in ACTIVATION_CODES
 
 
+def default_threads(cpus: int) -> int:
+    """Three of every four cores: the kernel is bound by memory bandwidth, which a 16-core host's
+    DRAM delivers to 12 threads as well as to 16, and the cores left over keep the Python thread
+    that drives the GPU and the CUDA driver's threads off the kernel's (12 threads gave 10% more
+    decode speed than 16 with every miss on the CPU; BENCHMARKS.md)."""
+    return max(1, (3 * cpus) // 4)
+
+
 def set_threads(threads: int | None = None) -> int:
     """Size the kernel's thread team and pin its workers, one per core, away from the first core of
     this process's CPU set, where the calling (Python) thread runs as the team's thread 0. Returns
-    the team size. None: one thread per CPU this process may use."""
+    the team size. None: `default_threads` of the CPUs this process may use."""
     global _threads
     lib = load()
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    n = max(1, threads or len(cpus))
+    n = max(1, threads or default_threads(len(cpus)))
     if lib is not None:
         workers = cpus[1:] or cpus
         arr = (ctypes.c_int32 * len(workers))(*workers)
