@@ -128,11 +128,11 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
     p.add_argument("--cpu-misses", type=share_or_auto, default=0.0, metavar="SHARE|auto",
                    help="a decode step's missing experts computed on the CPU from host RAM while the rest are copied: "
-                        "a share of them, or auto (split by costs measured at load) (exact; needs the pinned host "
-                        "tier; off by default)")
+                        "a share of them (1: all), or auto (split by costs measured at the first decode step) "
+                        "(exact; needs the pinned host tier; off by default)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
-                   help="threads the CPU computes missed experts with (--cpu-misses; default: torch's, all cores; "
-                        "a bf16 GEMV is often faster on the physical cores only)")
+                   help="threads the CPU computes missed experts with (--cpu-misses; default: three of every four "
+                        "cores this process may use)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
@@ -358,6 +358,9 @@ def _stats_text(engine) -> str:
     """--stats: the bank's table per layer (rank 0's with several devices), then a line per rank."""
     engine.bank.sync_stats()
     table = engine.bank.stats.table()
+    fetcher = engine.bank.fetcher
+    if fetcher is not None and fetcher.costs is not None:
+        table += "\n" + fetcher.costs.describe()
     if engine.group is None:
         return table
     return table + "\n" + ranks_table(engine.stats()["ranks"])
@@ -563,7 +566,22 @@ def cmd_check(args) -> int:
     plan = plan_load(cfg)
     _print_model(plan)
     print(plan.memory.explain())
+    _print_cpu_path()
     return 0
+
+
+def _print_cpu_path() -> None:
+    """What `--cpu-misses` would compute with on this host: the inputs its split starts from."""
+    import os
+
+    from moestream.kernels import cpu_moe
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cpu_moe.load() is None:
+        print(f"CPU experts       plain torch ({cpu_moe.unavailable_reason()}); --cpu-misses would be slow here")
+    else:
+        print(f"CPU experts       C kernel, {cpu_moe.default_threads(cpus)} of {cpus} cores by default (--cpu-threads); "
+              f"--cpu-misses auto measures copy and CPU costs at the first decode step (--stats prints them)")
 
 
 def _print_model(plan) -> None:

@@ -12,6 +12,7 @@ staging area instead, so a prompt neither thrashes the decode bank nor needs eve
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
@@ -47,6 +48,12 @@ class MissCosts:
     cpu_token_s: float
     cpu_call_s: float
     contention: float = 1.0
+
+    def describe(self) -> str:
+        """One line for --stats: what the split of hybrid misses is deciding with."""
+        return (f"hybrid misses split by: copy {self.copy_s * 1e6:.0f} us/expert, CPU {self.cpu_expert_s * 1e6:.0f} us/expert "
+                f"+ {self.cpu_token_s * 1e6:.1f} us per further token, CPU call {self.cpu_call_s * 1e6:.0f} us, "
+                f"contention {self.contention:.2f}x")
 
     def cpu_s(self, tokens: int) -> float:
         return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
@@ -122,11 +129,7 @@ class Fetcher:
         self.pair_sum = {layer: fmt.pair_sum(slots.device, shape) for layer, fmt in slots.formats.items()}
         self.host_dispatch = ({layer: fmt.host_dispatch(shape) for layer, fmt in slots.formats.items()}
                               if self.host_stacks is not None else {})
-        self.costs: MissCosts | None = None   # cpu_share "auto": split by measured costs
-        if self.host_stacks is not None and cpu_share == "auto":
-            layer = next(iter(self.host_stacks))
-            self.costs = MissCosts.measure(self.host_stacks[layer], self.host_dispatch[layer], slots.device,
-                                           shape.hidden, slots.formats[layer].dtype)
+        self.costs: MissCosts | None = None   # cpu_share "auto": split by measured costs (see `_cpu_share_of`)
         half = staging_half(staging_slots, top_k)
         formats: dict[str, ExpertFormat] = {fmt.name: fmt for fmt in slots.formats.values()}
         self.staging = {name: [fmt.empty(shape, half, device=slots.device) for _ in range(2)]
@@ -183,13 +186,31 @@ class Fetcher:
         them. The CPU takes first those with the fewest routed tokens (its work grows with them, a
         copy's does not), then those the residency policy values least: a copied expert stays in
         the bank for later tokens, a CPU-served one does not, so the hot ones are the ones to copy."""
-        if self.costs is None and self.cpu_share == 1:
+        if self.cpu_share == 1:
             return missing
+        if self.cpu_share == "auto" and self.costs is None:
+            self.costs = self.measure_costs()
         worth = dict(zip(missing, self.policy.priority(layer, np.asarray(missing)).tolist()))
         order = sorted(missing, key=lambda e: (tokens[e], worth[e], e))
         if self.costs is not None:
             return self.costs.split(order, tokens)
         return order[:int(round(len(missing) * self.cpu_share))]
+
+    def measure_costs(self) -> MissCosts:
+        """The split's costs, measured when the first decode step asks for them rather than when the
+        bank is built: right after a build the host is still busy with it (a measurement then was
+        seen 20x too slow on the CPU side), and by the first step the kernels are loaded."""
+        layer = next(iter(self.host_stacks))
+        return MissCosts.measure(self.host_stacks[layer], self.host_dispatch[layer], self.slots.device,
+                                 self.shape.hidden, self.slots.formats[layer].dtype)
+
+    def _observe_cpu(self, experts: int, pairs: int, seconds: float) -> None:
+        """Keep the CPU's cost per expert current from the calls it serves (a moving average), so a
+        host that turns busier or quieter moves the split with it."""
+        if self.costs is None or experts == 0:
+            return
+        per_expert = max(0.0, seconds - (pairs - experts) * self.costs.cpu_token_s) / experts
+        self.costs = dataclasses.replace(self.costs, cpu_expert_s=0.8 * self.costs.cpu_expert_s + 0.2 * per_expert)
 
     def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
                 on_cpu: list[int]) -> Tensor:
@@ -236,9 +257,10 @@ class Fetcher:
         t0 = time.perf_counter()
         out = self.host_dispatch[layer](hidden, self.host_stacks[layer],
                                         torch.from_numpy(np.where(at_cpu, routed, -1).astype(np.int32)), weights)
+        took = time.perf_counter() - t0
+        self._observe_cpu(len(experts), int(counts.sum()), took)
         self.stats.record(layer, misses=int(counts.sum()), cpu_served=int(counts.sum()),
-                          cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape),
-                          cpu_s=time.perf_counter() - t0)
+                          cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape), cpu_s=took)
         return out
 
     def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,

@@ -77,9 +77,22 @@ def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
     engine, want = resident
     auto = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
                           host_tier="pinned", cpu_misses="auto", discovery=False)
+    assert auto.bank.fetcher.costs is None   # measured when the first decode step needs them
+    assert auto.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
     costs = auto.bank.fetcher.costs
     assert costs is not None and costs.copy_s > 0 and costs.cpu_expert_s > 0
-    assert auto.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+
+
+def test_the_cpu_cost_follows_the_calls_it_serves(tiny_qwen3):
+    from moestream.experts.fetch import MissCosts
+
+    fetcher = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=2, host_tier="pinned",
+                             cpu_misses="auto", discovery=False).bank.fetcher
+    fetcher.costs = MissCosts(copy_s=1.0, cpu_expert_s=1.0, cpu_token_s=0.1, cpu_call_s=0.0)
+    for _ in range(50):   # the CPU turned out 10x faster than measured: 2 experts, 3 pairs, 0.3 s
+        fetcher._observe_cpu(experts=2, pairs=3, seconds=0.3)
+    assert fetcher.costs.cpu_expert_s == pytest.approx(0.1, rel=0.01)
+    assert fetcher.costs.copy_s == 1.0
 
 
 def test_the_cli_flag_takes_a_share_or_auto(tiny_qwen3):
@@ -122,3 +135,14 @@ def test_hybrid_misses_on_the_gpu_give_the_resident_tokens(tiny_qwen3, share):
     assert [hybrid.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
     stats = hybrid.stats()
     assert stats["cpu_served"] > 0 and stats["cpu_bytes"] > 0
+
+
+def test_stats_print_the_split_costs_and_check_the_cpu_path(tiny_qwen3, capsys):
+    from moestream.cli import main
+
+    assert main(["run", str(tiny_qwen3), "--device", "cpu", "--capacity", "2", "--host-tier", "pinned",
+                 "--cpu-misses", "auto", "--stats", "-p", "5 6 7", "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "hybrid misses split by: copy" in err and "contention" in err
+    assert main(["check", str(tiny_qwen3), "--device", "cpu"]) == 0
+    assert "CPU experts" in capsys.readouterr().out
