@@ -141,12 +141,15 @@ static inline float activate(float g, float u, int act, float alpha, float limit
     }
 }
 
-/* Pin the team's threads to `cpus` (the caller keeps its own affinity: it is thread 0). */
+/* The team's size, set here and named on each parallel region rather than set process-wide: the
+ * OpenMP runtime may be torch's own (same soname), whose intra-op thread count stays as torch set it. */
+static int team = 1;
+
+/* Size the team and pin its threads to `cpus` (the caller keeps its own affinity: it is thread 0). */
 int moe_cpu_init(int threads, const int32_t *cpus, int ncpus) {
-    omp_set_dynamic(0);
-    omp_set_num_threads(threads);
+    team = threads > 0 ? threads : 1;
     int pinned = 0;
-#pragma omp parallel reduction(+ : pinned)
+#pragma omp parallel num_threads(team) reduction(+ : pinned)
     {
         int t = omp_get_thread_num();
         if (t > 0 && ncpus > 0) {
@@ -171,7 +174,7 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
     const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int n_pairs = pair_off[n_used];
-#pragma omp parallel
+#pragma omp parallel num_threads(team)
     {
         /* 1. gate_up rows of every used expert, for all its tokens at once */
 #pragma omp for schedule(static)
