@@ -22,11 +22,11 @@ from moestream.engine.plan import LoadPlan, plan_load, read_model
 from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_budget
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
-from moestream.kernels import cpu_moe
 from moestream.experts.bank import ExpertBank
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
+from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
 from moestream.model.mla import set_absorbed
 from moestream.model.quant_linear import quantize_modules

@@ -35,7 +35,7 @@ CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misse
 
 @dataclass(frozen=True)
 class MissCosts:
-    """What a miss costs each way, measured on this machine when the bank is built: copying one
+    """What a miss costs each way, measured on this machine at the first decode step: copying one
     expert to the device; computing one expert on the CPU for its first token and for each further
     one (the weights are read once, the tokens add arithmetic); the fixed cost of a CPU call
     (hidden rows to the host, the result back); and `contention`, how much longer both paths take
