@@ -225,6 +225,13 @@ def _cpu_kernel(hidden: Tensor, stack: Mapping[str, Tensor], expert_ids: Tensor,
     return cpu_moe.cpu_moe(hidden, stack, expert_ids, weights, activation, out_dtype=torch.float32)
 
 
+def _cpu_quant_kernel(hidden: Tensor, stack: Mapping[str, Tensor], expert_ids: Tensor, weights: Tensor,
+                      spec: QuantSpec) -> Tensor:
+    from moestream.kernels import cpu_moe
+
+    return cpu_moe.cpu_moe_quant(hidden, stack, expert_ids, weights, spec, out_dtype=torch.float32)
+
+
 class QuantizedFormat(ExpertFormat):
     """Group-quantized experts: both projections packed per `spec`, computed in `dtype`.
 
@@ -276,6 +283,15 @@ class QuantizedFormat(ExpertFormat):
         from moestream import kernels
 
         return device.type == "cuda" and kernels.fused_moe_quant_available()
+
+    def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
+        """The C kernel, unpacking the values in registers (a 4-bit expert is a quarter of the bytes a
+        bf16 one reads), for the specs it reads; the plain-torch reference for the others."""
+        from moestream.kernels import cpu_moe
+
+        if not cpu_moe.supports_quant(self.spec) or cpu_moe.load() is None:
+            return super().host_dispatch(shape)
+        return functools.partial(_cpu_quant_kernel, spec=self.spec)
 
     def describe(self, shape: ExpertShape) -> dict:
         return {**super().describe(shape), "bits": self.spec.bits, "group": self.spec.group, "kind": self.spec.kind}

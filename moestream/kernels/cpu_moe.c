@@ -162,18 +162,104 @@ int moe_cpu_init(int threads, const int32_t *cpus, int ncpus) {
     return pinned;
 }
 
-/* The experts of one call. `experts[u]` (u < n_used) is the index into the stacked host tensors
- * (gate_up: (E, 2I, H), down: (E, H, I), biases (E, 2I) / (E, H) or NULL); its pairs are
- * `pair_tok[pair_off[u] .. pair_off[u + 1])` with routing weights `pair_w`. `x`: (T, H) and `act_buf`:
- * (n_pairs, I), both in the weights' dtype; `scratch`: (n_pairs, 2I) fp32; `out`: (T, H) fp32, added to. */
-void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_bias, const void *down_bias,
-                     int dtype, int H, int I, int act, float alpha, float limit,
-                     int n_used, const int32_t *experts, const int32_t *pair_off, const int32_t *pair_tok,
-                     const float *pair_w, const void *x, float *scratch, void *act_buf, float *out) {
+/* ---- the three phases of a call, over any weight format ---------------------------------------- */
+
+/* Weights of one call: dense rows (bf16 / fp32), or group-quantized rows (kernels/cpu_moe.py). */
+typedef struct {
+    int quantized;
+    int dtype;                    /* dense: W_BF16 | W_FP32 */
+    const void *w[2];             /* dense rows of gate_up (E*2I, H) and down (E*H, I); or packed values */
+    const void *scales[2], *qbias[2];
+    int bits, group, sdtype;      /* quantized: bits 8/4/2, values per group, scales 0 = bf16, 1 = fp32 */
+    float table[16];              /* quantized, 4 and 2 bits: the value of each code (affine: the code) */
+} Weights;
+
+/* Inputs of one projection for T tokens: the hidden rows (phase 1) or the pairs' activations (phase
+ * 3). Dense: in the weights' dtype, rows of `K` values. Quantized: fp32 and phase-ordered, value
+ * j*v + p of a row at p*(K/v) + j for v = 8/bits values per byte, so each unpacked byte's p-th value
+ * meets a contiguous input vector. */
+
+static inline float scale_at(const void *p, int sdtype, size_t i) {
+    return sdtype == 0 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* One quantized row times one phase-ordered input. */
+static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+    const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v;
+    const int G = (K + W->group - 1) / W->group;
+    const size_t row_bytes = (size_t)K * bits / 8;
+    const uint8_t *q = (const uint8_t *)W->w[which] + row * row_bytes;
+    const void *sc = W->scales[which], *bi = W->qbias[which];
+    float acc = 0.f;
+    int g = 0;
+#if defined(__AVX512F__)
+    const int gbytes = W->group * bits / 8;
+    if (gbytes % 16 == 0) {   /* whole groups, 16 bytes at a time; a ragged last group goes below */
+        __m512 vacc = _mm512_setzero_ps();
+        const __m512 table = _mm512_loadu_ps(W->table);
+        const __m512i vmask = _mm512_set1_epi32(mask);
+        for (; g < K / W->group; g++) {
+            const __m512 s = _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g));
+            const __m512 b = _mm512_set1_ps(bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f);
+            for (int j = g * gbytes; j < (g + 1) * gbytes; j += 16) {
+                __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
+                for (int p = 0; p < v; p++) {
+                    __m512 w;
+                    if (bits == 8) {
+                        w = _mm512_cvtepi32_ps(by);
+                    } else {
+                        __m512i code = _mm512_and_si512(_mm512_srl_epi32(by, _mm_cvtsi32_si128(p * bits)), vmask);
+                        w = _mm512_permutexvar_ps(code, table);
+                    }
+                    vacc = _mm512_fmadd_ps(_mm512_fmadd_ps(w, s, b), _mm512_loadu_ps(x + (size_t)p * per + j), vacc);
+                }
+            }
+        }
+        acc = _mm512_reduce_add_ps(vacc);
+    }
+#endif
+    for (; g < G; g++) {   /* portable form, and a ragged last group */
+        const int s0 = g * W->group, len = K - s0 < W->group ? K - s0 : W->group;
+        const float s = scale_at(sc, W->sdtype, row * G + g), b = bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f;
+        float dot = 0.f, sum = 0.f;
+        for (int i = s0; i < s0 + len; i++) {
+            int code = (q[(size_t)i * bits / 8] >> ((i % v) * bits)) & mask;
+            float xi = x[(size_t)(i % v) * per + i / v];
+            dot += (bits == 8 ? (float)code : W->table[code]) * xi;
+            sum += xi;
+        }
+        acc += s * dot + b * sum;
+    }
+    return acc;
+}
+
+/* y[t * ldy] = row · x_t for T inputs (tok: which inputs; NULL: the first T). */
+static void rows_dot(const Weights *W, int which, size_t row, int K, const void *x, int ldx,
+                     const int32_t *tok, int T, float *y, int ldy) {
+    if (!W->quantized) {
+        row_dots(W->w[which], W->dtype, row, K, x, ldx, tok, T, y, ldy);
+        return;
+    }
+    for (int t = 0; t < T; t++)
+        y[(size_t)t * ldy] = qrow_dot(W, which, row, K, (const float *)x + (size_t)(tok ? tok[t] : t) * ldx);
+}
+
+/* The experts of one call. `experts[u]` (u < n_used) indexes the stacked host tensors; its pairs are
+ * `pair_tok[pair_off[u] .. pair_off[u + 1])` with routing weights `pair_w`. `x`: (T, H) inputs as
+ * `rows_dot` takes them; `scratch`: (n_pairs, 2I) fp32; `act_buf`: (n_pairs, I) activations, stored
+ * as the down projection takes them (dense bf16: bf16 bits; quantized: phase-ordered fp32, rounded
+ * to bf16 values when `round_act`); `out`: (T, H) fp32, added to. Dense experts may have biases. */
+static void run_experts(const Weights *W, const void *gate_up_bias, const void *down_bias, int H, int I, int act,
+                        float alpha, float limit, int round_act, int n_used, const int32_t *experts,
+                        const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const void *x,
+                        float *scratch, void *act_buf, float *out) {
     const int two_i = 2 * I;
     const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int n_pairs = pair_off[n_used];
+    const int dense_bf16 = !W->quantized && W->dtype == W_BF16;
+    const int v = W->quantized ? 8 / W->bits : 1;
+    const size_t esize = dense_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(team)
     {
         /* 1. gate_up rows of every used expert, for all its tokens at once */
@@ -184,9 +270,9 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
             int p0 = pair_off[u], np = pair_off[u + 1] - p0;
             size_t base = (size_t)experts[u] * two_i;
             for (int r = r0; r < r1; r++)
-                row_dots(gate_up, dtype, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+                rows_dot(W, 0, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
         }
-        /* 2. the activation in fp32, stored in the weights' dtype for the down product */
+        /* 2. the activation in fp32, stored as the down product takes it */
 #pragma omp for schedule(static)
         for (int p = 0; p < n_pairs; p++) {
             int u = 0;
@@ -194,23 +280,22 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
             const float *h = scratch + (size_t)p * two_i;
             size_t b = (size_t)experts[u] * two_i;
             for (int i = 0; i < I; i++) {
-                float g = h[i], v = h[I + i];
+                float g = h[i], up = h[I + i];
                 if (gate_up_bias) {
-                    g += widen(gate_up_bias, dtype, b + i);
-                    v += widen(gate_up_bias, dtype, b + I + i);
+                    g += widen(gate_up_bias, W->dtype, b + i);
+                    up += widen(gate_up_bias, W->dtype, b + I + i);
                 }
-                float a = activate(g, v, act, alpha, limit);
-                if (dtype == W_BF16)
+                float a = activate(g, up, act, alpha, limit);
+                if (dense_bf16)
                     ((uint16_t *)act_buf)[(size_t)p * I + i] = (uint16_t)(f32_bits(round_bf16(a)) >> 16);
                 else
-                    ((float *)act_buf)[(size_t)p * I + i] = a;
+                    ((float *)act_buf)[(size_t)p * I + (size_t)(i % v) * (I / v) + i / v] = round_act ? round_bf16(a) : a;
             }
         }
         /* 3. down rows: each thread owns output rows, experts in a fixed order (deterministic sums) */
 #pragma omp for schedule(static)
         for (int task = 0; task < down_tasks; task++) {
             int r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
-            const size_t esize = dtype == W_BF16 ? 2 : 4;
             float y[64];
             for (int u = 0; u < n_used; u++) {
                 int p0 = pair_off[u], np = pair_off[u + 1] - p0;
@@ -218,9 +303,9 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
                 for (int r = r0; r < r1; r++) {
                     for (int c = 0; c < np; c += 64) {
                         int n = np - c < 64 ? np - c : 64;
-                        row_dots(down, dtype, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
+                        rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
                                  NULL, n, y, 1);
-                        float bias = down_bias ? widen(down_bias, dtype, base + r) : 0.f;
+                        float bias = down_bias ? widen(down_bias, W->dtype, base + r) : 0.f;
                         for (int j = 0; j < n; j++)
                             out[(size_t)pair_tok[p0 + c + j] * H + r] += pair_w[p0 + c + j] * (y[j] + bias);
                     }
@@ -228,4 +313,42 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
             }
         }
     }
+}
+
+/* Dense experts: gate_up (E, 2I, H), down (E, H, I) and optional biases (E, 2I) / (E, H) in one dtype;
+ * `x` (T, H) and `act_buf` (n_pairs, I) in that dtype. */
+void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_bias, const void *down_bias,
+                     int dtype, int H, int I, int act, float alpha, float limit,
+                     int n_used, const int32_t *experts, const int32_t *pair_off, const int32_t *pair_tok,
+                     const float *pair_w, const void *x, float *scratch, void *act_buf, float *out) {
+    Weights W = {0};
+    W.dtype = dtype;
+    W.w[0] = gate_up;
+    W.w[1] = down;
+    run_experts(&W, gate_up_bias, down_bias, H, I, act, alpha, limit, 0, n_used, experts, pair_off, pair_tok,
+                pair_w, x, scratch, act_buf, out);
+}
+
+/* Group-quantized SwiGLU experts (kernels/cpu_moe.py: which specs): per projection the packed values,
+ * the scales and (affine) the biases, stacked over E experts; `x` (T, H) and `act_buf` (n_pairs, I)
+ * phase-ordered fp32. */
+void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b, const void *dn_q,
+                           const void *dn_s, const void *dn_b, int bits, int group, int sdtype,
+                           const float *table, int round_act, int H, int I, int n_used, const int32_t *experts,
+                           const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const float *x,
+                           float *scratch, float *act_buf, float *out) {
+    Weights W = {0};
+    W.quantized = 1;
+    W.w[0] = gu_q;
+    W.w[1] = dn_q;
+    W.scales[0] = gu_s;
+    W.scales[1] = dn_s;
+    W.qbias[0] = gu_b;
+    W.qbias[1] = dn_b;
+    W.bits = bits;
+    W.group = group;
+    W.sdtype = sdtype;
+    for (int i = 0; i < 16; i++) W.table[i] = table ? table[i] : (float)i;
+    run_experts(&W, NULL, NULL, H, I, ACT_SWIGLU, 0.f, 0.f, round_act, n_used, experts, pair_off, pair_tok, pair_w,
+                x, scratch, act_buf, out);
 }

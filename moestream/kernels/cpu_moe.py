@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 
 from moestream.kernels.moe_reference import Activation
+from moestream.quant import QuantSpec
+from moestream.quant.normal import codebook
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -109,6 +111,9 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_init.restype = i32
         lib.moe_cpu_experts.argtypes = [p, p, p, p, i32, i32, i32, i32, f32, f32, i32, p, p, p, p, p, p, p, p]
         lib.moe_cpu_experts.restype = None
+        lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
+                                              p, p, p, p, p, p, p, p]
+        lib.moe_cpu_experts_quant.restype = None
         _lib = lib
         return _lib
 
@@ -146,6 +151,45 @@ def set_threads(threads: int | None = None) -> int:
     return n
 
 
+def _ready() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the CPU expert kernel is unavailable: {_reason}")
+    if _threads is None:
+        set_threads()
+    return lib
+
+
+def _check_once(slots: Mapping[str, Tensor], dtype_of: Mapping[str, torch.dtype]) -> None:
+    """A host tier's stacks are checked once: CPU, contiguous, each tensor of its expected dtype."""
+    first = next(iter(slots.values()))
+    if _checked.get(id(slots)) is first:
+        return
+    for name, t in slots.items():
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype_of.get(name, t.dtype):
+            raise ValueError(f"the CPU expert kernel needs contiguous CPU slot tensors; {name} is not one")
+    _checked[id(slots)] = first
+
+
+def _pairs(slot_ids: Tensor, weights: Tensor, S: int) -> tuple[np.ndarray, ...] | None:
+    """The call's (token, expert) pairs grouped by expert: used experts, each one's offset into the
+    pairs, the pairs' tokens and routing weights (None when no pair is valid)."""
+    k = slot_ids.shape[1]
+    ids = slot_ids.reshape(-1).numpy()
+    pairs = np.flatnonzero((ids >= 0) & (ids < S))
+    if not pairs.size:
+        return None
+    pairs = pairs[np.argsort(ids[pairs], kind="stable")]
+    sorted_ids = ids[pairs]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    return (sorted_ids[starts].astype(np.int32), np.append(starts, len(pairs)).astype(np.int32),
+            (pairs // k).astype(np.int32), weights.reshape(-1).float().numpy()[pairs].astype(np.float32))
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
             activation: str | Activation = "swiglu", out_dtype: torch.dtype | None = None) -> Tensor:
     """`moe_reference(hidden, slots..., slot_ids, weights)` on the CPU through the C kernel: (T, H) in
@@ -153,39 +197,67 @@ def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weigh
 
     `slots` holds stacked CPU tensors (`gate_up` (S, 2I, H), `down` (S, H, I), optional biases) in
     bf16 or fp32; `slot_ids` (T, k) indexes them, -1 for pairs computed elsewhere."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"the CPU expert kernel is unavailable: {_reason}")
-    if _threads is None:
-        set_threads()
+    lib = _ready()
     gate_up, down = slots["gate_up"], slots["down"]
-    gu_bias, dn_bias = slots.get("gate_up_bias"), slots.get("down_bias")
+    _check_once(slots, {name: gate_up.dtype for name in slots})
     S, two_i, H = gate_up.shape
     I = two_i // 2
     act = Activation.of(activation)
-    if _checked.get(id(slots)) is not gate_up:   # a host tier's stacks are checked once
-        for t in (gate_up, down, gu_bias, dn_bias):
-            if t is not None and (t.device.type != "cpu" or t.dtype != gate_up.dtype or not t.is_contiguous()):
-                raise ValueError("the CPU expert kernel needs contiguous CPU slot tensors of one dtype")
-        _checked[id(slots)] = gate_up
-    T, k = slot_ids.shape
-    out = torch.zeros(T, H, dtype=torch.float32)
-    ids = slot_ids.reshape(-1).numpy()
-    pairs = np.flatnonzero((ids >= 0) & (ids < S))
-    if pairs.size:
-        pairs = pairs[np.argsort(ids[pairs], kind="stable")]
-        sorted_ids = ids[pairs]
-        starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
-        experts = sorted_ids[starts].astype(np.int32)
-        pair_off = np.append(starts, len(pairs)).astype(np.int32)
-        pair_tok = (pairs // k).astype(np.int32)
-        pair_w = weights.reshape(-1).float().numpy()[pairs].astype(np.float32)
+    out = torch.zeros(slot_ids.shape[0], H, dtype=torch.float32)
+    grouped = _pairs(slot_ids, weights, S)
+    if grouped is not None:
+        experts, pair_off, pair_tok, pair_w = grouped
         x = hidden.to(gate_up.dtype).contiguous()
-        scratch = torch.empty(len(pairs), two_i, dtype=torch.float32)
-        act_buf = torch.empty(len(pairs), I, dtype=gate_up.dtype)
-        ptr = lambda t: None if t is None else t.data_ptr()   # noqa: E731
-        lib.moe_cpu_experts(ptr(gate_up), ptr(down), ptr(gu_bias), ptr(dn_bias), DTYPES[gate_up.dtype], H, I,
-                            ACTIVATION_CODES[act.name], act.alpha, act.limit, len(experts),
-                            experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
-                            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
+        scratch = torch.empty(len(pair_tok), two_i, dtype=torch.float32)
+        act_buf = torch.empty(len(pair_tok), I, dtype=gate_up.dtype)
+        lib.moe_cpu_experts(_ptr(gate_up), _ptr(down), _ptr(slots.get("gate_up_bias")), _ptr(slots.get("down_bias")),
+                            DTYPES[gate_up.dtype], H, I, ACTIVATION_CODES[act.name], act.alpha, act.limit,
+                            len(experts), experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data,
+                            pair_w.ctypes.data, x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
+    return out.to(out_dtype or hidden.dtype)
+
+
+def supports_quant(spec: QuantSpec) -> bool:
+    """The quantized specs the kernel reads: affine 8/4/2 bits and NF4, scales in bf16 or fp32 (3-bit
+    packs straddle bytes; those, and fp16 scales, keep the plain-torch reference)."""
+    return (spec.bits in (8, 4, 2) and (spec.kind == "int" or spec.bits == 4)
+            and spec.scale_dtype in (torch.bfloat16, torch.float32))
+
+
+def _phase_ordered(x: Tensor, bits: int) -> Tensor:
+    """(n, K) → fp32 with value j*v + p of each row at p*(K/v) + j (v = 8/bits values per byte)."""
+    v = 8 // bits
+    n, K = x.shape
+    return x.float().reshape(n, K // v, v).transpose(1, 2).contiguous()
+
+
+def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor, spec: QuantSpec,
+                  out_dtype: torch.dtype | None = None) -> Tensor:
+    """`quant_moe_reference` on the CPU through the C kernel, for the specs `supports_quant` names: the
+    packed values are unpacked in registers and multiplied in fp32 (the weights are not rounded to the
+    hidden dtype first, the activation is, as the reference's down product takes it)."""
+    lib = _ready()
+    _check_once(slots, {n: torch.uint8 for n in slots if n.endswith(".qweight")}
+                | {n: spec.scale_dtype for n in slots if not n.endswith(".qweight")})
+    q = slots["gate_up.qweight"]
+    S, two_i = q.shape[:2]
+    I, H = two_i // 2, slots["down.qweight"].shape[1]
+    out = torch.zeros(slot_ids.shape[0], H, dtype=torch.float32)
+    grouped = _pairs(slot_ids, weights, S)
+    if grouped is not None:
+        experts, pair_off, pair_tok, pair_w = grouped
+        table = torch.zeros(16)
+        if spec.kind == "nf":
+            table[:1 << spec.bits] = codebook(spec.bits)
+        else:
+            table[:min(16, 1 << spec.bits)] = torch.arange(min(16, 1 << spec.bits), dtype=torch.float32)
+        x = _phase_ordered(hidden, spec.bits)
+        scratch = torch.empty(len(pair_tok), two_i, dtype=torch.float32)
+        act_buf = torch.empty(len(pair_tok), I, dtype=torch.float32)
+        lib.moe_cpu_experts_quant(
+            _ptr(q), _ptr(slots["gate_up.scales"]), _ptr(slots.get("gate_up.biases")), _ptr(slots["down.qweight"]),
+            _ptr(slots["down.scales"]), _ptr(slots.get("down.biases")), spec.bits, spec.group,
+            0 if spec.scale_dtype == torch.bfloat16 else 1, table.data_ptr(), int(hidden.dtype == torch.bfloat16),
+            H, I, len(experts), experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
+            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
     return out.to(out_dtype or hidden.dtype)

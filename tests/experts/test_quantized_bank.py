@@ -83,3 +83,16 @@ def test_prepack_snapshot_records_the_format(tiny_quant, tmp_path):
     assert warm.prepack.loaded
     other = _load(tiny_quant, experts="int8", capacity=3, prepack=snap)
     assert not other.prepack.loaded and "expert_formats" in other.prepack.reason
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "nf4", "int3"])   # int3: the plain-torch path
+def test_hybrid_misses_of_quantized_experts_give_the_resident_tokens(tiny_quant, fmt):
+    """Quantized experts computed on the CPU from the pinned tier (the C kernel unpacks them where it
+    reads the format) give the tokens of the fully resident quantized model."""
+    full = _load(tiny_quant, experts=fmt)
+    expected = full.generate(PROMPTS, max_tokens=12, ignore_eos=True)
+    engine = _load(tiny_quant, experts=fmt, capacity=2 * full.config.top_k, host_tier="pinned", cpu_misses=1.0,
+                   discovery=False)
+    assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == expected             # batched decode
+    assert [engine.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == expected   # alone
+    assert engine.stats()["cpu_served"] > 0

@@ -102,3 +102,42 @@ def test_the_thread_team_can_be_resized():
     finally:
         cpu_moe.set_threads()
     torch.testing.assert_close(one, two, rtol=0, atol=0)   # rows are owned by one thread: same sums
+
+
+def _quantized_experts(S, H, I, spec, seed=0):
+    from moestream.quant import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    slots = {}
+    for proj, (n, k) in {"gate_up": (2 * I, H), "down": (H, I)}.items():
+        parts = [quantize(torch.randn(n, k, generator=g) / k ** 0.5, spec).parts() for _ in range(S)]
+        for part in parts[0]:
+            slots[f"{proj}.{part}"] = torch.stack([p[part] for p in parts]).contiguous()
+    return slots
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64"])
+@pytest.mark.parametrize("H, I", [(128, 64), (96, 40)])   # whole groups, and a ragged last group
+def test_quantized_fp32_equals_the_reference(name, H, I):
+    """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
+    loads, the portable one elsewhere) give the reference's dequantize-then-multiply result."""
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+    from moestream.quant import parse_quant
+
+    spec = parse_quant(name)
+    assert cpu_moe.supports_quant(spec)
+    slots = _quantized_experts(5, H, I, spec)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, H, generator=g)
+    ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
+    w = torch.rand(4, 3, generator=g)
+    ref = quant_moe_reference(x, slots, ids, w, spec)
+    torch.testing.assert_close(cpu_moe.cpu_moe_quant(x, slots, ids, w, spec), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_specs_the_kernel_does_not_read_are_named():
+    from moestream.quant import parse_quant
+
+    assert not cpu_moe.supports_quant(parse_quant("int3"))      # 3-bit packs straddle bytes
+    assert not cpu_moe.supports_quant(parse_quant("nf3"))
+    assert not cpu_moe.supports_quant(parse_quant("int4", scale_dtype=torch.float16))
