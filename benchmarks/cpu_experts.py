@@ -2,7 +2,7 @@
 reference), or copied over PCIe into a device slot.
 
     python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
-        [--experts-per-call 1 3 6] [--tokens 1 4 16]
+        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4]
 
 The experts live in one stacked host tensor of `--pool` experts (default 256: several hundred MB,
 far beyond the last-level cache, so every call reads DRAM, as a real miss does) and each timed
@@ -22,6 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moestream.kernels import cpu_moe  # noqa: E402
 from moestream.kernels.moe_reference import moe_reference  # noqa: E402
+from moestream.kernels.quant_moe_reference import quant_moe_reference  # noqa: E402
+from moestream.quant import parse_quant, quantize  # noqa: E402
 
 
 def timed(fn, calls: int) -> float:
@@ -42,6 +44,8 @@ def main() -> None:
     ap.add_argument("--experts-per-call", type=int, nargs="+", default=[1, 3, 6])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--formats", nargs="+", default=["bf16"],
+                    help="expert formats: bf16, or quantized ones (int4-g64, nf4, ...: the bf16 pool quantized)")
     ap.add_argument("--memory", nargs="+", choices=["pinned", "huge"], default=["pinned"],
                     help="host memory of the pool: pinned by cudaHostAlloc (4 KiB pages), or anonymous memory "
                          "advised into transparent huge pages, then registered with CUDA")
@@ -52,15 +56,37 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     source = {"gate_up": torch.randn(P, 2 * I, H, generator=gen).to(torch.bfloat16),
               "down": torch.randn(P, H, I, generator=gen).to(torch.bfloat16)}
-    expert_bytes = sum(t[0].nbytes for t in source.values())
     result = {}
-    for memory in args.memory:
-        stack = {n: _host(t, memory, cuda) for n, t in source.items()}
-        print(f"--- memory: {memory}", flush=True)
-        result[memory] = _measure(args, stack, expert_bytes, gen, cuda)
-    result.update(hidden=H, intermediate=I, expert_bytes=expert_bytes, pool=P,
-                  kernel_unavailable=cpu_moe.unavailable_reason())
+    for fmt in args.formats:
+        pool = source if fmt == "bf16" else _quantized(source, parse_quant(fmt), cuda)
+        kernel, reference = _paths(fmt)
+        expert_bytes = sum(t[0].nbytes for t in pool.values())
+        for memory in args.memory:
+            stack = {n: _host(t, memory, cuda) for n, t in pool.items()}
+            print(f"--- {fmt} experts ({expert_bytes / 1e6:.2f} MB each), memory: {memory}", flush=True)
+            result[f"{fmt}_{memory}"] = _measure(args, stack, expert_bytes, gen, cuda, kernel, reference)
+    result.update(hidden=H, intermediate=I, pool=P, kernel_unavailable=cpu_moe.unavailable_reason())
     (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
+
+
+def _quantized(source: dict, spec, cuda: bool) -> dict:
+    """The bf16 pool's experts in `spec`'s stacked slot tensors (quantized on the GPU when there is one)."""
+    out = {}
+    for proj, stack in source.items():
+        parts = [quantize(w.cuda() if cuda else w.float(), spec).parts() for w in stack]
+        for part in parts[0]:
+            out[f"{proj}.{part}"] = torch.stack([p[part].cpu() for p in parts]).contiguous()
+    return out
+
+
+def _paths(fmt: str):
+    """(C kernel, plain-torch reference) for experts of `fmt`, each as f(x, stack, ids, weights)."""
+    if fmt == "bf16":
+        return (lambda x, st, ids, w: cpu_moe.cpu_moe(x, st, ids, w, out_dtype=torch.float32),
+                lambda x, st, ids, w: moe_reference(x, st["gate_up"], st["down"], ids, w))
+    spec = parse_quant(fmt)
+    return (lambda x, st, ids, w: cpu_moe.cpu_moe_quant(x, st, ids, w, spec, out_dtype=torch.float32),
+            lambda x, st, ids, w: quant_moe_reference(x, st, ids, w, spec))
 
 
 def _host(t: torch.Tensor, memory: str, cuda: bool) -> torch.Tensor:
@@ -78,7 +104,7 @@ def _host(t: torch.Tensor, memory: str, cuda: bool) -> torch.Tensor:
     return out
 
 
-def _measure(args, stack, expert_bytes, gen, cuda) -> dict:
+def _measure(args, stack, expert_bytes, gen, cuda, kernel_fn, reference_fn) -> dict:
     H, I, P = args.hidden, args.intermediate, args.pool
     rows = []
     cores = len(cpu_moe.os.sched_getaffinity(0))
@@ -94,9 +120,8 @@ def _measure(args, stack, expert_bytes, gen, cuda) -> dict:
                     first = (i * m) % (P - m)
                     return torch.arange(first, first + m, dtype=torch.int32).expand(T, m).contiguous()
 
-                kernel = timed(lambda i: cpu_moe.cpu_moe(x, stack, ids(i), w, out_dtype=torch.float32), args.calls)
-                ref = timed(lambda i: moe_reference(x, stack["gate_up"], stack["down"], ids(i), w),
-                            max(4, args.calls // 8))
+                kernel = timed(lambda i: kernel_fn(x, stack, ids(i), w), args.calls)
+                ref = timed(lambda i: reference_fn(x, stack, ids(i), w), max(2, args.calls // 8))
                 row = dict(threads=threads, experts=m, tokens=T, kernel_us=kernel * 1e6, torch_us=ref * 1e6,
                            kernel_gb_s=m * expert_bytes / kernel / 1e9, torch_gb_s=m * expert_bytes / ref / 1e9)
                 rows.append(row)
@@ -106,8 +131,9 @@ def _measure(args, stack, expert_bytes, gen, cuda) -> dict:
     result = dict(rows=rows)
     torch.set_num_threads(cores)
     span = max(1, min(32, P // 4))
-    read = timed(lambda i: stack["gate_up"][(i * span) % (P - span):(i * span) % (P - span) + span].sum(), 8)
-    result.update(read_gb_s=span * stack["gate_up"][0].nbytes / read / 1e9)
+    big = max(stack.values(), key=lambda t: t.nbytes)
+    read = timed(lambda i: big[(i * span) % (P - span):(i * span) % (P - span) + span].float().sum(), 8)
+    result.update(read_gb_s=span * big[0].nbytes / read / 1e9)
     print(f"DRAM read by torch.sum on {cores} threads: {result['read_gb_s']:.1f} GB/s")
     if cuda:
         dest = {n: torch.empty_like(t[0], device="cuda") for n, t in stack.items()}
