@@ -2,6 +2,7 @@
 
     python benchmarks/quantized_decode.py --ckpt /tmp/q3 --out $OUT [--formats int4 int8 int3]
         [--fractions 1.0 0.25] [--routing uniform|trace --trace T.json] [--prompt-tokens 512 --gen-tokens 64]
+        [--cpu-misses 0 1 auto]
 
 For each format: `moestream convert` (timed: GB/s of source expert weights) into /tmp/<ckpt>-<format>
 unless it is there, then `moestream.load` of the packed checkpoint at each fraction of the experts
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[0.0],
+                    help="hybrid misses at bounded budgets (the pinned host tier): each value is a row")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_checkpoint(args.ckpt, args.shape, args.layers)
@@ -46,21 +49,25 @@ def main() -> None:
             conv = {"seconds": result.seconds, "GB_per_s": result.gb_per_s, "written_GB": result.written_bytes / 1e9}
             log(f"convert {fmt}: {json.dumps(conv)}")
         first = True
-        for frac in args.fractions:
+        for frac, cpu_misses in [(f, c) for f in args.fractions for c in args.cpu_misses]:
             E = 128
             cap = max(8, round(E * frac))
+            if cap == E and cpu_misses:
+                continue   # nothing misses: one resident row is enough
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096)
+            hybrid = dict(host_tier="pinned", cpu_misses=cpu_misses) if cpu_misses else {}
+            engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096, **hybrid)
             load_s = time.perf_counter() - t0
             routing = apply_routing(engine, args.routing, args.trace)
             res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
                             routing=routing).as_dict()
-            res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv)
+            res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv,
+                       cpu_misses=cpu_misses)
             rows.append(res)
-            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "decode_tok_s", "ttft_s", "prefill_tok_s",
-                                                "decode_hit_rate", "decode_bytes_per_token", "peak_device_bytes",
-                                                "load_s")}))
+            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "cpu_misses", "decode_tok_s", "ttft_s",
+                                                "prefill_tok_s", "decode_hit_rate", "decode_bytes_per_token",
+                                                "decode_cpu_bytes_per_token", "peak_device_bytes", "load_s")}))
             first, conv = False, None
             del engine
             torch.cuda.empty_cache()
