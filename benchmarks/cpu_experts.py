@@ -105,9 +105,9 @@ def _host(t: torch.Tensor, memory: str, cuda: bool) -> torch.Tensor:
 
 
 def _measure(args, stack, expert_bytes, gen, cuda, kernel_fn, reference_fn) -> dict:
-    H, I, P = args.hidden, args.intermediate, args.pool
+    H, P = args.hidden, args.pool
     rows = []
-    cores = len(cpu_moe.os.sched_getaffinity(0))
+    cores = len(cpu_moe.usable_cpus())
     for threads in args.threads or sorted({1, max(1, cores // 2), max(1, cores - 1), cores}):
         cpu_moe.set_threads(threads)
         torch.set_num_threads(threads)

@@ -572,11 +572,9 @@ def cmd_check(args) -> int:
 
 def _print_cpu_path() -> None:
     """What `--cpu-misses` would compute with on this host: the inputs its split starts from."""
-    import os
-
     from moestream.kernels import cpu_moe
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = len(cpu_moe.usable_cpus())
     if cpu_moe.load() is None:
         print(f"CPU experts       plain torch ({cpu_moe.unavailable_reason()}); --cpu-misses would be slow here")
     else:

@@ -141,16 +141,15 @@ class Fetcher:
         ls = self.slots[layer]
         flat = expert_ids.reshape(-1).cpu().numpy()          # the one host sync of a layer that may miss
         flat = flat[flat >= 0]                                # -1: held elsewhere (another rank's expert)
-        experts = np.unique(flat)
+        experts, counts = np.unique(flat, return_counts=True)
         missing = [e for e in experts.tolist() if e not in ls.where]
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing)
         if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
-            experts, counts = np.unique(flat, return_counts=True)
             on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
             if on_cpu:
-                return self._hybrid(layer, hidden, expert_ids, weights, flat, on_cpu)
+                return self._hybrid(layer, hidden, expert_ids, weights, on_cpu)
         self.ensure_resident(layer, flat)
         return self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
 
@@ -212,8 +211,7 @@ class Fetcher:
         per_expert = max(0.0, seconds - (pairs - experts) * self.costs.cpu_token_s) / experts
         self.costs = dataclasses.replace(self.costs, cpu_expert_s=0.8 * self.costs.cpu_expert_s + 0.2 * per_expert)
 
-    def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
-                on_cpu: list[int]) -> Tensor:
+    def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, on_cpu: list[int]) -> Tensor:
         """Copy the other missing experts in (the compute stream waits for them, the host does not),
         compute `on_cpu`'s pairs on the CPU meanwhile, then add the two results."""
         ls = self.slots[layer]

@@ -41,7 +41,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _threads: int | None = None
-_checked: dict[int, Tensor] = {}   # id of a slots mapping -> the gate_up tensor it held when checked
+_checked: dict[int, Tensor] = {}   # id of a slots mapping -> its first tensor when it was checked
 
 
 def _cpu_key() -> str:
@@ -127,6 +127,13 @@ def supports(dtype: torch.dtype, activation: str | Activation) -> bool:
     return dtype in DTYPES and Activation.of(activation).name in ACTIVATION_CODES
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def default_threads(cpus: int) -> int:
     """Three of every four cores: the kernel is bound by memory bandwidth, which a 16-core host's
     DRAM delivers to 12 threads as well as to 16, and the cores left over keep the Python thread
@@ -141,7 +148,7 @@ def set_threads(threads: int | None = None) -> int:
     the team size. None: `default_threads` of the CPUs this process may use."""
     global _threads
     lib = load()
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = usable_cpus()
     n = max(1, threads or default_threads(len(cpus)))
     if lib is not None:
         workers = cpus[1:] or cpus
