@@ -2,9 +2,12 @@
 
 With --ab-fused, first the CUDA-graph decode with the fused small ops (norms, q/k norm + rotary,
 router top-k) on and off, alternating (on, off, off, on: figures drift between runs), same process,
-same weights, the model's own routing.
+same weights, the model's own routing. With --ab-kv, the same alternation between the two KV
+layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
+cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
+engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--ab-fused", action="store_true", help="decode tok/s with the fused small ops on and off")
+    ap.add_argument("--ab-kv", action="store_true", help="decode tok/s with the rows and the paged KV layout")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     args = ap.parse_args()
     engine = moestream.load(args.model, device="cuda", dtype="bfloat16", capacity=args.capacity, max_context=4096)
@@ -35,6 +39,18 @@ def main() -> None:
         tok_s = engine.last_metrics.decode_tok_s
         print(f"{label}: {tok_s:.1f} tok/s ({1000 / max(tok_s, 1e-9):.2f} ms/token)")
 
+    if args.ab_kv:
+        paged = moestream.load(args.model, device="cuda", dtype="bfloat16", capacity=args.capacity, max_context=4096,
+                               kv_layout="paged")
+        runs = {"rows": [], "paged": []}
+        for layout, eng in (("rows", engine), ("paged", paged), ("paged", paged), ("rows", engine)):
+            eng.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+            eng.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+            runs[layout].append(eng.last_metrics.decode_tok_s)
+            print(f"kv {layout}: {runs[layout][-1]:.1f} tok/s", flush=True)
+        rows, pages = sum(runs["rows"]) / 2, sum(runs["paged"]) / 2
+        print(f"prompt {args.prompt_tokens}: kv rows {rows:.1f} tok/s, paged {pages:.1f} tok/s: {pages / rows:.2f}x")
+        del paged
     if args.ab_fused:
         from moestream.kernels import fused_ops
 

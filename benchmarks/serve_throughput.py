@@ -6,7 +6,9 @@ when missing, or any folder), then drives it over HTTP the way clients do:
 * N concurrent streams (default 1, 4, 16, 64), each a `/v1/completions` request of random prompt
   token ids, `--gen-tokens` generated with `ignore_eos`, streamed: aggregate decode tok/s (tokens
   after each stream's first, over the span from the first first-token to the last token), p50 /
-  p99 inter-token latency and time to first token;
+  p99 inter-token latency and time to first token. Each N is measured after one unmeasured round
+  of N shorter streams (steady state: kernels compiled for these shapes, either server's buffers
+  grown); our server starts as `moestream serve` does, its decode graphs captured at start-up;
 * an agent-like second turn: a `--prefix-tokens` prompt, then the same prompt plus `--new-tokens`
   new ones: time to first token with the prefix cache, and cold (cache cleared).
 
@@ -104,6 +106,12 @@ def concurrent_streams(send, url: str, streams: int, prompt_tokens: int, gen_tok
             "ttft_p50_ms": 1000 * statistics.median(f - t0 for f in firsts)}
 
 
+def measured_streams(send, url: str, streams: int, args, vocab: int) -> dict:
+    """One unmeasured round of `streams` shorter streams, then the measured round."""
+    concurrent_streams(send, url, streams, args.prompt_tokens, 16, vocab, seed=10_000 + streams)
+    return concurrent_streams(send, url, streams, args.prompt_tokens, args.gen_tokens, vocab, seed=streams)
+
+
 def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int, clear=None) -> dict:
     rng = random.Random(7)
     # A throwaway conversation of the same lengths first: kernels compiled and attention plans built
@@ -137,9 +145,9 @@ def run_ours(args, ckpt: Path) -> dict:
     max_batch = max(args.streams, default=1)
     engine = moestream.load(str(ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
-                            prefix_cache_memory=args.prefix_cache_memory)
+                            prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout)
     routing = apply_routing(engine, args.routing, args.trace)
-    engine.generate(list(range(1, 9)), max_tokens=8, ignore_eos=True)   # compile kernels, capture graphs
+    engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     vocab = engine.config.vocab_size
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
     port = free_port()
@@ -151,14 +159,16 @@ def run_ours(args, ckpt: Path) -> dict:
     try:
         rows = []
         for n in args.streams:
-            rows.append(concurrent_streams(stream_ours, url, n, args.prompt_tokens, args.gen_tokens, vocab, seed=n))
+            rows.append(measured_streams(stream_ours, url, n, args, vocab))
             log("moestream", rows[-1])
         turn = None
         if args.prefix_tokens:
             turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab,
-                               clear=lambda: engine.prefix_cache.clear())
+                               clear=engine.clear_prefix_cache)
             log("moestream second turn", turn)
         return {"streams": rows, "second_turn": turn, "bank": engine.stats()["hit_rate"],
+                "kv_layout": "paged" if engine.plan.memory.paged else "rows",
+                "prefix_cache": engine.prefix_cache_stats(),
                 "routing": routing.label if routing is not None else "model's own",
                 "capacity": engine.plan.memory.capacity, "experts": engine.config.num_experts}
     finally:
@@ -173,8 +183,7 @@ def run_llama(args, vocab: int) -> dict:
         ctx = n * (args.prompt_tokens + args.gen_tokens + 64)
         cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(ctx), "-np", str(n),
                "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
-        rows.append(_with_llama(cmd, port, lambda url: concurrent_streams(stream_llama, url, n, args.prompt_tokens,
-                                                                          args.gen_tokens, vocab, seed=n)))
+        rows.append(_with_llama(cmd, port, lambda url: measured_streams(stream_llama, url, n, args, vocab)))
         log("llama-server", rows[-1])
     turn = None
     if args.prefix_tokens:
@@ -211,6 +220,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--max-context", type=int, default=8192 + 512)
     ap.add_argument("--prefix-cache-memory", default="4GiB")
+    ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)

@@ -121,6 +121,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     _add_devices_args(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
+    _add_kv_args(p)
     _add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
@@ -182,6 +183,18 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", default=None, help="everything the engine may take on the device, e.g. 16GiB (default: free memory less headroom)")
     p.add_argument("--memory", default=None, help="alias of --gpu-memory that names no device (the RAM bank on CPU)")
     p.add_argument("--capacity", type=integer(1), default=None, help="bank slots per layer (overrides the budget's choice)")
+
+
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-layout", default="auto", choices=["auto", "paged", "rows"],
+                   help="paged: keys and values in blocks shared by every sequence and the prefix cache; rows: one "
+                        "full-context row per sequence; auto (default): paged where every layer keeps full keys and "
+                        "values")
+    p.add_argument("--kv-block-size", type=integer(1, 1024), default=16, metavar="N",
+                   help="positions per block of a paged cache (default 16)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="device memory of a paged cache, e.g. 4GiB (default: --max-batch full contexts plus "
+                        "--prefix-cache-memory)")
 
 
 def _add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -250,7 +263,8 @@ def engine_config(args):
         devices, device = torchrun_devices(launched, args.device), "auto"
     runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices,
                             mla_absorbed=getattr(args, "mla_absorbed", False),
-                            dist_backend=getattr(args, "dist_backend", "auto"))
+                            dist_backend=getattr(args, "dist_backend", "auto"), kv_layout=args.kv_layout,
+                            kv_block_size=args.kv_block_size, kv_cache_memory=args.kv_cache_memory)
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
@@ -739,6 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_devices_args(check, "; one plan per rank")
     check.add_argument("--dtype", default="auto")
     check.add_argument("--max-context", type=integer(2), default=None)
+    _add_kv_args(check)
     _add_budget_args(check)
     _add_quant_args(check)
     check.set_defaults(func=cmd_check)
@@ -763,10 +778,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=integer(0, 65535), default=8080)
     serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
     serve.add_argument("--max-batch", type=integer(1), default=8,
-                       help="sequences decoded together (each reserves a full-context KV row in the memory plan)")
+                       help="sequences decoded together (without --kv-cache-memory the cache is sized for this many "
+                            "full contexts)")
     serve.add_argument("--max-queue", type=integer(1), default=256, help="requests waiting for a batch place before 429")
     serve.add_argument("--prefix-cache-memory", default="1GiB",
-                       help="device memory for finished conversations' KV, reused by prompts that extend them (0 = off)")
+                       help="device memory for finished conversations' KV, reused by prompts that extend them (0 = off; "
+                            "a paged cache adds it to its blocks, which sequences and cached prefixes share)")
     serve.add_argument("--served-model-name", default=None, help="the model name reported to clients (default: the folder name)")
     serve.add_argument("--shutdown-timeout", type=integer(0), default=10,
                        help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")

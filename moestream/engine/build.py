@@ -34,7 +34,8 @@ from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
 from moestream.experts.sharded import Placement, ShardedExperts, ShardStore
 from moestream.runtime.distributed import DistributedRunner, RankGroup, checkpoint_digest, rank_config
-from moestream.runtime.model_runner import ModelRunner
+from moestream.runtime.blocks import BlockManager
+from moestream.runtime.model_runner import ModelRunner, PagedLayout
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_routing
 from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
@@ -189,6 +190,7 @@ def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
     """What expert parallel cannot do (or not yet), refused by name before any process starts."""
     check_world(len(cfg.runtime.devices), num_experts)
     unsupported = [(cfg.runtime.prefix_cache_bytes > 0, "a prefix cache"), (cfg.bank.miss_policy == "skip", "--miss-policy skip"),
+                   (cfg.runtime.kv_layout == "paged", "--kv-layout paged"),
                    (cfg.bank.prefetch, "--prefetch"), (cfg.warm_start.prepack is not None, "--prepack")]
     for present, what in unsupported:
         if present:
@@ -240,17 +242,23 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
     experts = ShardedExperts(bank, placement) if sharded else None
     model.attach_experts(experts if sharded else bank)
     runner_class = DistributedRunner if group is not None else ModelRunner
+    memory = plan.memory
+    paged = PagedLayout(memory.kv_blocks, memory.kv_block_size) if memory.paged else None
     runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
-                          cfg.runtime.cuda_graphs, segmented=not sharded)
+                          cfg.runtime.cuda_graphs, segmented=not sharded, paged=paged)
     if group is not None:
         runner.group = group
     if sharded:
         runner.after_replay = experts.collectives.graph_replayed
     prefix_bytes = cfg.runtime.prefix_cache_bytes
+    blocks = None
+    if paged is not None:   # the blocks hold the prefix cache too
+        blocks = BlockManager(paged.num_blocks, paged.block_size, prefix_caching=prefix_bytes > 0,
+                              block_bytes=memory.kv_bytes // paged.num_blocks)
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
                     discovery=discovery, prepack=prepack,
-                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes else None,
-                    collectives=experts.collectives if sharded else None)
+                    prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes and paged is None else None,
+                    collectives=experts.collectives if sharded else None, blocks=blocks)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

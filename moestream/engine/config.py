@@ -42,6 +42,7 @@ def _typed(section: object, rules: dict[str, tuple[type, ...]]) -> None:
 
 
 INT, OPT_INT, SIZE = (int,), (int, type(None)), (int, str, type(None))
+KV_LAYOUTS = ("auto", "paged", "rows")
 
 
 @dataclass
@@ -54,6 +55,11 @@ class RuntimeConfig:
     cuda_graphs: bool = True
     prefix_cache_memory: int | str | None = None   # device bytes of finished sequences' KV kept for reuse (off)
     kv_rows: int = 1                      # sequences whose full-context KV the memory plan reserves (a server: max_batch)
+    kv_layout: str = "auto"               # paged (blocks shared by sequences and the prefix cache) | rows (one
+                                          # full-context row per sequence) | auto (paged where every layer can be)
+    kv_block_size: int = 16               # positions per block of a paged cache
+    kv_cache_memory: int | str | None = None   # device bytes of a paged cache (default: kv_rows full contexts
+                                          # plus prefix_cache_memory)
     devices: list[str] | None = None      # expert parallel: one rank per device, each holding 1/N of the experts
     rank_timeout_s: float = 120.0         # a rank silent this long (start-up, a collective) ends the group
     mla_absorbed: bool = False            # MLA models: attend in latent space, W_UK/W_UV absorbed (model/mla.py)
@@ -65,6 +71,7 @@ class RuntimeConfig:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
                       "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
+                      "kv_layout": (str,), "kv_block_size": INT, "kv_cache_memory": SIZE,
                       "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),
                       "ranks_on_device": INT})
         if self.ranks_on_device < 1:
@@ -77,7 +84,12 @@ class RuntimeConfig:
             self._check_devices()
         if self.kv_rows < 1:
             raise InputError(f"kv_rows must be at least 1, got {self.kv_rows}.")
-        self.prefix_cache_bytes   # parses (and so checks) the size
+        self.prefix_cache_bytes   # parses (and so checks) the sizes
+        self.kv_cache_bytes
+        if self.kv_layout not in KV_LAYOUTS:
+            raise InputError(f"kv_layout {self.kv_layout!r} is unknown; use one of {', '.join(KV_LAYOUTS)}.")
+        if not 1 <= self.kv_block_size <= 1024:
+            raise InputError(f"kv_block_size must be 1..1024 positions, got {self.kv_block_size}.")
         if self.max_context is not None and self.max_context < 2:
             raise InputError(f"max_context must be at least 2, got {self.max_context}.")
         if self.prefill_chunk < 1:
@@ -110,6 +122,15 @@ class RuntimeConfig:
             missing = [str(d) for d in named if d.index >= count]
             if missing:
                 raise InputError(f"{', '.join(missing)} does not exist (this machine has {count} CUDA devices).")
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        if self.kv_cache_memory is None:
+            return None
+        size = parse_bytes(self.kv_cache_memory)
+        if size <= 0:
+            raise InputError(f"kv_cache_memory must be more than 0 bytes, got {self.kv_cache_memory!r}.")
+        return size
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -25,6 +25,7 @@ from moestream.errors import InputError, NumericsError
 from moestream.experts.bank import ExpertBank
 from moestream.experts.collective import CollectiveStats
 from moestream.model.decoder import MoECausalLM
+from moestream.runtime.blocks import BlockManager
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample_rows
@@ -61,10 +62,11 @@ class RunMetrics:
 class Engine:
     def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
                  max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None,
-                 collectives: CollectiveStats | None = None):
+                 collectives: CollectiveStats | None = None, blocks: BlockManager | None = None):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
         self.collectives = collectives     # this rank's all-reduces, when it is one of an expert-parallel group
-        self.prefix_cache = prefix_cache   # finished sequences' KV, reused by prompts that extend them
+        self.prefix_cache = prefix_cache   # rows layout: finished sequences' KV, reused by prompts that extend them
+        self.blocks = blocks               # paged layout: every sequence's KV blocks, and the prefix blocks kept
         self.group = None                  # the other ranks, when this engine is rank 0 of an expert-parallel group
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
@@ -119,9 +121,20 @@ class Engine:
                 "ranks": ranks}
 
     def prefix_cache_stats(self) -> dict | None:
-        """Lookups, hits, reused tokens, entries and bytes of the prefix cache; None when it is off."""
+        """Lookups, hits, reused tokens, entries and bytes of the prefix cache (with a paged cache,
+        its blocks too); None when it is off."""
         with self._lock:
+            if self.blocks is not None:
+                return self.blocks.as_dict()
             return self.prefix_cache.as_dict() if self.prefix_cache is not None else None
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (sequences running keep their KV)."""
+        with self._lock:
+            if self.blocks is not None:
+                self.blocks.clear()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
 
     def reset_stats(self) -> None:
         """Start every counter again, on every rank of a group."""
@@ -225,8 +238,10 @@ class Engine:
         sched, runner = self.scheduler, self.runner
         self._retire()   # cancelled since the last step
         decoding = [s for s in sched.running if not s.prefilling]   # rows 0..B-1
-        if sched.admit():
+        if sched.admit(self._fits if self.blocks is not None else None):
             runner.ensure_rows(len(sched.running))
+        if self.blocks is not None:
+            decoding = self._reserve_decode(decoding)
         # Prompts go in chunk by chunk, oldest first. While others decode, a step prefills at most one
         # chunk of prompt tokens, so a long prompt does not stall every running stream.
         budget = runner.prefill_chunk if decoding else None
@@ -236,13 +251,19 @@ class Engine:
                 break
             if seq.prefilled == 0:
                 seq.prefilled = self._reuse_prefix(seq)
-            end = len(seq.prompt) if budget is None else min(len(seq.prompt), seq.prefilled + budget)
-            logits = runner.prefill(seq.row, seq.prompt[:end], seq.prefilled)
+            ids = seq.prefill_ids()
+            end = len(ids) if budget is None else min(len(ids), seq.prefilled + budget)
+            if self.blocks is not None and not self._grow(seq, end):
+                break   # no blocks left for it this step: it waits while others finish
+            logits = runner.prefill(seq.row, ids[:end], seq.prefilled)
             if budget is not None:
                 budget -= end - seq.prefilled
             seq.prefilled = end
-            if end < len(seq.prompt):
+            if end < len(ids):
                 break   # keeps prefills finishing in row order
+            if seq.resuming:   # back after preemption: its next token was sampled before, it decodes on
+                seq.resuming = False
+                continue
             ready.append(seq)
             first.append(logits)
         if ready:
@@ -252,21 +273,78 @@ class Engine:
             positions = torch.tensor([s.length - 1 for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             kv_len = max(s.length for s in decoding)
             self._append(decoding, runner.decode(tokens, positions, kv_len))
+        if self.blocks is not None:
+            for seq in sched.running:
+                self.blocks.seal(seq)
         self._retire()
         return ready + decoding
 
+    # ---- paged KV blocks ----------------------------------------------------------------
+    def _fits(self, seq: Sequence) -> bool:
+        """Admit a sequence only while the blocks of its whole prompt, and one more for each running
+        sequence's next token, are available (blocks shared through the prefix cache count as new)."""
+        blocks = self.blocks
+        return blocks.blocks_for(seq.prefill_len + 1) + len(self.scheduler.running) <= blocks.available
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for the sequence's first `tokens` positions, written into its table row."""
+        added = self.blocks.ensure(seq, tokens)
+        if added is None:
+            return False
+        self.runner.cache.tables.assign(seq.row, added, start=len(seq.blocks) - len(added))
+        return True
+
+    def _reserve_decode(self, decoding: list[Sequence]) -> list[Sequence]:
+        """Blocks for this step's decode tokens, oldest sequence first; when the pool runs dry, the
+        newest running sequences give theirs back and wait to be computed again (their keyed blocks
+        stay cached, so that is mostly a prefix-cache hit). The oldest always fits: the pool holds a
+        whole context."""
+        decoding = list(decoding)
+        i = 0
+        while i < len(decoding):
+            if self._grow(decoding[i], decoding[i].length):
+                i += 1
+                continue
+            victim = self._preempt()
+            if victim in decoding:
+                decoding.remove(victim)
+        return decoding
+
+    def _preempt(self) -> Sequence:
+        seq = self.scheduler.running[-1]
+        self.blocks.release(seq)
+        self.runner.cache.tables.clear(seq.row)
+        seq.prefilled, seq.resuming = 0, seq.sampled > 0
+        return self.scheduler.preempt()
+
     def _reuse_prefix(self, seq: Sequence) -> int:
+        if self.blocks is not None:
+            shared = self.blocks.match(seq, seq.prefill_ids())
+            self.runner.cache.tables.assign(seq.row, shared)
+            reused = len(shared) * self.blocks.block_size
+            if not seq.resuming:
+                seq.cached_tokens = reused
+            return reused
         if self.prefix_cache is not None:
             seq.cached_tokens = self.prefix_cache.reuse(seq.prompt, self.runner.cache, seq.row)
         return seq.cached_tokens
 
     def _retire(self) -> None:
-        if self.prefix_cache is not None:
-            for seq in self.scheduler.running:
-                if seq.finished:
-                    self.prefix_cache.store(seq.cached_ids(), self.runner.cache, seq.row)
+        running = self.scheduler.running
+        held = len(running)
+        for seq in running:
+            if not seq.finished:
+                continue
+            if self.prefix_cache is not None:
+                self.prefix_cache.store(seq.cached_ids(), self.runner.cache, seq.row)
+            if self.blocks is not None:
+                self.blocks.seal(seq)
+                self.blocks.release(seq)
         for src, dst, length in self.scheduler.retire():
             self.runner.move_row(src, dst, length)
+        if self.blocks is not None:   # rows left empty point at the null block again
+            for row in range(len(self.scheduler.running), held):
+                self.runner.cache.tables.clear(row)
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence; the tokens and a finiteness flag per row come back in one read."""
@@ -283,7 +361,7 @@ class Engine:
 
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence: it leaves the batch now (between steps) and its row is freed."""
-        with self._lock:
+        with self._lock, torch.inference_mode():   # rows move and block tables change: cache tensors
             seq.finish("cancelled")
             self._retire()
 

@@ -25,7 +25,7 @@ from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
-from moestream.model.decoder import MoECausalLM, cache_bytes
+from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_quantization, mlx_spec
@@ -85,6 +85,12 @@ class MemoryPlan:
     prefix_cache_bytes: int = 0         # finished conversations' KV kept for reuse (the server's prefix cache)
     kv_rows: int = 1                    # sequences the cache holds at full context (plus, above one, the
                                         # scratch row padded decode graphs write to)
+    kv_blocks: int = 0                  # a paged cache's blocks, the null block included (0: one row per sequence)
+    kv_block_size: int = 0              # positions per block
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_blocks > 0
 
     @property
     def moe_layers(self) -> int:
@@ -129,7 +135,9 @@ class MemoryPlan:
     def explain(self) -> str:
         lines = [f"budget            {format_bytes(self.budget) if self.budget else 'unbounded'}",
                  f"dense weights     {format_bytes(self.dense_bytes)}",
-                 f"KV cache          {format_bytes(self.kv_bytes)}",
+                 f"KV cache          {format_bytes(self.kv_bytes)}" + (
+                     f" (paged: {self.kv_blocks - 1} blocks × {self.kv_block_size} positions, shared by every "
+                     f"sequence and the prefix cache)" if self.paged else ""),
                  *([f"prefix cache      {format_bytes(self.prefix_cache_bytes)}"] if self.prefix_cache_bytes else []),
                  f"workspace         {format_bytes(self.workspace_bytes + SLACK_BYTES)}",
                  f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}"
@@ -148,15 +156,41 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
     return 2 * min(num_experts - capacity, max(top_k, 8))
 
 
+def paged_blocks(config: ModelConfig, spec: ArchSpec, dtype: torch.dtype, block_size: int, max_context: int,
+                 rows: int, prefix_cache_bytes: int, kv_cache_bytes: int | None) -> int:
+    """Blocks of a paged cache, the null block included: `kv_cache_bytes` worth, else what the rows
+    layout would reserve (`rows` full contexts) plus the prefix cache's bytes, which the pool then
+    shares. Never fewer than one whole context: the oldest sequence must always be able to grow."""
+    per_block = block_bytes(config, spec, block_size, dtype)
+    context_blocks = -(-max_context // block_size)
+    if kv_cache_bytes is not None:
+        blocks = kv_cache_bytes // per_block
+        if blocks < context_blocks:
+            raise BudgetError(f"a KV cache of {format_bytes(kv_cache_bytes)} holds {blocks * block_size} positions, "
+                              f"fewer than one context of {max_context}; raise --kv-cache-memory to at least "
+                              f"{format_bytes(context_blocks * per_block)} or lower --max-context.")
+    else:
+        blocks = rows * context_blocks + prefix_cache_bytes // per_block
+    return blocks + 1
+
+
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
-                precision: Precision | None = None, prefix_cache_bytes: int = 0) -> MemoryPlan:
+                precision: Precision | None = None, prefix_cache_bytes: int = 0, kv_blocks: int = 0,
+                kv_block_size: int = 16) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
-    `precision` the always-resident tensors."""
+    `precision` the always-resident tensors. `kv_blocks` > 0: the cache is paged, that many blocks
+    of `kv_block_size` positions (`paged_blocks`), and holds the prefix cache too."""
     E, k = config.num_experts, config.top_k
+    spec = spec or ARCHS[config.arch]
+    if kv_blocks:
+        kv_bytes = kv_blocks * block_bytes(config, spec, kv_block_size, dtype)
+        prefix_cache_bytes = 0
+    else:
+        kv_bytes = cache_bytes(config, spec, batch + (batch > 1), max_context, dtype)
     budget_bytes = parse_bytes(budget) if budget is not None else None
     if capacity is not None and not k <= capacity <= E:
         raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
@@ -164,8 +198,8 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     shape = ExpertShape.of(config)   # with the experts' biases (GPT-OSS) and activation
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
-                kv_bytes=cache_bytes(config, spec or ARCHS[config.arch], batch + (batch > 1), max_context, dtype),
-                prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch,
+                kv_bytes=kv_bytes, prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch, kv_blocks=kv_blocks,
+                kv_block_size=kv_block_size if kv_blocks else 0,
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)
@@ -306,13 +340,33 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     if experts_here is not None:   # this rank's bank only ever holds its own experts
         planned = dataclasses.replace(config, num_experts=experts_here, top_k=min(config.top_k, experts_here))
         capacity = min(capacity, experts_here) if capacity is not None else None
+    runtime = cfg.runtime
+    kv_blocks = 0
+    if kv_layout(cfg, config, spec) == "paged":
+        kv_blocks = paged_blocks(config, spec, dtype, runtime.kv_block_size, context, runtime.kv_rows,
+                                 runtime.prefix_cache_bytes, runtime.kv_cache_bytes)
     memory = plan_memory(planned, dtype, budget, capacity, max_context=context,
-                         prefill_chunk=cfg.runtime.prefill_chunk, expert_formats=formats, spec=spec,
-                         precision=precision, prefix_cache_bytes=cfg.runtime.prefix_cache_bytes,
-                         batch=cfg.runtime.kv_rows)
+                         prefill_chunk=runtime.prefill_chunk, expert_formats=formats, spec=spec,
+                         precision=precision, prefix_cache_bytes=runtime.prefix_cache_bytes,
+                         batch=runtime.kv_rows, kv_blocks=kv_blocks, kv_block_size=runtime.kv_block_size)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx)
+
+
+def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:
+    """"paged" or "rows". `auto` pages the cache wherever every layer keeps full keys and values (the
+    decode kernel reads each row to its own length, so paging costs a single stream nothing); one
+    process per device (expert parallel) keeps rows."""
+    runtime = cfg.runtime
+    can_page = pageable(config, spec) and runtime.devices is None
+    if runtime.kv_layout == "paged" and not can_page:
+        why = ("expert parallel keeps one row per sequence" if runtime.devices is not None else
+               f"{spec.name}'s layers do not all keep full keys and values (sliding-window, recurrent or latent caches)")
+        raise InputError(f"--kv-layout paged is not available here: {why}; use --kv-layout rows or auto.")
+    if runtime.kv_layout == "auto":
+        return "paged" if can_page else "rows"
+    return runtime.kv_layout
 
 
 def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:

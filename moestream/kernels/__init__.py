@@ -18,10 +18,12 @@ import importlib
 from torch import Tensor
 
 from .moe_reference import moe_reference
+from .paged_attention_reference import paged_decode_attention_reference, paged_kv_write_reference
 from .quant_linear_reference import quant_linear_reference
 from .quant_moe_reference import quant_moe_reference
 
-__all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear",
+__all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "paged_kv_write",
+           "paged_decode_attention", "paged_kv_write_reference", "paged_decode_attention_reference",
            "fused_moe", "fused_moe_available", "fused_moe_quant", "fused_moe_quant_available"]
 
 
@@ -137,3 +139,20 @@ def router_topk(logits: Tensor, k: int, mode: int, renormalise: bool) -> tuple[T
     """A router's weights (T, k) fp32 and ids (T, k) from its logits in one launch (`mode`:
     SOFTMAX_THEN_TOPK or TOPK_THEN_SOFTMAX)."""
     return _triton_module("router_topk").router_topk(logits, k, mode, renormalise)
+
+
+def paged_kv_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, rows: Tensor,
+                   positions: Tensor) -> None:
+    """A step's keys and values (B, L, kv_heads, D) into their blocks, in one launch (Triton; the
+    reference where the fused ops are off)."""
+    if fused_ops_enabled(k):
+        return _triton_module("paged_attention").paged_kv_write(k, v, k_pool, v_pool, tables, rows, positions)
+    return paged_kv_write_reference(k, v, k_pool, v_pool, tables, rows, positions)
+
+
+def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, seq_lens: Tensor,
+                           max_len: int, scale: float | None = None) -> Tensor:
+    """One query per row (B, heads, D) attending to its first seq_lens[b] positions straight from the
+    paged pools (flash-decoding, Triton); `max_len` bounds seq_lens on the host."""
+    return _triton_module("paged_attention").paged_decode_attention(q, k_pool, v_pool, tables, seq_lens, max_len,
+                                                                    scale)

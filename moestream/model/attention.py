@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, attended_keys_values
+from moestream.model.cache import FullKVMixer, full_attention
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
 from moestream.model.gemma4_attention import Gemma4Attention, Gemma4SlidingAttention
@@ -55,8 +54,7 @@ class Attention(FusedQKV, FullKVMixer, nn.Module):
         per_head = self.qk_norm == "per_head"
         q = norm_and_rotate(q, self.q_norm if per_head else None, ctx.cos, ctx.sin).transpose(1, 2)
         k = norm_and_rotate(k, self.k_norm if per_head else None, ctx.cos, ctx.sin)
-        k, v = attended_keys_values(ctx, self.layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, enable_gqa=self.heads != self.kv_heads)
+        out = full_attention(ctx, self.layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
 
 

@@ -14,6 +14,13 @@ memory plan and the runtime never assume one KV layout. Kinds today:
             the compressed kv (kv_lora_rank, after its norm) and the rotated rope key shared by all
             heads, (rows, max_len, kv_lora_rank + qk_rope_head_dim): a fraction of full K/V.
 
+  PagedKVCache  GQA keys and values in fixed-size blocks of a pool shared by every row: row b's
+            position p lives in block `tables[b, p // block_size]` at offset p % block_size. A row
+            holds only the blocks its length needs, and rows share full blocks of a common prefix (the
+            runtime's `BlockManager` hands blocks out and counts their users); moving a row moves its
+            table row, never its keys and values. Block 0 is never handed out: a padding row and
+            every unfilled table entry point at it, so stray writes land there.
+
   RingKVCache  sliding-window attention (GPT-OSS's sliding layers): per row only the last `size`
             positions' keys and values, position p in slot p % size, so memory does not grow with
             the context; a step reads the ring as it was before the step and writes after.
@@ -32,7 +39,10 @@ import math
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from moestream import kernels
 
 
 class LayerCache(ABC):
@@ -95,6 +105,83 @@ class KVCache(LayerCache):
         k, v = state
         self.k[row, :length].copy_(k[:length])
         self.v[row, :length].copy_(v[:length])
+
+
+class BlockTables:
+    """Per row, the pool blocks that hold its positions: (rows, max_blocks) int32 on the device (0 =
+    the null block), shared by every paged layer of a model. The runtime's `BlockManager` is its
+    only writer (`assign`); rows move (`move`) when the scheduler compacts them."""
+
+    def __init__(self, rows: int, max_len: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.max_blocks = -(-max_len // block_size)
+        self.table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.table.shape[0]
+
+    def assign(self, row: int, blocks: list[int], start: int = 0) -> None:
+        """Entries start.. of `row` become `blocks` (one small host-to-device copy)."""
+        if blocks:
+            self.table[row, start:start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=False)
+
+    def clear(self, row: int) -> None:
+        self.table[row].zero_()
+
+    def move(self, src: int, dst: int) -> None:
+        self.table[dst].copy_(self.table[src])
+
+    def copy_rows_from(self, other: "BlockTables", rows: int) -> None:
+        self.table[:rows].copy_(other.table[:rows])
+
+
+class PagedKVCache(LayerCache):
+    """GQA keys and values in a pool of blocks (num_blocks, block_size, kv_heads, head_dim), addressed
+    through the model's `BlockTables`: the same `write` / `read` as `KVCache`, so every full-KV mixer
+    works on either. Reading gathers the attended positions of each row into one contiguous tensor;
+    on CUDA the decode step attends straight from the blocks instead (`kernels/paged_attention`)."""
+
+    kind = "paged"
+
+    def __init__(self, tables: BlockTables, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, pool: tuple[Tensor, Tensor] | None = None):
+        self.tables, self.block_size = tables, tables.block_size
+        if pool is None:
+            shape = (num_blocks, self.block_size, num_kv_heads, head_dim)
+            pool = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        self.k, self.v = pool
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return block_size * KVCache.bytes_per_token(num_kv_heads, head_dim, dtype)
+
+    def write(self, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        kernels.paged_kv_write(k, v, self.k, self.v, self.tables.table, rows, positions)
+
+    def read(self, rows: slice, kv_len: int) -> tuple[Tensor, Tensor]:
+        """(B, kv_heads, kv_len, head_dim) copies of the first kv_len positions of `rows`."""
+        blocks = self.tables.table[rows, :-(-kv_len // self.block_size)].long()
+        B = blocks.shape[0]
+
+        def gather(pool: Tensor) -> Tensor:
+            return pool[blocks].view(B, -1, *pool.shape[2:])[:, :kv_len].transpose(1, 2)
+
+        return gather(self.k), gather(self.v)
+
+    # Rows are table rows: moving or growing them is the tables' business, and a prefix is shared by
+    # pointing at its blocks, never snapshotted.
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    def copy_rows_from(self, other: LayerCache, rows: int) -> None:
+        pass
+
+    def snapshot(self, row: int, length: int) -> tuple[Tensor, ...]:
+        raise NotImplementedError("a paged cache shares prefix blocks instead of snapshotting rows")
+
+    def restore(self, row: int, state: tuple[Tensor, ...], length: int) -> None:
+        raise NotImplementedError("a paged cache shares prefix blocks instead of restoring rows")
 
 
 class RecurrentCache(LayerCache):
@@ -280,6 +367,22 @@ def attended_keys_values(ctx, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor,
     return cache.read(ctx.cache_rows, ctx.kv_len)
 
 
+def full_attention(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Softmax attention (B, heads, L, D) of queries q (B, heads, L, D) over every earlier position,
+    this step's keys and values (B, L, kv_heads, D) written first. A paged cache's decode step on
+    CUDA attends straight from its blocks, each row to its own length; otherwise SDPA over
+    `attended_keys_values` with the step's mask."""
+    cache = ctx.cache[layer] if ctx.cache is not None else None
+    if isinstance(cache, PagedKVCache) and q.shape[2] == 1 and kernels.fused_ops_enabled(q):
+        cache.write(ctx.write_rows, ctx.positions, k, v)
+        out = kernels.paged_decode_attention(q[:, :, 0], cache.k, cache.v, cache.tables.table[ctx.cache_rows],
+                                             ctx.positions[:, 0] + 1, ctx.kv_len, scale)
+        return out[:, :, None]
+    k, v = attended_keys_values(ctx, layer, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 class FullKVMixer:
     """What every mixer that keeps full-context GQA keys and values shares: its cache kind and the
     bytes that cache takes (the memory plan reads `cache_bytes` without building the model)."""
@@ -292,17 +395,37 @@ class FullKVMixer:
     def make_cache(config, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
+    pageable = True   # its cache may be a `PagedKVCache` instead (every layer of the model must agree)
+
+    @staticmethod
+    def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+        return PagedKVCache.bytes_per_block(block_size, config.num_kv_heads, config.head_dim, dtype)
+
+    @staticmethod
+    def make_paged_cache(config, tables: BlockTables, num_blocks: int, dtype: torch.dtype, device: torch.device,
+                         pool: tuple[Tensor, Tensor] | None = None) -> PagedKVCache:
+        return PagedKVCache(tables, num_blocks, config.num_kv_heads, config.head_dim, dtype, device, pool)
+
 
 class ModelCache:
-    """The caches of every layer for `rows` sequences of at most `max_len` positions."""
+    """The caches of every layer for `rows` sequences of at most `max_len` positions; `tables` when
+    the layers are paged (`PagedKVCache`: then a row is a block-table row)."""
 
-    def __init__(self, layers: list[LayerCache], rows: int, max_len: int, device: torch.device):
+    def __init__(self, layers: list[LayerCache], rows: int, max_len: int, device: torch.device,
+                 tables: BlockTables | None = None):
         self.layers, self.rows, self.max_len, self.device = layers, rows, max_len, device
+        self.tables = tables
+
+    @property
+    def paged(self) -> bool:
+        return self.tables is not None
 
     def __getitem__(self, layer: int) -> LayerCache:
         return self.layers[layer]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
+        if self.tables is not None:
+            self.tables.move(src, dst)
         for layer in self.layers:
             layer.move_row(src, dst, length)
 
@@ -326,6 +449,7 @@ class SlidingWindowMixer:
 
     layer: int
     window: int
+    pageable = False   # a ring of the window, whatever a full-KV base class says
 
     @staticmethod
     def cache_bytes(config, rows: int, max_len: int, dtype: torch.dtype) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.attention import MIXERS
-from moestream.model.cache import ModelCache
+from moestream.model.cache import BlockTables, ModelCache
 from moestream.model.context import ForwardContext
 from moestream.model.gemma4_layer import Gemma4DecoderLayer, ScaledEmbedding
 from moestream.model.mlp import SwiGLU
@@ -106,6 +106,18 @@ class MoECausalLM(nn.Module):
         layers = [layer.mixer.make_cache(self.config, rows, max_len, dtype, device) for layer in self.model.layers]
         return ModelCache(layers, rows, max_len, device)
 
+    def new_paged_cache(self, rows: int, max_len: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device, like: ModelCache | None = None) -> ModelCache:
+        """Paged layers over one block table of `rows` rows; `like` (a paged cache) lends its pools,
+        whose blocks keep what they hold, and its first rows' tables (the cache grew)."""
+        tables = BlockTables(rows, max_len, block_size, device)
+        if like is not None:
+            tables.copy_rows_from(like.tables, min(like.rows, rows))
+        layers = [layer.mixer.make_paged_cache(self.config, tables, num_blocks, dtype, device,
+                                               pool=(like[i].k, like[i].v) if like is not None else None)
+                  for i, layer in enumerate(self.model.layers)]
+        return ModelCache(layers, rows, max_len, device, tables)
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.model.norm(x))
         cap = self.config.final_logit_softcap
@@ -120,6 +132,17 @@ class MoECausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.head(x)
+
+
+def pageable(config: ModelConfig, spec: ArchSpec) -> bool:
+    """Whether every layer keeps full-context keys and values, so the whole cache can be paged."""
+    return all(getattr(MIXERS[spec.mixer_of(config, layer)], "pageable", False) for layer in range(config.num_layers))
+
+
+def block_bytes(config: ModelConfig, spec: ArchSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Device bytes of one paged block across every layer."""
+    return sum(MIXERS[spec.mixer_of(config, layer)].block_bytes(config, block_size, dtype)
+               for layer in range(config.num_layers))
 
 
 def cache_bytes(config: ModelConfig, spec: ArchSpec, rows: int, max_len: int, dtype: torch.dtype) -> int:

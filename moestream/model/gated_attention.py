@@ -10,11 +10,10 @@ output is multiplied by sigmoid(gate) before o_proj. The cache is the plain KV c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, attended_keys_values
+from moestream.model.cache import FullKVMixer, full_attention
 from moestream.model.context import ForwardContext
 from moestream.model.norms import NORMS
 from moestream.model.projections import FusedQKV
@@ -52,7 +51,6 @@ class GatedAttention(FusedQKV, FullKVMixer, nn.Module):
         v = v.view(B, L, self.kv_heads, self.head_dim)
         q = norm_and_rotate(q, self.q_norm if self.qk_norm else None, ctx.cos, ctx.sin).transpose(1, 2)
         k = norm_and_rotate(k, self.k_norm if self.qk_norm else None, ctx.cos, ctx.sin)
-        k, v = attended_keys_values(ctx, self.layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, enable_gqa=self.heads != self.kv_heads)
+        out = full_attention(ctx, self.layer, q, k, v)
         out = out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -118,7 +118,8 @@ def _named(device: str) -> torch.device:
 
 
 def rank_config(cfg, rank: int):
-    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does.
+    """The engine configuration of one rank: its device, no group of its own, nothing rank 0 alone does,
+    one cache row per sequence (a paged cache's blocks are handed out by rank 0's engine alone).
 
     CUDA graphs stay on only over NCCL, whose all-reduce a graph can capture (gloo's runs on the
     host); the group still switches them off unless every rank's bank can replay a whole step
@@ -128,7 +129,7 @@ def rank_config(cfg, rank: int):
     mine = _named(devices[rank])
     sharing = 1 if torchrun_env() is not None else sum(_named(d) == mine for d in devices)   # torchrun: across hosts
     runtime = dataclasses.replace(cfg.runtime, device=devices[rank], devices=None, cuda_graphs=graphs,
-                                  ranks_on_device=sharing)
+                                  ranks_on_device=sharing, kv_layout="rows")   # only rank 0 would own blocks
     warm = cfg.warm_start if rank == 0 else dataclasses.replace(cfg.warm_start, warmup_tokens=0)
     return dataclasses.replace(cfg, runtime=runtime, warm_start=warm)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -26,13 +27,25 @@ from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
 PADDED_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+@dataclass(frozen=True)
+class PagedLayout:
+    """A paged cache: `num_blocks` blocks (block 0 the null block) of `block_size` positions."""
+
+    num_blocks: int
+    block_size: int
+
+
 class ModelRunner:
     def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
-                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True):
+                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True,
+                 paged: PagedLayout | None = None):
         """`segmented`: decode with a fetch bank may run as segments split at each router (the bank
         sees the routing between segments); off where the bank is behind another protocol (expert
-        parallel, or a model whose MoE layers do not split at their routers), then decode runs eagerly."""
+        parallel, or a model whose MoE layers do not split at their routers), then decode runs eagerly.
+        `paged`: keep keys and values in a block pool (rows are block-table rows) instead of one
+        full-context row per sequence."""
         self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
+        self.paged = paged
         self.segmented = segmented and model.splits_at_routers
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -72,10 +85,14 @@ class ModelRunner:
         self.drop_graphs()   # captured against the old cache's tensors
         # With graphs and more than one row, one more row: the scratch row padded batches write to.
         scratch = 1 if rows > 1 and self.cuda_graphs else 0
-        new = self.model.new_cache(rows + scratch, self.max_context, self.dtype, self.device)
-        if old is not None:
-            for src, dst in zip(old.layers, new.layers):
-                dst.copy_rows_from(src, old.rows)
+        if self.paged is not None:   # the pools stay (their blocks are the sequences'); the tables grow
+            new = self.model.new_paged_cache(rows + scratch, self.max_context, self.paged.num_blocks,
+                                             self.paged.block_size, self.dtype, self.device, like=old)
+        else:
+            new = self.model.new_cache(rows + scratch, self.max_context, self.dtype, self.device)
+            if old is not None:
+                for src, dst in zip(old.layers, new.layers):
+                    dst.copy_rows_from(src, old.rows)
         self.cache, self.scratch_row = new, (rows if scratch else None)
         return new
 

@@ -11,6 +11,7 @@ prefill in admission order, so the decoding sequences stay a prefix of the rows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from moestream.runtime.sequence import Sequence, Status
 
@@ -29,17 +30,29 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free rows (in arrival order); returns the newly admitted ones."""
+    def admit(self, fits: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Move waiting sequences into free rows (in arrival order, stopping at the first that `fits`
+        refuses: a paged cache without the blocks for its prompt); returns the newly admitted ones."""
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if not seq.finished and fits is not None and not fits(seq):
+                break
+            self.waiting.popleft()
             if seq.finished:   # cancelled while waiting
                 continue
             seq.status, seq.row = Status.RUNNING, len(self.running)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def preempt(self) -> Sequence:
+        """Send the newest running sequence back to the head of the queue (its cache blocks are
+        needed by older ones); it holds the last row, so no other row moves."""
+        seq = self.running.pop()
+        seq.status, seq.row = Status.WAITING, None
+        self.waiting.appendleft(seq)
+        return seq
 
     def retire(self) -> list[tuple[int, int, int]]:
         """Drop finished sequences and move the others up; returns the row moves (src, dst, length)

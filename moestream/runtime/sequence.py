@@ -44,6 +44,10 @@ class Sequence:
     finish_reason: str | None = None     # "eos" | "stop" | "length" | "cancelled"
     cached_tokens: int = 0               # prompt positions restored from the prefix cache, not prefilled
     prefilled: int = 0                   # prompt positions in the cache so far (restored or prefilled)
+    resuming: bool = False               # preempted after sampling: its context goes in again, then it decodes on
+    blocks: list[int] = field(default_factory=list)   # a paged cache's blocks holding its positions, in order
+    sealed: int = 0                      # of those, the full ones keyed for prefix sharing
+    block_key: bytes = b""               # the last sealed block's key
     outbox: deque = field(default_factory=deque)       # (token or None, text delta) for the reader
 
     def __post_init__(self) -> None:
@@ -65,18 +69,37 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Admitted, and its prompt is still going into the cache (one chunk per step while others decode)."""
-        return self.sampled == 0
+        """Admitted, and its prompt (or, resuming after preemption, its whole context) is still going
+        into the cache (one chunk per step while others decode)."""
+        return self.sampled == 0 or self.resuming
+
+    @property
+    def prefill_len(self) -> int:
+        """How many positions must be in the cache before the sequence samples or decodes: the
+        prompt, or resuming, the prompt and every sampled token but the last (the next decode step
+        feeds that one)."""
+        return len(self.prompt) + max(self.sampled - 1, 0)
+
+    def prefill_ids(self) -> list[int]:
+        """The ids of those positions."""
+        return self.prompt if self.sampled == 0 else self.id_range(0, self.prefill_len)
+
+    def id_range(self, start: int, end: int) -> list[int]:
+        """The ids of positions start..end-1 of the context (prompt, then the kept sampled tokens)."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:] + self.tokens[max(start - n, 0):end - n] if start < n else self.tokens[start - n:end - n]
 
     @property
     def cached_len(self) -> int:
-        """Positions the cache row holds now: the prompt so far, or the prompt and every sampled token
-        but the last (which is fed back by the next decode step)."""
-        return self.prefilled if self.sampled == 0 else len(self.prompt) + self.sampled - 1
+        """Positions the cache row holds now: what has been prefilled so far, or the prompt and every
+        sampled token but the last (which is fed back by the next decode step)."""
+        return self.prefilled if self.prefilling else len(self.prompt) + self.sampled - 1
 
     def cached_ids(self) -> list[int]:
         """The ids of those positions (every sampled token before the last was kept)."""
-        return (self.prompt + self.tokens)[:self.cached_len]
+        return self.id_range(0, self.cached_len)
 
     def token_budget(self) -> int:
         return min(self.params.max_tokens, self.max_len - len(self.prompt))

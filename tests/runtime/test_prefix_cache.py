@@ -1,5 +1,6 @@
-"""The prefix cache: a prompt that extends an earlier conversation prefills only its new tokens,
-and the answer is the cold run's, token for token (greedy, fp32)."""
+"""The rows layout's prefix cache: a prompt that extends an earlier conversation prefills only its
+new tokens, and the answer is the cold run's, token for token (greedy, fp32). The paged layout's
+block-shared prefix cache has its own tests (test_paged_cache.py)."""
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def run(engine, prompt, max_tokens=8):
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3):
     warm = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefix_cache_memory="64MiB",
-                          prefill_chunk=16)
+                          prefill_chunk=16, kv_layout="rows")
     cold = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=16)
     return warm, cold
 
@@ -81,7 +82,7 @@ def test_concurrent_sequences_share_a_cached_prefix(engines):
 
 
 def test_entries_are_evicted_within_the_budget_and_extended_entries_replace_their_prefix(tiny_qwen3):
-    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefix_cache_memory=1)
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefix_cache_memory=1, kv_layout="rows")
     engine.prefix_cache.budget_bytes = 0
     run(engine, FIRST)
     assert not engine.prefix_cache.entries                   # larger than the budget: not kept

@@ -32,7 +32,7 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> str:
 
 def test_concurrent_greedy_requests_equal_each_alone(server, demo_engine):
     alone = [complete(server.url, p, 6 + 2 * i) for i, p in enumerate(PROMPTS)]
-    demo_engine.prefix_cache.clear()
+    demo_engine.clear_prefix_cache()
     seen_running = []
     stop = threading.Event()
 
@@ -79,7 +79,8 @@ def test_64_streaming_clients_all_complete_and_leave_nothing_behind(server, demo
     wait_until(lambda: server.state.worker.running == 0 and server.state.worker.waiting == 0)
     assert demo_engine.scheduler.idle and not server.state.worker._active
     assert demo_engine.runner.cache.rows <= demo_engine.scheduler.max_batch        # rows never beyond the batch
-    assert demo_engine.prefix_cache.used_bytes <= demo_engine.prefix_cache.budget_bytes
+    assert demo_engine.blocks.used == 0                                             # every KV block given back
+    assert demo_engine.blocks.available == demo_engine.blocks.capacity
     assert _rss_bytes() - rss < 256 * 2**20                                         # no growth per round
 
 
