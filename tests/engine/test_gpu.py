@@ -46,7 +46,9 @@ def test_fetch_is_exact_at_every_capacity_on_gpu(tiny_qwen3):
 def test_peak_device_memory_stays_within_budget(fraction, tiny_qwen3):
     engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16")
     cap = max(engine.config.top_k, int(engine.config.num_experts * fraction))
-    budget = plan_memory(engine.config, torch.bfloat16, capacity=cap, max_context=256).total_bytes
+    memory = engine.plan.memory   # the plan the engine made (its KV layout), at capacity `cap`
+    budget = plan_memory(engine.config, torch.bfloat16, capacity=cap, max_context=engine.max_context,
+                         kv_blocks=memory.kv_blocks, kv_block_size=memory.kv_block_size or 16).total_bytes
     del engine
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
