@@ -1,7 +1,7 @@
 """Served decode throughput and latency at several concurrent streams, and an agent's second turn.
 
-Starts `moestream serve`'s app in this process on a checkpoint (a random full-size one written
-when missing, or any folder), then drives it over HTTP the way clients do:
+Starts `moestream serve`'s app in a process of its own on a checkpoint (a random full-size one
+written when missing, or any folder), then drives it over HTTP the way clients do:
 
 * N concurrent streams (default 1, 4, 16, 64), each a `/v1/completions` request of random prompt
   token ids, `--gen-tokens` generated with `ignore_eos`, streamed: aggregate decode tok/s (tokens
@@ -10,7 +10,7 @@ when missing, or any folder), then drives it over HTTP the way clients do:
   of N shorter streams (steady state: kernels compiled for these shapes, either server's buffers
   grown); our server starts as `moestream serve` does, its decode graphs captured at start-up;
 * an agent-like second turn: a `--prefix-tokens` prompt, then the same prompt plus `--new-tokens`
-  new ones: time to first token with the prefix cache, and cold (cache cleared).
+  new ones: time to first token with the prefix cache, and cold (a new prompt of the same length).
 
 With `--llama-server BIN --gguf FILE` the same requests go to llama.cpp's server (started with
 `-np N` parallel slots, `--n-cpu-moe` from `--peer-n-cpu-moe`) in the same run; its `/completion`
@@ -26,13 +26,13 @@ replayed trace of the demo model's routing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -112,7 +112,7 @@ def measured_streams(send, url: str, streams: int, args, vocab: int) -> dict:
     return concurrent_streams(send, url, streams, args.prompt_tokens, args.gen_tokens, vocab, seed=streams)
 
 
-def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int, clear=None) -> dict:
+def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int) -> dict:
     rng = random.Random(7)
     # A throwaway conversation of the same lengths first: kernels compiled and attention plans built
     # for these shapes are start-up costs, not the second turn's.
@@ -124,10 +124,7 @@ def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int,
     send(url, prefix, 2)                       # the first turn: its KV goes to the cache
     t0 = time.perf_counter()
     warm = send(url, turn, 1)[0] - t0
-    if clear is not None:
-        clear()
-    else:                                      # the peer: a different prefix evicts nothing, so ask cold by a new prefix
-        turn = [rng.randrange(1, vocab) for _ in range(prefix_tokens + new_tokens)]
+    turn = [rng.randrange(1, vocab) for _ in range(prefix_tokens + new_tokens)]   # cold: a prompt nobody sent
     t0 = time.perf_counter()
     cold = send(url, turn, 1)[0] - t0
     return {"prefix_tokens": prefix_tokens, "new_tokens": new_tokens, "ttft_cached_ms": 1000 * warm,
@@ -136,44 +133,49 @@ def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int,
 
 # ---- the two servers --------------------------------------------------------------------------
 
-def run_ours(args, ckpt: Path) -> dict:
+def serve_ours(args) -> None:
+    """The server process: load as `moestream serve` does, swap in the benchmark routing, serve."""
     import uvicorn
 
     import moestream
     from moestream.serve.app import ServeOptions, create_app
 
     max_batch = max(args.streams, default=1)
-    engine = moestream.load(str(ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
+    engine = moestream.load(str(args.ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
                             prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout)
-    routing = apply_routing(engine, args.routing, args.trace)
+    apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
-    vocab = engine.config.vocab_size
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
+    uvicorn.run(app, host="127.0.0.1", port=args.serve_port, log_level="warning")
+
+
+def run_ours(args, ckpt: Path) -> dict:
+    """Our server in a process of its own (as `moestream serve` runs, and as llama-server does: the
+    clients' threads never share its interpreter), driven over HTTP."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    child = [a for a in sys.argv[1:] if a != "--peer-only"] + ["--serve-port", str(port), "--no-write"]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child])
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url)
     try:
+        wait_healthy(url)
+        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
         rows = []
         for n in args.streams:
             rows.append(measured_streams(stream_ours, url, n, args, vocab))
             log("moestream", rows[-1])
         turn = None
         if args.prefix_tokens:
-            turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab,
-                               clear=engine.clear_prefix_cache)
+            turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab)
             log("moestream second turn", turn)
-        return {"streams": rows, "second_turn": turn, "bank": engine.stats()["hit_rate"],
-                "kv_layout": "paged" if engine.plan.memory.paged else "rows",
-                "prefix_cache": engine.prefix_cache_stats(),
-                "routing": routing.label if routing is not None else "model's own",
-                "capacity": engine.plan.memory.capacity, "experts": engine.config.num_experts}
+        stats = httpx.get(f"{url}/v1/cache/stats", timeout=60).json()
+        prefix = stats.get("prefix_cache") or {}
+        return {"streams": rows, "second_turn": turn, "bank": stats["bank"]["hit_rate"],
+                "kv_layout": "paged" if "blocks" in prefix else "rows", "prefix_cache": prefix,
+                "routing": args.routing, "capacity": args.capacity}
     finally:
-        server.should_exit = True
-        thread.join(30)
+        proc.terminate()
+        proc.wait(60)
 
 
 def run_llama(args, vocab: int) -> dict:
@@ -229,7 +231,11 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--peer-only", action="store_true", help="measure llama-server only (ours in an earlier run)")
     ap.add_argument("--no-write", action="store_true", help="use --ckpt as it is (a folder with its own weights)")
+    ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)   # the server process
     args = ap.parse_args()
+    if args.serve_port is not None:
+        serve_ours(args)
+        return
     if not args.no_write:
         ensure_checkpoint(args.ckpt, args.shape, args.layers)
     args.out.mkdir(parents=True, exist_ok=True)

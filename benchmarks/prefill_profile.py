@@ -1,0 +1,80 @@
+"""Where a prefill's time goes: a cold prompt (pp) and an agent's cached second turn, timed, then
+the second turn under the torch profiler (per-kernel CUDA time and host time).
+
+The second turn is a `--prefix-tokens` prompt answered once (its KV kept by the prefix cache),
+then the same prompt plus `--new-tokens` new ones: only those are prefilled, attending to the
+whole prefix. Times are the engine's time to first token (median of `--repeats`, fresh prompts
+each time so the cold prompt never hits the cache), after one unmeasured round of each shape.
+
+    python benchmarks/prefill_profile.py CHECKPOINT [--prompt-tokens 512] [--prefix-tokens 8192]
+        [--new-tokens 200] [--kv-layout auto|paged|rows] [--no-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import moestream  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--prefix-tokens", type=int, default=8192)
+    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test on a tiny checkpoint")
+    args = ap.parse_args()
+    engine = moestream.load(args.model, device=args.device, dtype="bfloat16", kv_layout=args.kv_layout,
+                            max_context=args.prefix_tokens + args.new_tokens + 64, prefix_cache_memory="2GiB")
+    rng = random.Random(0)
+    vocab = engine.config.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    def ttft(prompt: list[int]) -> float:
+        engine.generate(prompt, max_tokens=1, ignore_eos=True)
+        return engine.last_metrics.ttft_s
+
+    def cold() -> float:
+        return ttft(tokens(args.prompt_tokens))
+
+    def second_turn() -> tuple[float, int]:
+        prefix = tokens(args.prefix_tokens)
+        ttft(prefix)
+        seq_cached = engine.prefix_cache_stats()["reused_tokens"]
+        t = ttft(prefix + tokens(args.new_tokens))
+        return t, engine.prefix_cache_stats()["reused_tokens"] - seq_cached
+
+    layout = "paged" if engine.plan.memory.paged else "rows"
+    cold()
+    second_turn()
+    pp = statistics.median(cold() for _ in range(args.repeats))
+    turns = [second_turn() for _ in range(args.repeats)]
+    print(f"kv {layout}: cold {args.prompt_tokens}-token prompt {1000 * pp:.1f} ms "
+          f"({args.prompt_tokens / pp:,.0f} tok/s)")
+    print(f"kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} new) "
+          f"{1000 * statistics.median(t for t, _ in turns):.1f} ms, reused {turns[-1][1]} tokens")
+    if args.no_profile:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    prefix = tokens(args.prefix_tokens)
+    ttft(prefix)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ttft(prefix + tokens(args.new_tokens))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
