@@ -40,3 +40,17 @@ def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.Compl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", _PREAMBLE + textwrap.dedent(script)], env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def check_all_under_interpreter(checks: Path, timeout: float = 300) -> None:
+    """Run the `check_all("cpu", (fp32, fp16))` of the checks module at `checks` (a file beside the
+    tests that also run it compiled on a GPU) under the interpreter; fail with its error output."""
+    script = f"""
+        import sys, torch
+        sys.path.insert(0, {str(checks.parent)!r})
+        from {checks.stem} import check_all
+        check_all("cpu", (torch.float32, torch.float16))
+        print("ok")
+    """
+    result = run_under_interpreter(script, timeout=timeout)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]

@@ -29,8 +29,12 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS)
         self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting for a place in the batch", registry=r)
         self.running = Gauge("moestream_running_sequences", "Sequences in the decode batch", registry=r)
-        self.kv_rows = Gauge("moestream_kv_cache_rows", "Sequence rows the KV cache holds (each a full context)",
-                             registry=r)
+        self.kv_rows = Gauge("moestream_kv_cache_rows", "Sequence rows the KV cache holds (each a full context, or "
+                             "with a paged cache a row of block ids)", registry=r)
+        self.kv_blocks = Gauge("moestream_kv_cache_blocks", "Blocks of a paged KV cache", registry=r)
+        self.kv_blocks_used = Gauge("moestream_kv_cache_blocks_used", "Blocks held by running sequences", registry=r)
+        self.kv_blocks_cached = Gauge("moestream_kv_cache_blocks_cached",
+                                      "Blocks no sequence holds, kept as the prefix cache", registry=r)
         self.kv_rows_used = Gauge("moestream_kv_cache_rows_used", "Rows held by running sequences", registry=r)
         self.prefix_bytes = Gauge("moestream_prefix_cache_bytes", "Device bytes held by the prefix cache", registry=r)
         self.prefix_hit_rate = Gauge("moestream_prefix_cache_hit_rate", "Lookups that reused a prefix", registry=r)
@@ -67,6 +71,11 @@ class ServerMetrics:
         self.kv_rows_used.set(worker.running)
         cache = self.engine.runner.cache
         self.kv_rows.set(cache.rows if cache is not None else 0)
+        blocks = self.engine.blocks
+        if blocks is not None:
+            self.kv_blocks.set(blocks.capacity)
+            self.kv_blocks_used.set(blocks.used)
+            self.kv_blocks_cached.set(len(blocks.cached))
 
     # ---- called by handlers ---------------------------------------------------------------
     def answered(self, api: str, status: int, generated: int = 0) -> None:

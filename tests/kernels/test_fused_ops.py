@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fused_ops_checks import check_all
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter
 
 from moestream.kernels import fused_moe_available
 
@@ -18,15 +18,7 @@ needs_cuda = pytest.mark.skipif(not fused_moe_available(), reason="needs CUDA an
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_fused_ops_under_interpreter():
-    script = f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from fused_ops_checks import check_all
-        check_all("cpu", (torch.float32, torch.float16))
-        print("ok")
-    """
-    result = run_under_interpreter(script)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+    check_all_under_interpreter(Path(__file__).parent / "fused_ops_checks.py")
 
 
 @needs_cuda

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter
 
 from moestream.kernels import fused_moe_available, paged_decode_attention_reference
 
@@ -38,15 +38,7 @@ def test_the_reference_equals_attention_over_contiguous_keys():
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_paged_attention_under_interpreter():
-    script = f"""
-        import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from paged_attention_checks import check_all
-        check_all("cpu", (torch.float32, torch.float16))
-        print("ok")
-    """
-    result = run_under_interpreter(script, timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+    check_all_under_interpreter(Path(__file__).parent / "paged_attention_checks.py", timeout=600)
 
 
 @needs_cuda

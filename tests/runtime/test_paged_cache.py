@@ -5,6 +5,8 @@ turns, and handed back by preemption when the pool runs dry; every token equals 
 import pytest
 import torch
 
+from engine_probes import prefilled_tokens
+
 import moestream
 from moestream.engine.plan import plan_load
 from moestream.errors import BudgetError, InputError
@@ -32,19 +34,6 @@ def run_together(engine, prompts, max_tokens):
     while not all(s.finished for s in seqs):
         engine.step()
     return seqs
-
-
-def prefilled_tokens(engine) -> list[int]:
-    counts = []
-    forward = engine.runner.forward
-
-    def counting(input_ids, ctx, last_only=False, decoding=False):
-        if not decoding:
-            counts.append(input_ids.numel())
-        return forward(input_ids, ctx, last_only=last_only, decoding=decoding)
-
-    engine.runner.forward = counting
-    return counts
 
 
 def load(folder, **kw):
@@ -253,3 +242,17 @@ def test_gpu_paged_decode_equals_the_rows_layout(tiny_qwen3, capacity):
                            kv_cache_memory=paged.blocks.block_bytes * 16, **kw)
     assert small.generate(prompts, max_tokens=60, ignore_eos=True) == rows.generate(prompts, max_tokens=60,
                                                                                      ignore_eos=True)
+
+
+def test_check_prints_the_paged_plan_and_the_cli_refuses_bad_kv_options_in_one_line(tiny_checkpoints, tiny_qwen3,
+                                                                                     capsys):
+    from moestream.cli import main
+
+    assert main(["check", str(tiny_qwen3), "--device", "cpu", "--max-context", "96"]) == 0
+    assert "paged: 6 blocks × 16 positions" in capsys.readouterr().out
+    for argv, match in ((["check", str(tiny_qwen3), "--device", "cpu", "--kv-cache-memory", "1KiB"], "fewer than one context"),
+                        (["run", str(tiny_checkpoints["gpt_oss"][0]), "--device", "cpu", "--kv-layout", "paged", "-p", "x"],
+                         "not available here")):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and match in err and "Traceback" not in err, err

@@ -5,26 +5,14 @@ block-shared prefix cache has its own tests (test_paged_cache.py)."""
 import pytest
 import torch
 
+from engine_probes import prefilled_tokens
+
 import moestream
 from moestream.errors import InputError
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.runtime.sampling import SamplingParams
 
 FIRST = torch.randint(2, 160, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-
-
-def prefilled_tokens(engine) -> list[int]:
-    """Count the tokens each prefill forward runs (decode steps run one token per sequence)."""
-    counts = []
-    forward = engine.runner.forward
-
-    def counting(input_ids, ctx, last_only=False, decoding=False):
-        if not decoding:
-            counts.append(input_ids.numel())
-        return forward(input_ids, ctx, last_only=last_only, decoding=decoding)
-
-    engine.runner.forward = counting
-    return counts
 
 
 def run(engine, prompt, max_tokens=8):

@@ -252,6 +252,11 @@ def test_health_metrics_and_cache_stats(server, oai):
         assert name in metrics
     stats = httpx.get(f"{server.url}/v1/cache/stats").json()
     assert stats["prefix_cache"]["entries"] >= 1 and "hit_rate" in stats["bank"]
+    prefix = stats["prefix_cache"]
+    assert prefix["blocks"] > 0 and prefix["blocks_used"] == 0 and prefix["blocks_cached"] >= 1
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("moestream_kv_cache_blocks")}
+    assert values["moestream_kv_cache_blocks"] == prefix["blocks"] and values["moestream_kv_cache_blocks_used"] == 0
 
 
 def test_responses_custom_tools_round_trip_as_raw_text(oai, force):
