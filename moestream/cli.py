@@ -660,7 +660,7 @@ def cmd_perplexity(args) -> int:
 
         if args.kl_reference is not None:
             raise InputError("--kl-reference scores prompt windows; run it without --decode.")
-        ppl, n = decode_perplexity(engine.runner, ids, window, args.max_tokens)
+        ppl, n = decode_perplexity(engine, ids, window, args.max_tokens)
     else:
         reference = _kl_reference(args, engine) if args.kl_reference is not None else None
         scores = sliding_window_scores(engine.logits, ids, window, engine.device,

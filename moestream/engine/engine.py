@@ -359,6 +359,27 @@ class Engine:
                                     "or float32).")
             seq.append(token)
 
+    def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:
+        """Log-probabilities (len(targets),) of `targets` after `context`, one decode step per target,
+        in cache row 0 of an idle engine (`ModelRunner.teacher_forced`); a paged cache lends the row
+        the blocks it needs for the call."""
+        with self._lock, torch.inference_mode():
+            if not self.scheduler.idle:
+                raise InputError("teacher-forced scoring needs an idle engine; finish or cancel the running requests first.")
+            self.runner.ensure_rows(1)
+            if self.blocks is None:
+                return self.runner.teacher_forced(context, targets)
+            scoring = Sequence(list(context), SamplingParams())
+            if self.blocks.ensure(scoring, len(context) + len(targets)) is None:
+                raise InputError(f"the paged KV cache cannot hold {len(context) + len(targets)} positions; "
+                                 "raise --kv-cache-memory or score shorter windows.")
+            self.runner.cache.tables.assign(0, scoring.blocks)
+            try:
+                return self.runner.teacher_forced(context, targets)
+            finally:
+                self.blocks.release(scoring)
+                self.runner.cache.tables.clear(0)
+
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence: it leaves the batch now (between steps) and its row is freed."""
         with self._lock, torch.inference_mode():   # rows move and block tables change: cache tensors

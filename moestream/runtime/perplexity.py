@@ -61,8 +61,9 @@ def sliding_window_perplexity(model_fn: ModelFn, ids: list[int], window: int,
     return scores.perplexity, scores.tokens
 
 
-def decode_perplexity(runner, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
-    """(perplexity, scored tokens) with every scored token produced by a decode step.
+def decode_perplexity(engine, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
+    """(perplexity, scored tokens) with every scored token produced by a decode step of `engine`
+    (`Engine.teacher_forced`).
 
     Each window of W tokens gives its first W/2 as an exact prompt and scores the next W/2 one
     decode step at a time, so modes that only change decoding (the skip miss policy) show their
@@ -77,7 +78,7 @@ def decode_perplexity(runner, ids: list[int], window: int, max_scored: int | Non
             targets = targets[:max_scored - scored]
         if not targets:
             break
-        logp = runner.teacher_forced(context, targets)
+        logp = engine.teacher_forced(context, targets)
         total_nll -= float(logp.sum())
         scored += len(targets)
         if max_scored is not None and scored >= max_scored:

@@ -170,13 +170,16 @@ def test_decode_perplexity_is_exact_for_fetch_and_shows_skip(tiny_qwen3):
 
     ids = torch.randint(2, 160, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     full = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-    reference, scored = decode_perplexity(full.runner, ids, window=32)
+    reference, scored = decode_perplexity(full, ids, window=32)
     assert scored == len(ids) - 1
+    rows = moestream.load(tiny_qwen3, device="cpu", dtype="float32", kv_layout="rows")
+    assert full.plan.memory.paged and decode_perplexity(rows, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
     fetch = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3)
-    assert decode_perplexity(fetch.runner, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
+    assert decode_perplexity(fetch, ids, window=32)[0] == pytest.approx(reference, rel=1e-5)
     skip = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, miss_policy="skip")
-    assert decode_perplexity(skip.runner, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
-    assert decode_perplexity(full.runner, ids, window=32, max_scored=10)[1] == 10
+    assert decode_perplexity(skip, ids, window=32)[0] != pytest.approx(reference, rel=1e-5)
+    assert decode_perplexity(full, ids, window=32, max_scored=10)[1] == 10
+    assert full.blocks.used == 0   # the blocks lent to the scoring row came back
 
 
 def test_apply_routing_swaps_in_what_a_benchmark_names(tiny_qwen3):
