@@ -6,8 +6,12 @@ then the same prompt plus `--new-tokens` new ones: only those are prefilled, att
 whole prefix. Times are the engine's time to first token (median of `--repeats`, fresh prompts
 each time so the cold prompt never hits the cache), after one unmeasured round of each shape.
 
+Routing (`--routing`, default uniform, as the other benchmarks) matters here: a random-weight
+model's own routing sends every token of a prompt to nearly the same experts, so its prefill reads a
+few experts per layer instead of all of them.
+
     python benchmarks/prefill_profile.py CHECKPOINT [--prompt-tokens 512] [--prefix-tokens 8192]
-        [--new-tokens 200] [--kv-layout auto|paged|rows] [--no-profile]
+        [--new-tokens 200] [--kv-layout auto|paged|rows] [--routing uniform|model|trace] [--no-profile]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moestream  # noqa: E402
+from moestream.bench import apply_routing  # noqa: E402
 
 
 def main() -> None:
@@ -30,11 +35,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
+    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test on a tiny checkpoint")
     args = ap.parse_args()
     engine = moestream.load(args.model, device=args.device, dtype="bfloat16", kv_layout=args.kv_layout,
                             max_context=args.prefix_tokens + args.new_tokens + 64, prefix_cache_memory="2GiB")
+    apply_routing(engine, args.routing, args.trace)
     rng = random.Random(0)
     vocab = engine.config.vocab_size
 
@@ -60,9 +68,9 @@ def main() -> None:
     second_turn()
     pp = statistics.median(cold() for _ in range(args.repeats))
     turns = [second_turn() for _ in range(args.repeats)]
-    print(f"kv {layout}: cold {args.prompt_tokens}-token prompt {1000 * pp:.1f} ms "
+    print(f"routing {args.routing}, kv {layout}: cold {args.prompt_tokens}-token prompt {1000 * pp:.1f} ms "
           f"({args.prompt_tokens / pp:,.0f} tok/s)")
-    print(f"kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} new) "
+    print(f"routing {args.routing}, kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} new) "
           f"{1000 * statistics.median(t for t, _ in turns):.1f} ms, reused {turns[-1][1]} tokens")
     if args.no_profile:
         return
