@@ -479,7 +479,9 @@ def load(model: str | EngineConfig, config: EngineConfig | None = None, **kwargs
     """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
 
     Keywords (or an EngineConfig, whose sections they fill): device, dtype, max_context,
-    prefill_chunk, max_batch; `gpu_memory` (alias `memory`, which names no device) bounds
+    prefill_chunk, max_batch; the KV cache's `kv_layout` (auto | paged | rows), `kv_block_size` and
+    `kv_cache_memory` (a paged cache's bytes), `prefix_cache_memory` (> 0: reuse cached prefixes);
+    `gpu_memory` (alias `memory`, which names no device) bounds
     everything the engine takes on the device, `capacity` fixes the bank slots per layer instead;
     experts beyond the bank stay in pinned host RAM (`host_memory` bounds it, `host_tier` chooses)
     or on disk; miss_policy, residency, prefetch, pinned.
