@@ -256,3 +256,42 @@ def test_check_prints_the_paged_plan_and_the_cli_refuses_bad_kv_options_in_one_l
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and match in err and "Traceback" not in err, err
+
+
+def test_a_stream_of_arrivals_cancels_and_shared_prefixes_in_a_small_pool_stays_exact(tiny_qwen3, engines):
+    """Seeded churn: requests arrive between steps, some share a prefix with earlier ones, some are
+    cancelled (running or waiting after a preemption), the pool of 14 blocks preempts; every answer
+    that finishes equals the rows layout's, and every block comes back."""
+    import random
+
+    paged, rows = engines
+    small = load(tiny_qwen3, kv_layout="paged", kv_block_size=BLOCK, kv_cache_memory=14 * paged.blocks.block_bytes,
+                 prefix_cache_memory="1MiB", max_batch=4)
+    preempted = []
+    preempt = small._preempt
+    small._preempt = lambda: preempted.append(preempt()) or preempted[-1]
+    rng = random.Random(3)
+    shared = FIRST[:24]
+    live, done, cancelled = [], [], []
+    for step in range(160):
+        if step < 100 and rng.random() < 0.3:
+            head = shared if rng.random() < 0.5 else [rng.randrange(2, 160) for _ in range(rng.randrange(3, 20))]
+            prompt = head + [rng.randrange(2, 160) for _ in range(rng.randrange(1, 12))]
+            live.append(small.add_request(prompt, params(rng.randrange(5, 30))))
+        if live and rng.random() < 0.05:
+            victim = live.pop(rng.randrange(len(live)))
+            small.cancel(victim)
+            cancelled.append(victim)
+        small.step()
+        done += [s for s in live if s.finished]
+        live = [s for s in live if not s.finished]
+    while live:
+        small.step()
+        done += [s for s in live if s.finished]
+        live = [s for s in live if not s.finished]
+    assert len(done) > 10 and cancelled and preempted
+    for seq in done:
+        want = run(rows, seq.prompt, max_tokens=seq.params.max_tokens).tokens
+        assert seq.tokens == want, seq.prompt
+    assert small.blocks.used == 0 and small.scheduler.idle
+    assert small.prefix_cache_stats()["hits"] > 0
