@@ -156,6 +156,12 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
     return 2 * min(num_experts - capacity, max(top_k, 8))
 
 
+def paged_gather_bytes(config: ModelConfig, dtype: torch.dtype, max_context: int) -> int:
+    """A paged cache's prefill chunk gathers its row's keys and values into one tensor per layer
+    (up to the whole context) before attending: that transient copy."""
+    return 2 * max_context * config.num_kv_heads * config.head_dim * dtype_size(dtype)
+
+
 def paged_blocks(config: ModelConfig, spec: ArchSpec, dtype: torch.dtype, block_size: int, max_context: int,
                  rows: int, prefix_cache_bytes: int, kv_cache_bytes: int | None) -> int:
     """Blocks of a paged cache, the null block included: `kv_cache_bytes` worth, else what the rows
@@ -200,7 +206,8 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=kv_bytes, prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch, kv_blocks=kv_blocks,
                 kv_block_size=kv_block_size if kv_blocks else 0,
-                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context),
+                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context)
+                + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)
     if capacity is None and budget_bytes is None:
