@@ -369,11 +369,10 @@ class Engine:
             self.runner.ensure_rows(1)
             if self.blocks is None:
                 return self.runner.teacher_forced(context, targets)
-            scoring = Sequence(list(context), SamplingParams())
-            if self.blocks.ensure(scoring, len(context) + len(targets)) is None:
+            scoring = Sequence(list(context), SamplingParams(), row=0)
+            if not self._grow(scoring, len(context) + len(targets)):
                 raise InputError(f"the paged KV cache cannot hold {len(context) + len(targets)} positions; "
                                  "raise --kv-cache-memory or score shorter windows.")
-            self.runner.cache.tables.assign(0, scoring.blocks)
             try:
                 return self.runner.teacher_forced(context, targets)
             finally:

@@ -363,17 +363,16 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
 
 def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:
     """"paged" or "rows". `auto` pages the cache wherever every layer keeps full keys and values (the
-    decode kernel reads each row to its own length, so paging costs a single stream nothing); one
-    process per device (expert parallel) keeps rows."""
-    runtime = cfg.runtime
-    can_page = pageable(config, spec) and runtime.devices is None
-    if runtime.kv_layout == "paged" and not can_page:
-        why = ("expert parallel keeps one row per sequence" if runtime.devices is not None else
-               f"{spec.name}'s layers do not all keep full keys and values (sliding-window, recurrent or latent caches)")
-        raise InputError(f"--kv-layout paged is not available here: {why}; use --kv-layout rows or auto.")
-    if runtime.kv_layout == "auto":
+    decode kernel reads each row to its own length, so paging costs a single stream nothing). The
+    ranks of an expert-parallel group keep rows (`rank_config` says so)."""
+    layout = cfg.runtime.kv_layout
+    can_page = pageable(config, spec)
+    if layout == "paged" and not can_page:
+        raise InputError(f"--kv-layout paged is not available here: {spec.name}'s layers do not all keep full keys "
+                         "and values (sliding-window, recurrent or latent caches); use --kv-layout rows or auto.")
+    if layout == "auto":
         return "paged" if can_page else "rows"
-    return runtime.kv_layout
+    return layout
 
 
 def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:

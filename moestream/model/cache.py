@@ -117,14 +117,10 @@ class BlockTables:
         self.max_blocks = -(-max_len // block_size)
         self.table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=device)
 
-    @property
-    def rows(self) -> int:
-        return self.table.shape[0]
-
     def assign(self, row: int, blocks: list[int], start: int = 0) -> None:
         """Entries start.. of `row` become `blocks` (one small host-to-device copy)."""
         if blocks:
-            self.table[row, start:start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=False)
+            self.table[row, start:start + len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
 
     def clear(self, row: int) -> None:
         self.table[row].zero_()
@@ -373,10 +369,10 @@ def full_attention(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: floa
     CUDA attends straight from its blocks, each row to its own length; otherwise SDPA over
     `attended_keys_values` with the step's mask."""
     cache = ctx.cache[layer] if ctx.cache is not None else None
-    if isinstance(cache, PagedKVCache) and q.shape[2] == 1 and kernels.fused_ops_enabled(q):
+    if isinstance(cache, PagedKVCache) and ctx.seq_lens is not None and kernels.fused_ops_enabled(q):
         cache.write(ctx.write_rows, ctx.positions, k, v)
         out = kernels.paged_decode_attention(q[:, :, 0], cache.k, cache.v, cache.tables.table[ctx.cache_rows],
-                                             ctx.positions[:, 0] + 1, ctx.kv_len, scale)
+                                             ctx.seq_lens, ctx.kv_len, scale)
         return out[:, :, None]
     k, v = attended_keys_values(ctx, layer, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, scale=scale,

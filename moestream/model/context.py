@@ -27,6 +27,8 @@ class ForwardContext:
                                             # recurrent mixers keep padded tokens out of their state
     attn_bias: torch.Tensor | None = None   # the mask as SDPA's additive bias (0 / -inf, compute dtype),
                                             # built once per forward instead of by SDPA in every layer
+    seq_lens: torch.Tensor | None = None    # decode: (B,) positions attended per row (its position + 1),
+                                            # for attention that reads each row to its own length
 
     def __post_init__(self):
         if self.attn_bias is None and self.mask is not None:
@@ -78,4 +80,5 @@ def decode_context(table, cache: ModelCache, positions: torch.Tensor, kv_len: in
     cos, sin = _rotary(table, pos, dtype)
     if rows is None:
         rows = torch.arange(B, device=device)[:, None]
-    return ForwardContext(pos, cos, sin, mask[:, None, None, :], cache, slice(0, B), rows, kv_len)
+    return ForwardContext(pos, cos, sin, mask[:, None, None, :], cache, slice(0, B), rows, kv_len,
+                          seq_lens=positions + 1)

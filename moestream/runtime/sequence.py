@@ -87,9 +87,9 @@ class Sequence:
     def id_range(self, start: int, end: int) -> list[int]:
         """The ids of positions start..end-1 of the context (prompt, then the kept sampled tokens)."""
         n = len(self.prompt)
-        if end <= n:
-            return self.prompt[start:end]
-        return self.prompt[start:] + self.tokens[max(start - n, 0):end - n] if start < n else self.tokens[start - n:end - n]
+        head = self.prompt[start:end] if start < n else []
+        tail = self.tokens[max(start - n, 0):end - n] if end > n else []
+        return head + tail
 
     @property
     def cached_len(self) -> int:
