@@ -18,7 +18,9 @@ read once) / time, the figure of merit for decode; TFLOP/s = 2 * T * k * 3 * H *
 figure of merit for prefill; `roof us` = those bytes at 3.35 TB/s (H100 SXM HBM3 peak).
 
 `--tune` sweeps grouped-path block sizes per T (refreshes `_CONFIG_TABLE`); `--tune-decode`
-sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`.
+sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`;
+`--tune-token` sweeps the one-token path's tiles (refreshes `DEFAULT_TOKEN_CONFIG`) beside the
+decode path at T=1. Without a config the "decode" rows at T=1 are the one-token path.
 
 `--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
 the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched.
@@ -193,6 +195,43 @@ def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
     return asdict(best), best_ms
 
 
+def tune_token(bank, routings: list[tuple]) -> tuple[dict, float, float]:
+    """Coordinate search over the one-token path's tiles (T = 1): the gate_up tile, then the down
+    tile, each timed `cold` on the whole call. Returns (best config, its time, the decode path's)."""
+    from dataclasses import asdict, replace
+
+    from moestream.kernels.fused_moe_token import DEFAULT_TOKEN_CONFIG, TokenTile, token_moe
+    from moestream.kernels.fused_moe_triton import DEFAULT_DECODE_CONFIG, fused_moe_with_config
+
+    I = bank[1].shape[2]
+
+    def measure(cfg) -> float:
+        try:
+            return time_cold_graph_ms(lambda r: token_moe(r[0], *bank, r[1], r[2], 0, I, config=cfg), routings,
+                                      replays=5)
+        except Exception as exc:
+            print(f"    skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+            return float("inf")
+
+    decode_ms = time_cold_graph_ms(lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2],
+                                                                   config=DEFAULT_DECODE_CONFIG), routings)
+    best = DEFAULT_TOKEN_CONFIG
+    best_ms = measure(best)
+    print(f"T=1 decode path {decode_ms * 1e3:.1f} us, token path default {best_ms * 1e3:.1f} us", flush=True)
+    for bn, bk, w in itertools.product((2, 4), (512, 1024, 2048), (4, 8)):
+        cfg = replace(best, gate_up=TokenTile(bn, bk, w))
+        ms = measure(cfg)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    for bn, bk, w in itertools.product((2, 4, 8), (64, 128, 256), (2, 4, 8)):
+        cfg = replace(best, down=TokenTile(bn, bk, w))
+        ms = measure(cfg)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    print(f"T=1: best token {best} {best_ms * 1e3:.1f} us (cold), decode path {decode_ms * 1e3:.1f} us", flush=True)
+    return asdict(best), best_ms, decode_ms
+
+
 def quant_rows(args) -> None:
     """The dequantizing kernel against bf16 at each T, cold (16 routings per graph)."""
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
@@ -243,12 +282,23 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="sweep grouped block sizes per T")
     parser.add_argument("--tune-decode", action="store_true",
                         help="sweep decode tiles at T=1 and T=8 (cold graph timing)")
+    parser.add_argument("--tune-token", action="store_true",
+                        help="sweep the one-token path's tiles (T=1, cold graph timing) and stop")
     parser.add_argument("--format", default=None, help="also time quantized experts in this format (e.g. int4)")
     args = parser.parse_args()
     if not fused_moe_available():
         sys.exit("fused_moe_kernel.py needs a CUDA device and Triton")
     if args.format:
         quant_rows(args)
+        return
+    if args.tune_token:
+        bank = make_bank(args.hidden, args.intermediate, args.slots)
+        routings = [make_routing(1, args.hidden, args.slots, args.top_k, seed=1000 + i) for i in range(COLD_ROUTINGS)]
+        cfg, ms, decode_ms = tune_token(bank, routings)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "token": cfg, "token_us": ms * 1e3,
+                                             "decode_us": decode_ms * 1e3}, indent=2))
         return
     from moestream.kernels.fused_moe_triton import DECODE_MAX_PAIRS, fused_moe_with_config
 

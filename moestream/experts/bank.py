@@ -23,13 +23,13 @@ from torch import Tensor
 from moestream.errors import BudgetError
 from moestream.experts.fetch import Fetcher
 from moestream.experts.format import ExpertFormat
+from moestream.experts.host_tier import read_stack
 from moestream.experts.prefetch import Prefetcher
 from moestream.experts.residency import POLICIES, ResidencyPolicy
 from moestream.experts.skip import SkipPolicy
 from moestream.experts.slots import LayerSlots, SlotTable
 from moestream.experts.stats import BankStats
 from moestream.experts.store import ExpertStore
-from moestream.experts.host_tier import read_stack
 from moestream.experts.transfer import Transfers
 
 MISS_POLICIES = ("fetch", "skip")
@@ -134,7 +134,7 @@ class ExpertBank:
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """Device-only dispatch through the current slot map: the caller guarantees residency."""
         ls = self.slots[layer]
-        return self._dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
+        return self._dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=ls.slot_map)
 
     # ---- the runtime's hooks ------------------------------------------------------------
     @property

@@ -29,7 +29,6 @@ from moestream.experts.slots import SlotTable
 from moestream.experts.stats import BankStats
 from moestream.experts.transfer import Transfers
 
-
 CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misses are copied or staged
 
 
@@ -151,7 +150,7 @@ class Fetcher:
             if on_cpu:
                 return self._hybrid(layer, hidden, expert_ids, weights, on_cpu)
         self.ensure_resident(layer, flat)
-        return self.dispatch[layer](hidden, ls.tensors, ls.slot_map[expert_ids], weights)
+        return self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=ls.slot_map)
 
     def ensure_resident(self, layer: int, routed: np.ndarray, wait: str = "host") -> None:
         """Host side of a fetch: count hits and misses, copy missing experts into evicted slots.

@@ -36,7 +36,9 @@ from moestream.sizes import dtype_size
 
 # (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H);
 # with `reduce=False`, the (T, k, H) fp32 row of every pair instead (zero where unrouted), which
-# the format's `pair_sum` turns into the (T, H) a single call would have given, bit for bit.
+# the format's `pair_sum` turns into the (T, H) a single call would have given, bit for bit. With
+# `slot_map` (a layer's (E + 1,) expert → slot table), the ids are expert ids looked up in it (by
+# the kernels themselves where they can: one launch fewer on the hot path).
 Dispatch = Callable[..., Tensor]
 
 # (hidden (T, H) on the CPU, a layer's stacked host-tier tensors, expert ids (T, k) with -1 for
@@ -200,9 +202,14 @@ class DenseFormat(ExpertFormat):
         run = kernels.fused_moe if self.uses_kernels(device, shape) else kernels.moe_reference
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                     reduce: bool = True) -> Tensor:
+                     reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
+            extra = {}
+            if slot_map is not None and run is kernels.fused_moe:   # the kernels read the map themselves
+                extra["slot_map"] = slot_map
+            elif slot_map is not None:
+                slot_ids = slot_map[slot_ids]
             return run(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
-                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce)
+                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, **extra)
         return dispatch
 
     def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
@@ -276,8 +283,13 @@ class QuantizedFormat(ExpertFormat):
 
         spec = self.spec
         run = kernels.fused_moe_quant if self.uses_kernels(device, shape) else kernels.quant_moe_reference
-        return lambda hidden, slots, slot_ids, weights, reduce=True: run(hidden, slots, slot_ids, weights, spec,
-                                                                         reduce=reduce)
+
+        def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                     reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
+            if slot_map is not None:
+                slot_ids = slot_map[slot_ids]
+            return run(hidden, slots, slot_ids, weights, spec, reduce=reduce)
+        return dispatch
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         from moestream import kernels

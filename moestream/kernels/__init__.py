@@ -15,6 +15,8 @@ import contextlib
 import functools
 import importlib
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .moe_reference import moe_reference
@@ -24,7 +26,7 @@ from .quant_moe_reference import quant_moe_reference
 
 __all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "paged_kv_write",
            "paged_decode_attention", "paged_kv_write_reference", "paged_decode_attention_reference",
-           "fused_moe", "fused_moe_available", "fused_moe_quant", "fused_moe_quant_available"]
+           "fused_moe", "fused_moe_available", "linear", "fused_moe_quant", "fused_moe_quant_available"]
 
 
 @functools.cache
@@ -35,15 +37,16 @@ def _triton_module(name: str):
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
               weights: Tensor, activation="swiglu", gate_up_bias: Tensor | None = None,
-              down_bias: Tensor | None = None, reduce: bool = True) -> Tensor:
+              down_bias: Tensor | None = None, reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
     """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`
-    (optional expert biases, an `Activation` with parameters, `reduce`).
+    (optional expert biases, an `Activation` with parameters, `reduce`), plus `slot_map`: with it,
+    `slot_ids` are expert ids, looked up in that expert → slot table inside the kernels.
 
     Loads Triton on first call; raises ImportError when it is not installed.
     """
     return _triton_module("fused_moe").fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
                                                              gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                                             reduce=reduce)
+                                                             reduce=reduce, slot_map=slot_map)
 
 
 def sum_pairs(per_pair: Tensor, dtype, fused: bool) -> Tensor:
@@ -101,6 +104,7 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=
 # tests that compare both paths). The torch ops stay the reference and the CPU path.
 
 _fused_ops_on = True
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 # How a norm applies its weight (see norm_rope_triton.py), and the order of a router's two steps.
 SCALE_NONE, SCALE_CAST_THEN_WEIGHT, SCALE_ONE_PLUS_WEIGHT_FP32, SCALE_WEIGHT_FP32 = 0, 1, 2, 3
@@ -135,10 +139,29 @@ def norm_rope(x: Tensor, weight: Tensor | None, eps: float, scale: int, cos: Ten
     return _triton_module("norm_rope").norm_rope(x, weight, eps, scale, cos, sin)
 
 
+def qk_rope_paged(q: Tensor, k: Tensor, v: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float,
+                  scale: int, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, rows: Tensor,
+                  positions: Tensor) -> Tensor:
+    """`norm_rope` of q and of k, then k and v written into their paged blocks (`paged_kv_write`), in
+    one launch; returns the new q (B, L, heads, D). Both norms are of one kind (`scale`, `eps`)."""
+    return _triton_module("norm_rope").qk_rope_paged(q, k, v, q_weight, k_weight, eps, scale, cos, sin, k_pool,
+                                                     v_pool, tables, rows, positions)
+
+
 def router_topk(logits: Tensor, k: int, mode: int, renormalise: bool) -> tuple[Tensor, Tensor]:
     """A router's weights (T, k) fp32 and ids (T, k) from its logits in one launch (`mode`:
     SOFTMAX_THEN_TOPK or TOPK_THEN_SOFTMAX)."""
     return _triton_module("router_topk").router_topk(logits, k, mode, renormalise)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`F.linear`, except for one row of a CUDA tensor with the fused ops on: there the Triton GEMV
+    (gemv_triton.py), which reaches more of the memory bandwidth than cuBLAS on a decoder layer's
+    batch-1 projections."""
+    if (x.numel() == x.shape[-1] and x.dtype == weight.dtype and weight.dtype in _FLOATS
+            and weight.stride(-1) == 1 and fused_ops_enabled(x)):
+        return _triton_module("gemv").gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def paged_kv_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, rows: Tensor,

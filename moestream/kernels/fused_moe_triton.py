@@ -2,6 +2,9 @@
 
 Two paths with one contract, picked from host-known shapes (`DECODE_MAX_PAIRS`):
 
+**One token** (T = 1, a dense bank: `fused_moe_token.py`): two GEMV launches, the sum over k inside
+the second, the slot map read in the kernels. Batch-1 decode, the hot path of a single stream.
+
 **Decode** (T*k <= DECODE_MAX_PAIRS, `fused_moe_decode.py`): no alignment at all. Two launches
 over a (pair, N-tile) grid read the routing directly; the first pair routed to a slot computes
 every pair of that slot, so each used expert is streamed once. Then one launch sums the k rows
@@ -57,11 +60,12 @@ from .fused_moe_decode import (
     launch_decode_gemms,
     quant_args,
 )
+from .fused_moe_token import token_moe
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
-from .moe_tiles import fit_tile, gated_dot
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
 from .moe_reference import Activation, check_expert_biases, check_moe_inputs, get_activation
+from .moe_tiles import fit_tile, gated_dot
 
 __all__ = [
     "fused_moe",
@@ -228,19 +232,18 @@ def _sum_over_k_kernel(
 ):
     """out[t, n-tile] = sum over routed j of src[t*k + j, n-tile] (fp32), cast to out dtype.
 
-    All k rows are loaded as one [K_PAD, BLOCK_N] tile (every load in flight at once) and
-    reduced with a fixed tree: deterministic. Rows of unrouted pairs are masked, never read.
+    The k rows are added in pair order from 0 (the loop is unrolled, so every load is in flight
+    at once): deterministic, and the order the one-token path (fused_moe_token.py) sums in, so
+    pair rows summed here give its bits. Rows of unrouted pairs are masked, never read.
     """
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, K_PAD)
-    slot = tl.load(slot_ptr + t * stride_st + offs_j * stride_sj, mask=offs_j < top_k, other=-1)
-    routed = (slot >= 0) & (slot < num_slots)
-    rows = t * top_k + offs_j
-    tile = tl.load(src_ptr + rows[:, None] * stride_sm + offs_n[None, :],
-                   mask=routed[:, None] & (offs_n[None, :] < N), other=0.0)
-    tl.store(out_ptr + t * stride_om + offs_n, tl.sum(tile, axis=0).to(out_ptr.dtype.element_ty),
-             mask=offs_n < N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(K_PAD):
+        slot = tl.load(slot_ptr + t * stride_st + j * stride_sj, mask=j < top_k, other=-1)
+        routed = (slot >= 0) & (slot < num_slots)
+        acc += tl.load(src_ptr + (t * top_k + j) * stride_sm + offs_n, mask=routed & (offs_n < N), other=0.0)
+    tl.store(out_ptr + t * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def _launch_sum_over_k(per_pair: Tensor, slot_ids: Tensor, out: Tensor, num_slots: int) -> None:
@@ -268,7 +271,8 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                           weights: Tensor, activation: str | Activation = "swiglu",
                           config: MoeConfig | DecodeConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
-                          down_bias: Tensor | None = None, reduce: bool = True) -> Tensor:
+                          down_bias: Tensor | None = None, reduce: bool = True,
+                          slot_map: Tensor | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
@@ -293,6 +297,13 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     path = resolve_path(path, config, T, k)
     biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
+    if slot_map is not None and slot_map.device != hidden.device:
+        raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
+    if path == "decode" and T == 1 and not isinstance(config, DecodeConfig):
+        return token_moe(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], I,
+                         slot_map=slot_map, biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
+    if slot_map is not None:
+        slot_ids = slot_map[slot_ids.long()]
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
                      biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
 
@@ -398,11 +409,11 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation: str | Activation = "swiglu", gate_up_bias: Tensor | None = None,
-              down_bias: Tensor | None = None) -> Tensor:
+              down_bias: Tensor | None = None, slot_map: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over bank slots in Triton; contract of `moe_reference`.
 
-    T*k <= DECODE_MAX_PAIRS takes the decode path (3 launches), larger batches the grouped
-    path (4 launches); see the module docstring.
+    One token takes the one-token path (2 launches), T*k <= DECODE_MAX_PAIRS the decode path
+    (3 launches), larger batches the grouped path (4 launches); see the module docstring.
 
     Args:
         hidden: (T, H) bf16/fp16/fp32 CUDA tensor.
@@ -412,10 +423,12 @@ def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         weights: (T, k) routing weights, fp32 or hidden dtype.
         activation: "swiglu", or an `Activation` ("swiglu_clamped" with alpha and limit).
         gate_up_bias, down_bias: optional (S, 2*I) and (S, H) per-slot biases, same dtype.
+        slot_map: optional (E + 1,) int32 expert → slot table (its last entry -1); then slot_ids
+            holds expert ids (-1: none) and each is looked up in it (in the kernels at T = 1).
 
     Returns:
         (T, H) in hidden's dtype, accumulated in fp32, deterministic (no atomics). No host
         sync; safe to capture in a CUDA graph (all shapes depend only on T, k, S, H, I).
     """
     return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
-                                 gate_up_bias=gate_up_bias, down_bias=down_bias)
+                                 gate_up_bias=gate_up_bias, down_bias=down_bias, slot_map=slot_map)

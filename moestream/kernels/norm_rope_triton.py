@@ -3,7 +3,9 @@
 A decode step of a 24-layer model ran about a thousand tiny elementwise launches: every torch
 RMSNorm is eight (cast, square, mean, add eps, rsqrt, multiply, cast back, scale) and every
 rotary six per tensor. Each costs 1.5-2.5 µs even inside a CUDA graph, which added up to more
-than half of the step. These kernels do each of those jobs in one launch.
+than half of the step. These kernels do each of those jobs in one launch; on a paged cache's
+decode step, one launch normalises and rotates the queries and the keys and writes the keys and
+values into their blocks (`qk_rope_paged`).
 
 They round where the torch path (model/norms.py, model/rotary.py: the reference) rounds, so that
 bf16 results match it to the last bit except where the fp32 sum of squares is reduced in another
@@ -86,11 +88,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: in
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, R, stride_tok, stride_head,
-                      stride_cos, eps, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One token's heads: optional per-head RMSNorm, then rotary on the leading R dims (half-split)."""
-    tok = tl.program_id(0).to(tl.int64)
-    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, tok, hh, heads, D, R, stride_tok, stride_head, stride_cos, eps,
+                    SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads `hh` of token `tok`: optional per-head RMSNorm, then rotary on the leading R dims
+    (half-split). Returns the values as the activation dtype holds them (in fp32), and their mask."""
     d = tl.arange(0, BLOCK_D)
     m = (hh[:, None] < heads) & (d[None, :] < D)
     half = R // 2
@@ -113,8 +114,49 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, R, stri
     # x*cos and rotated*sin each round to the activation dtype before their sum, as torch's ops do
     a = (h * c).to(x.dtype).to(tl.float32)
     b = (rot * s).to(x.dtype).to(tl.float32)
-    y = tl.where(rotates[None, :], a + b, h)
+    return tl.where(rotates[None, :], a + b, h), m
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, D, R, stride_tok, stride_head,
+                      stride_cos, eps, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's heads: optional per-head RMSNorm, then rotary on the leading R dims (half-split)."""
+    tok = tl.program_id(0).to(tl.int64)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    y, m = _normed_rotated(x_ptr, w_ptr, cos_ptr, sin_ptr, tok, hh, heads, D, R, stride_tok, stride_head,
+                           stride_cos, eps, SCALE, BLOCK_D)
     tl.store(out_ptr + (tok * heads + hh[:, None]) * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_rope_paged_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, kp_ptr, vp_ptr,
+                          tables_ptr, rows_ptr, pos_ptr, q_heads, kv_heads, D, R,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+                          stride_table, stride_block, stride_pos, stride_kvh, eps,
+                          SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BS: tl.constexpr):
+    """Program (t, j < last): query heads of block j, normed and rotated into qo. Program (t, last):
+    the token's keys, normed and rotated, and its values, straight into their paged block."""
+    tok = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    if j < tl.num_programs(1) - 1:
+        hq = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        yq, mq = _normed_rotated(q_ptr, qw_ptr, cos_ptr, sin_ptr, tok, hq, q_heads, D, R, stride_qt, stride_qh,
+                                 stride_cos, eps, SCALE, BLOCK_D)
+        tl.store(qo_ptr + (tok * q_heads + hq[:, None]) * D + d[None, :], yq.to(qo_ptr.dtype.element_ty), mask=mq)
+    else:
+        hk = tl.arange(0, BLOCK_KH)
+        y, m = _normed_rotated(k_ptr, kw_ptr, cos_ptr, sin_ptr, tok, hk, kv_heads, D, R, stride_kt, stride_kh,
+                               stride_cos, eps, SCALE, BLOCK_D)
+        row = tl.load(rows_ptr + tok).to(tl.int64)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        block = tl.load(tables_ptr + row * stride_table + pos // BS).to(tl.int64)
+        dst = block * stride_block + (pos % BS) * stride_pos + hk[:, None] * stride_kvh + d[None, :]
+        tl.store(kp_ptr + dst, y.to(kp_ptr.dtype.element_ty), mask=m)
+        v = tl.load(v_ptr + tok * stride_vt + hk[:, None] * stride_vh + d[None, :], mask=m)
+        tl.store(vp_ptr + dst, v.to(vp_ptr.dtype.element_ty), mask=m)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: int, cos: torch.Tensor,
@@ -136,4 +178,34 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: i
     _norm_rope_kernel[grid](x, weight if weight is not None else x, cos2, sin2, out, heads, D, R, x.stride(1),
                             x.stride(2), cos2.stride(0), eps, SCALE=scale if weight is not None else SCALE_NONE,
                             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def qk_rope_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, scale: int, cos: torch.Tensor, sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """`norm_rope` of q and of k, and k and v written into their blocks (as `paged_kv_write`), in one
+    launch. q (B, L, heads, D), k and v (B, L, kv_heads, D), each with a unit last stride; returns the
+    new contiguous q. Both norms are of one kind (`scale`, `eps`); weights None: rotary alone."""
+    B, L, heads, D = q.shape
+    kv_heads = k.shape[2]
+    R = cos.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 and x.stride(0) == L * x.stride(1) else x.contiguous() for x in (q, k, v))
+    cos2, sin2 = cos.reshape(B * L, R), sin.reshape(B * L, R)
+    rows, positions = rows.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+    out = torch.empty((B, L, heads, D), dtype=q.dtype, device=q.device)
+    if B * L == 0:
+        return out
+    block_d = triton.next_power_of_2(D)
+    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    if q_weight is None:
+        scale = SCALE_NONE
+    _qk_rope_paged_kernel[(B * L, triton.cdiv(heads, block_h) + 1)](
+        q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, cos2, sin2, out,
+        k_pool, v_pool, tables, rows, positions, heads, kv_heads, D, R,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), cos2.stride(0),
+        tables.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), eps,
+        SCALE=scale, BLOCK_H=block_h, BLOCK_KH=triton.next_power_of_2(kv_heads), BLOCK_D=block_d,
+        BS=k_pool.shape[1], num_warps=4)
     return out

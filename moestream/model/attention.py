@@ -6,15 +6,14 @@ import torch
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, full_attention
+from moestream.model.cache import FullKVMixer, rotate_and_attend
 from moestream.model.context import ForwardContext
 from moestream.model.gated_attention import GatedAttention
 from moestream.model.gemma4_attention import Gemma4Attention, Gemma4SlidingAttention
 from moestream.model.linear_attention import GatedDeltaNet
 from moestream.model.mla import MultiLatentAttention
 from moestream.model.norms import RMSNorm
-from moestream.model.projections import FusedQKV
-from moestream.model.rotary import norm_and_rotate
+from moestream.model.projections import FusedQKV, Linear
 from moestream.model.sink_attention import SinkAttention, SlidingSinkAttention
 
 
@@ -28,10 +27,10 @@ class Attention(FusedQKV, FullKVMixer, nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         H, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(H, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, H, bias=config.o_bias)
+        self.q_proj = Linear(H, q_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(q_dim, H, bias=config.o_bias)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm == "per_head":
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -52,9 +51,8 @@ class Attention(FusedQKV, FullKVMixer, nn.Module):
         k = k.view(B, L, self.kv_heads, self.head_dim)
         v = v.view(B, L, self.kv_heads, self.head_dim)
         per_head = self.qk_norm == "per_head"
-        q = norm_and_rotate(q, self.q_norm if per_head else None, ctx.cos, ctx.sin).transpose(1, 2)
-        k = norm_and_rotate(k, self.k_norm if per_head else None, ctx.cos, ctx.sin)
-        out = full_attention(ctx, self.layer, q, k, v)
+        out = rotate_and_attend(ctx, self.layer, q, k, v, self.q_norm if per_head else None,
+                                self.k_norm if per_head else None)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim))
 
 

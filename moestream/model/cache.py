@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moestream import kernels
+from moestream.model.rotary import norm_and_rotate
 
 
 class LayerCache(ABC):
@@ -363,20 +364,56 @@ def attended_keys_values(ctx, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor,
     return cache.read(ctx.cache_rows, ctx.kv_len)
 
 
+def _paged_decode_cache(ctx, layer: int, q: Tensor) -> PagedKVCache | None:
+    """This layer's paged cache when the step is a CUDA decode step that attends from its blocks."""
+    cache = ctx.cache[layer] if ctx.cache is not None else None
+    if isinstance(cache, PagedKVCache) and ctx.seq_lens is not None and kernels.fused_ops_enabled(q):
+        return cache
+    return None
+
+
+def _paged_decode(ctx, cache: PagedKVCache, q: Tensor, scale: float | None) -> Tensor:
+    out = kernels.paged_decode_attention(q[:, :, 0], cache.k, cache.v, cache.tables.table[ctx.cache_rows],
+                                         ctx.seq_lens, ctx.kv_len, scale)
+    return out[:, :, None]
+
+
+def _one_fused_kind(q_norm, k_norm) -> bool:
+    """Both norms absent, or both of one kind the fused kernels apply, with one epsilon."""
+    if q_norm is None or k_norm is None:
+        return q_norm is None and k_norm is None
+    return q_norm.fused_scale is not None and q_norm.fused_scale == k_norm.fused_scale and q_norm.eps == k_norm.eps
+
+
 def full_attention(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
     """Softmax attention (B, heads, L, D) of queries q (B, heads, L, D) over every earlier position,
     this step's keys and values (B, L, kv_heads, D) written first. A paged cache's decode step on
     CUDA attends straight from its blocks, each row to its own length; otherwise SDPA over
     `attended_keys_values` with the step's mask."""
-    cache = ctx.cache[layer] if ctx.cache is not None else None
-    if isinstance(cache, PagedKVCache) and ctx.seq_lens is not None and kernels.fused_ops_enabled(q):
+    cache = _paged_decode_cache(ctx, layer, q)
+    if cache is not None:
         cache.write(ctx.write_rows, ctx.positions, k, v)
-        out = kernels.paged_decode_attention(q[:, :, 0], cache.k, cache.v, cache.tables.table[ctx.cache_rows],
-                                             ctx.seq_lens, ctx.kv_len, scale)
-        return out[:, :, None]
+        return _paged_decode(ctx, cache, q, scale)
     k, v = attended_keys_values(ctx, layer, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def rotate_and_attend(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, q_norm, k_norm) -> Tensor:
+    """Per-head q/k norm (`q_norm`/`k_norm`, or None) and rotary of q (B, L, heads, D) and k
+    (B, L, kv_heads, D), then `full_attention`; returns (B, heads, L, D). On a paged cache's CUDA
+    decode step the norms, the rotary and the write of k and v into their blocks are one launch."""
+    cache = _paged_decode_cache(ctx, layer, q)
+    if cache is not None and _one_fused_kind(q_norm, k_norm):
+        fused = q_norm is not None
+        q = kernels.qk_rope_paged(q, k, v, q_norm.weight if fused else None, k_norm.weight if fused else None,
+                                  q_norm.eps if fused else 0.0, q_norm.fused_scale if fused else kernels.SCALE_NONE,
+                                  ctx.cos, ctx.sin, cache.k, cache.v, cache.tables.table, ctx.write_rows,
+                                  ctx.positions)
+        return _paged_decode(ctx, cache, q.transpose(1, 2), None)
+    q = norm_and_rotate(q, q_norm, ctx.cos, ctx.sin).transpose(1, 2)
+    k = norm_and_rotate(k, k_norm, ctx.cos, ctx.sin)
+    return full_attention(ctx, layer, q, k, v)
 
 
 class FullKVMixer:

@@ -21,6 +21,7 @@ from moestream.model.gemma4_layer import Gemma4DecoderLayer, ScaledEmbedding
 from moestream.model.mlp import SwiGLU
 from moestream.model.moe import MoEBlock, RoutedExperts
 from moestream.model.norms import NORMS
+from moestream.model.projections import Linear
 
 
 class DecoderLayer(nn.Module):
@@ -78,7 +79,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config, spec.resolved(config))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.ffn for layer in self.model.layers if isinstance(layer.ffn, MOE_BLOCKS)]

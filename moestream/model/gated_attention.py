@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.model.cache import FullKVMixer, full_attention
+from moestream.model.cache import FullKVMixer, rotate_and_attend
 from moestream.model.context import ForwardContext
 from moestream.model.norms import NORMS
-from moestream.model.projections import FusedQKV
-from moestream.model.rotary import norm_and_rotate
+from moestream.model.projections import FusedQKV, Linear
 
 
 class GatedAttention(FusedQKV, FullKVMixer, nn.Module):
@@ -32,10 +31,10 @@ class GatedAttention(FusedQKV, FullKVMixer, nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         H, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(H, 2 * q_dim, bias=config.qkv_bias)   # query and gate, per head
-        self.k_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, H, bias=config.o_bias)
+        self.q_proj = Linear(H, 2 * q_dim, bias=config.qkv_bias)   # query and gate, per head
+        self.k_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(q_dim, H, bias=config.o_bias)
         self.qk_norm = spec.qk_norm == "per_head"
         if self.qk_norm:
             norm = NORMS[spec.norm]
@@ -49,8 +48,7 @@ class GatedAttention(FusedQKV, FullKVMixer, nn.Module):
         gate = gate.reshape(B, L, self.heads * self.head_dim)
         k = k.view(B, L, self.kv_heads, self.head_dim)
         v = v.view(B, L, self.kv_heads, self.head_dim)
-        q = norm_and_rotate(q, self.q_norm if self.qk_norm else None, ctx.cos, ctx.sin).transpose(1, 2)
-        k = norm_and_rotate(k, self.k_norm if self.qk_norm else None, ctx.cos, ctx.sin)
-        out = full_attention(ctx, self.layer, q, k, v)
+        out = rotate_and_attend(ctx, self.layer, q, k, v, self.q_norm if self.qk_norm else None,
+                                self.k_norm if self.qk_norm else None)
         out = out.transpose(1, 2).reshape(B, L, self.heads * self.head_dim) * torch.sigmoid(gate)
         return self.o_proj(out)

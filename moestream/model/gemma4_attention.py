@@ -28,6 +28,7 @@ from moestream.archs.spec import ArchSpec, GlobalAttentionConfig, ModelConfig
 from moestream.model.cache import KVCache, SlidingWindowMixer, attended_keys_values
 from moestream.model.context import ForwardContext
 from moestream.model.norms import GemmaRMSNorm, UnscaledRMSNorm
+from moestream.model.projections import Linear
 from moestream.model.rotary import apply_rotary
 
 
@@ -51,10 +52,10 @@ class Gemma4Attention(nn.Module):
         self.heads = config.num_heads
         self.kv_heads, self.head_dim, k_eq_v = self.shape(config)
         H, D = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(H, self.heads * D, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(H, self.kv_heads * D, bias=config.qkv_bias)
-        self.v_proj = None if k_eq_v else nn.Linear(H, self.kv_heads * D, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.heads * D, H, bias=config.o_bias)
+        self.q_proj = Linear(H, self.heads * D, bias=config.qkv_bias)
+        self.k_proj = Linear(H, self.kv_heads * D, bias=config.qkv_bias)
+        self.v_proj = None if k_eq_v else Linear(H, self.kv_heads * D, bias=config.qkv_bias)
+        self.o_proj = Linear(self.heads * D, H, bias=config.o_bias)
         self.q_norm = GemmaRMSNorm(D, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(D, config.rms_norm_eps)
         self.v_norm = UnscaledRMSNorm(config.rms_norm_eps)

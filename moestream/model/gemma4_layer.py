@@ -31,6 +31,7 @@ from moestream.model.attention import MIXERS
 from moestream.model.context import ForwardContext
 from moestream.model.moe import RoutedExperts
 from moestream.model.norms import GemmaRMSNorm
+from moestream.model.projections import Linear
 from moestream.model.routers import ROUTERS
 
 
@@ -39,9 +40,9 @@ class GeGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

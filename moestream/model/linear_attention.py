@@ -31,6 +31,7 @@ from moestream.kernels.delta_rule import gated_delta_rule
 from moestream.model.cache import RecurrentCache
 from moestream.model.context import ForwardContext
 from moestream.model.norms import GatedRMSNorm
+from moestream.model.projections import Linear
 
 
 def _shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -59,13 +60,13 @@ class GatedDeltaNet(nn.Module):
         H = config.hidden_size
         self.split = spec.linear_projections == "split"
         if self.split:
-            self.in_proj_qkv = nn.Linear(H, channels, bias=False)
-            self.in_proj_z = nn.Linear(H, value_width, bias=False)
-            self.in_proj_b = nn.Linear(H, lin.value_heads, bias=False)
-            self.in_proj_a = nn.Linear(H, lin.value_heads, bias=False)
+            self.in_proj_qkv = Linear(H, channels, bias=False)
+            self.in_proj_z = Linear(H, value_width, bias=False)
+            self.in_proj_b = Linear(H, lin.value_heads, bias=False)
+            self.in_proj_a = Linear(H, lin.value_heads, bias=False)
         else:
-            self.in_proj_qkvz = nn.Linear(H, 2 * key_width + 2 * value_width, bias=False)
-            self.in_proj_ba = nn.Linear(H, 2 * lin.value_heads, bias=False)
+            self.in_proj_qkvz = Linear(H, 2 * key_width + 2 * value_width, bias=False)
+            self.in_proj_ba = Linear(H, 2 * lin.value_heads, bias=False)
         # A module for its checkpoint name (conv1d.weight, (channels, 1, K)); forward convolves the window
         # of cached and new inputs itself.
         self.conv1d = nn.Conv1d(channels, channels, lin.conv_kernel, groups=channels, bias=False,
@@ -73,7 +74,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(lin.value_heads))
         self.A_log = nn.Parameter(torch.empty(lin.value_heads))
         self.norm = GatedRMSNorm(lin.value_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(value_width, H, bias=False)
+        self.out_proj = Linear(value_width, H, bias=False)
 
     @staticmethod
     def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:

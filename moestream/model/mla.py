@@ -37,6 +37,7 @@ from moestream.archs.spec import ArchSpec, LatentAttentionConfig, ModelConfig
 from moestream.model.cache import LatentCache
 from moestream.model.context import ForwardContext
 from moestream.model.norms import NORMS
+from moestream.model.projections import Linear
 from moestream.model.rotary import apply_rotary, apply_rotary_interleaved
 from moestream.quant import dequantize
 
@@ -63,15 +64,15 @@ class MultiLatentAttention(nn.Module):
         H, qk, norm = config.hidden_size, mla.qk_nope_head_dim + mla.qk_rope_head_dim, NORMS[spec.norm]
         self.low_rank_q = mla.q_lora_rank is not None
         if self.low_rank_q:
-            self.q_a_proj = nn.Linear(H, mla.q_lora_rank, bias=config.qkv_bias)
+            self.q_a_proj = Linear(H, mla.q_lora_rank, bias=config.qkv_bias)
             self.q_a_layernorm = norm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.heads * qk, bias=False)
+            self.q_b_proj = Linear(mla.q_lora_rank, self.heads * qk, bias=False)
         else:
-            self.q_proj = nn.Linear(H, self.heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.rank + self.rope, bias=config.qkv_bias)
+            self.q_proj = Linear(H, self.heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(H, self.rank + self.rope, bias=config.qkv_bias)
         self.kv_a_layernorm = norm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, H, bias=config.o_bias)
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.heads * self.v_dim, H, bias=config.o_bias)
 
     @staticmethod
     def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:

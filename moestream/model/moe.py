@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.mlp import SwiGLU
+from moestream.model.projections import Linear
 from moestream.model.routers import ROUTERS
 
 
@@ -42,7 +43,7 @@ class MoEBlock(nn.Module):
         self._shared_name = spec.shared_expert_name if spec.shared_expert else None
         if self._shared_name is not None:
             self.add_module(self._shared_name, SwiGLU(config.hidden_size, config.shared_intermediate))
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if spec.shared_expert_gate else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if spec.shared_expert_gate else None
         self.experts: RoutedExperts | None = None   # attached after loading (not a submodule: no parameters)
 
     @property

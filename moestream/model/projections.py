@@ -1,4 +1,5 @@
-"""q, k and v projected by one GEMM: their weights concatenated once after loading (on CUDA).
+"""The model's linear layers: `Linear` (batch-1 rows through the Triton GEMV on CUDA), and q, k and
+v projected by one GEMM, their weights concatenated once after loading (on CUDA).
 
 At batch 1 a projection is a GEMV whose time is mostly launch and tail, not bytes: the k and v
 projections of a Qwen3-30B-A3B layer read 2 MB each yet take as long as a 4 MB one. One GEMM over
@@ -10,10 +11,17 @@ separate projections (the torch path, `fused_ops(False)`) still work on the same
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream import kernels
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose forward is `kernels.linear`: the GEMV kernel for a decode step's single row
+    on CUDA, `F.linear` everywhere else. Same parameters, names and state dict as `nn.Linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class FusedQKV:
@@ -28,7 +36,7 @@ class FusedQKV:
         Quantized projections (not plain `nn.Linear`) are left as they are."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biased = {p.bias is not None for p in projs}
-        if not all(type(p) is nn.Linear for p in projs) or len(biased) > 1 or self.qkv_weight is not None:
+        if not all(type(p) in (nn.Linear, Linear) for p in projs) or len(biased) > 1 or self.qkv_weight is not None:
             return
         with torch.no_grad():
             weight = torch.cat([p.weight for p in projs])
@@ -44,5 +52,5 @@ class FusedQKV:
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) projections of x (..., hidden): one GEMM where fused (views of its output)."""
         if self.qkv_weight is not None and kernels.fused_ops_enabled(x):
-            return F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+            return kernels.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)

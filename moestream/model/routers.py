@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from moestream import kernels
 from moestream.archs.spec import ModelConfig
 from moestream.model.norms import UnscaledRMSNorm
+from moestream.model.projections import Linear
 
 
 class Router(nn.Module):
@@ -33,7 +34,7 @@ class Router(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """Router logits (T, E) for hidden states (T, H)."""
-        return F.linear(h, self.weight, self.bias)
+        return kernels.linear(h, self.weight, self.bias)
 
     def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -180,7 +181,7 @@ class ScaledSoftmaxTopK(nn.Module):
         super().__init__()
         H, E = config.hidden_size, config.num_experts
         self.norm = UnscaledRMSNorm(config.rms_norm_eps)
-        self.proj = nn.Linear(H, E, bias=False)
+        self.proj = Linear(H, E, bias=False)
         self.scale = nn.Parameter(torch.empty(H))
         self.per_expert_scale = nn.Parameter(torch.empty(E))
         self.root, self.top_k = H ** -0.5, config.top_k

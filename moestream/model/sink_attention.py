@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.cache import FullKVMixer, SlidingWindowMixer, attended_keys_values
 from moestream.model.context import ForwardContext
-from moestream.model.projections import FusedQKV
+from moestream.model.projections import FusedQKV, Linear
 from moestream.model.rotary import norm_and_rotate
 
 # fp32 scores of one block of queries: at most this many elements (128 MiB; the softmax runs in
@@ -76,10 +76,10 @@ class SinkAttention(FusedQKV, FullKVMixer, nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         H, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(H, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(H, kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, H, bias=config.o_bias)
+        self.q_proj = Linear(H, q_dim, bias=config.qkv_bias)
+        self.k_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.v_proj = Linear(H, kv_dim, bias=config.qkv_bias)
+        self.o_proj = Linear(q_dim, H, bias=config.o_bias)
         self.sinks = nn.Parameter(torch.empty(config.num_heads))
         self.scale = config.head_dim ** -0.5
 

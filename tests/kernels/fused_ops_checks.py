@@ -1,4 +1,4 @@
-"""Checks of the fused small ops (norms, q/k norm + rotary, router top-k) against the torch path.
+"""Checks of the fused small ops (norms, q/k norm + rotary, router top-k, the batch-1 GEMV) against the torch path.
 
 One body for both places they run: compiled on a GPU (test_fused_ops.py) and under Triton's
 interpreter on the CPU (CI). The torch modules' `reference` / plain-op paths are the spec.
@@ -60,6 +60,38 @@ def check_norm_rope(device: str, dtype: torch.dtype) -> None:
         _close(out, ref.contiguous(), f"heads={heads} D={D} R={R} norm={with_norm}")
 
 
+def check_qk_rope_paged(device: str, dtype: torch.dtype) -> None:
+    """One launch for q and k norm + rotary and the paged write of k and v: the same q as
+    `norm_rope`, and the same pools as `norm_rope` of k then `paged_kv_write_reference`."""
+    from moestream.kernels.paged_attention_reference import paged_kv_write_reference
+
+    g = torch.Generator().manual_seed(6)
+    B, L, bs, blocks = 3, 1, 4, 12
+    for heads, kv_heads, D, R, with_norm in ((8, 2, 64, 64, True), (6, 3, 32, 16, False), (32, 4, 128, 128, True)):
+        norms = [RMSNorm(D, 1e-6).to(device) for _ in range(2)]
+        for n in norms:
+            n.weight.data = (torch.randn(D, generator=g) * 0.3 + 1.0).to(device, dtype)
+        qkv = torch.randn(B, L, (heads + 2 * kv_heads) * D, generator=g).to(device, dtype)
+        q, k, v = qkv.split([heads * D, kv_heads * D, kv_heads * D], dim=-1)   # views, as the GEMM gives
+        q, k, v = q.view(B, L, heads, D), k.view(B, L, kv_heads, D), v.view(B, L, kv_heads, D)
+        angles = torch.rand(B, 1, L, R // 2, generator=g) * 6
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(device, dtype)
+        sin = torch.cat((angles.sin(), angles.sin()), -1).to(device, dtype)
+        tables = torch.randperm(blocks - 1, generator=g)[: 3 * B].view(B, 3).add(1).int().to(device)
+        rows = torch.tensor([[2], [0], [1]], device=device)
+        positions = torch.tensor([[5], [0], [11]], device=device)
+        pools = [torch.randn(blocks, bs, kv_heads, D, generator=g).to(device, dtype) for _ in range(2)]
+        want = [p.clone() for p in pools]
+        scale = norms[0].fused_scale if with_norm else kernels.SCALE_NONE
+        weights = (norms[0].weight, norms[1].weight) if with_norm else (None, None)
+        ref_q = kernels.norm_rope(q, weights[0], 1e-6, scale, cos, sin)
+        ref_k = kernels.norm_rope(k, weights[1], 1e-6, scale, cos, sin)
+        paged_kv_write_reference(ref_k, v, *want, tables, rows, positions)
+        out = kernels.qk_rope_paged(q, k, v, *weights, 1e-6, scale, cos, sin, *pools, tables, rows, positions)
+        assert torch.equal(out, ref_q), f"q heads={heads} norm={with_norm}"
+        assert torch.equal(pools[0], want[0]) and torch.equal(pools[1], want[1]), f"pools heads={heads}"
+
+
 def check_router(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for T, E, k in ((1, 128, 8), (5, 512, 10), (3, 60, 4)):
@@ -89,8 +121,34 @@ def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
     for dtype in dtypes:
         check_norms(device, dtype)
         check_norm_rope(device, dtype)
+        check_qk_rope_paged(device, dtype)
         check_router(device, dtype)
         check_moe_pairs(device, dtype)
+        check_gemv(device, dtype)
+
+
+def check_gemv(device: str, dtype: torch.dtype) -> None:
+    """The GEMV kernel on one row equals F.linear, with and without a bias, for K a multiple of
+    the K step and not, and N not a multiple of the columns per program. On CUDA, `kernels.linear`
+    takes it for one row and F.linear itself for more."""
+    import torch.nn.functional as F
+
+    from moestream.kernels.gemv_triton import gemv
+
+    g = torch.Generator().manual_seed(5)
+    for N, K, bias in ((130, 1024, False), (37, 300, True), (8, 64, True), (2, 2048, False)):
+        w = torch.randn(N, K, generator=g).to(device, dtype)
+        b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+        for shape in ((1, 1, K), (1, K)):
+            x = torch.randn(shape, generator=g).to(device, dtype)
+            out = gemv(x, w, b)
+            ref = F.linear(x.float(), w.float(), b.float() if b is not None else None).to(dtype)
+            _close(out, ref, f"gemv {N}x{K} bias={bias}")
+            if device == "cuda":
+                assert torch.equal(kernels.linear(x, w, b), out), "one row goes through the GEMV"
+    x = torch.randn(3, 64, generator=g).to(device, dtype)
+    w = torch.randn(16, 64, generator=g).to(device, dtype)
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w)), "several rows are F.linear's"
 
 
 def check_moe_pairs(device: str, dtype: torch.dtype) -> None:

@@ -70,3 +70,56 @@ def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
     kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8,
                       4 if bits == 0 else 2)
     assert kernel.metadata.shared <= SMEM
+
+
+def _sig(pointers: dict, ints: list[str], floats: list[str], consts: dict) -> dict:
+    return {**pointers, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}, **{n: "constexpr" for n in consts}}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_kernel_compiles(bias):
+    from moestream.kernels.gemv_triton import _gemv_kernel
+
+    consts = {"HAS_BIAS": bias, "BLOCK_N": 4, "BLOCK_K": 512, "EVEN_K": True}
+    sig = _sig({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, ["N", "K", "stride_wn"], [], consts)
+    triton.compile(ASTSource(fn=_gemv_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 8, "num_stages": 3})
+
+
+@pytest.mark.parametrize("has_map", [False, True])
+@pytest.mark.parametrize("activation,bias", EPILOGUES)
+@pytest.mark.parametrize("reduce", [True, False])
+def test_token_kernels_compile(has_map, activation, bias, reduce):
+    from moestream.kernels.fused_moe_token import _token_down_kernel, _token_gate_up_kernel
+
+    ids = {"ids_ptr": "*i32", "map_ptr": "*i32"}
+    consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "ACTIVATION": activation, "BLOCK_N": 2, "BLOCK_K": 2048,
+              "EVEN_K": True}
+    sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16"},
+               ["I", "H", "num_slots", "stride_id", "stride_be", "stride_bn", "stride_cm", "stride_bias"],
+               FLOATS, consts)
+    triton.compile(ASTSource(fn=_token_gate_up_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+    consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "REDUCE": reduce, "K_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128,
+              "EVEN_K": False}
+    sig = _sig({"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16" if reduce else "*fp32", **ids,
+                "w_ptr": "*fp32", "bias_ptr": "*bf16"},
+               ["H", "I", "num_slots", "top_k", "stride_id", "stride_w", "stride_am", "stride_be", "stride_bn",
+                "stride_om", "stride_bias"], [], consts)
+    triton.compile(ASTSource(fn=_token_down_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4, "enable_fp_fusion": False})
+
+
+@pytest.mark.parametrize("scale", [0, 1, 2])
+def test_qk_rope_paged_kernel_compiles(scale):
+    from moestream.kernels.norm_rope_triton import _qk_rope_paged_kernel
+
+    ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "qo_ptr",
+                                 "kp_ptr", "vp_ptr")}
+    ptrs.update({"tables_ptr": "*i32", "rows_ptr": "*i64", "pos_ptr": "*i64"})
+    consts = {"SCALE": scale, "BLOCK_H": 32, "BLOCK_KH": 4, "BLOCK_D": 128, "BS": 16}
+    sig = _sig(ptrs, ["q_heads", "kv_heads", "D", "R", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                      "stride_vt", "stride_vh", "stride_cos", "stride_table", "stride_block", "stride_pos",
+                      "stride_kvh"], ["eps"], consts)
+    triton.compile(ASTSource(fn=_qk_rope_paged_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})

@@ -1,0 +1,196 @@
+"""One token's routed experts (batch-1 decode) as two GEMV launches, the k-sum inside the second.
+
+At T = 1 each of the k experts meets a single row, so the decode path's `tl.dot` over 16 padded
+rows buys nothing, and its third launch (the sum over k) is a whole kernel boundary for 8 KB of
+work. Here:
+
+* gate_up: grid (k, cdiv(I, BLOCK_N)); program (j, n) streams BLOCK_N gate rows and the matching
+  up rows of expert j's slot along H with wide loads, multiplies by the hidden row in fp32 and
+  writes `act(gate + bias, up + bias)` into row j of a (k, I) buffer in the hidden dtype.
+* down: grid (cdiv(H, BLOCK_N),); program n loads BLOCK_N down rows of all k pairs' experts at
+  once (one [k, BLOCK_N, BLOCK_K] tile per step: every pair's bytes in flight together), takes
+  each pair's GEMV against its activated row, times the routing weight, and adds the pairs to an
+  fp32 total in order (`reduce`), or writes each pair's fp32 row (`reduce=False`, for a bank that
+  gathers pair rows of several calls). Pairs whose expert has no slot (-1, or outside [0, S))
+  are masked: none of their bytes is read.
+
+Bits. The total is summed pair by pair from 0 in fp32, the order `_sum_over_k_kernel` sums pair
+rows in, and the down launch is compiled without FMA contraction (`enable_fp_fusion=False`) so a
+pair's weighted row is rounded to fp32 before it is added, as a written pair row is. A pair row
+written here and summed there therefore gives the bits of the in-launch total: a bank computing
+resident and streamed experts apart still equals full residency.
+
+Slot map. With `slot_map` given, `ids` are expert ids and each program reads its slot from the
+map (a bank's expert → slot table) itself: the separate indexing launch goes away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .moe_activation import activate
+
+
+@dataclass(frozen=True)
+class TokenTile:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    gate_up: TokenTile
+    down: TokenTile
+
+
+# Swept on an H100 at Qwen3-30B-A3B's shape (`benchmarks/fused_moe_kernel.py --tune-token`): 31.1 µs
+# cold for the two launches, against the decode path's 35.9 for its three.
+DEFAULT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(2, 2048, 4), down=TokenTile(2, 128, 4))
+
+
+@triton.jit
+def _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP: tl.constexpr):
+    """Slot of pair j (-1 when it has none): ids[j], through the slot map when there is one."""
+    e = tl.load(ids_ptr + j * stride_id).to(tl.int32)
+    if HAS_MAP:
+        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0)).to(tl.int32), -1)
+    return tl.where((e >= 0) & (e < num_slots), e, -1)
+
+
+@triton.jit
+def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
+                          I, H, num_slots, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
+                          HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    j = tl.program_id(0)
+    slot = _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP)
+    if slot < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_n % I).to(tl.int64)     # past I: wrap (store masked), loads stay unmasked along N
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = b_ptr + slot.to(tl.int64) * stride_be + rows[:, None] * stride_bn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_bn
+    x_ptrs = x_ptr + offs_k
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+            x = tl.load(x_ptrs).to(tl.float32)[None, :]
+        else:
+            km = (k0 + offs_k) < H
+            wg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=km, other=0.0).to(tl.float32)[None, :]
+        acc_g += wg.to(tl.float32) * x
+        acc_u += wu.to(tl.float32) * x
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if HAS_BIAS:
+        bias_row = bias_ptr + slot.to(tl.int64) * stride_bias
+        gate += tl.load(bias_row + rows).to(tl.float32)
+        up += tl.load(bias_row + I + rows).to(tl.float32)
+    y = activate(gate, up, ACTIVATION, alpha, limit)
+    tl.store(c_ptr + j * stride_cm + offs_n, y.to(c_ptr.dtype.element_ty), mask=offs_n < I)
+
+
+@triton.jit
+def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
+                       H, I, num_slots, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
+                       stride_bias,
+                       HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, K_PAD: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """BLOCK_N output columns of every pair at once: the k experts' tiles are one [K_PAD, BLOCK_N,
+    BLOCK_K] load per step, so a program has all its pairs' bytes in flight, not one at a time."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (offs_n % H).to(tl.int64)
+    offs_j = tl.arange(0, K_PAD)
+    offs_k = tl.arange(0, BLOCK_K)
+    e = tl.load(ids_ptr + offs_j * stride_id, mask=offs_j < top_k, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int32), -1)
+    valid = (e >= 0) & (e < num_slots)
+    slot = tl.where(valid, e, 0).to(tl.int64)
+    b_ptrs = (b_ptr + slot[:, None, None] * stride_be + rows[None, :, None] * stride_bn
+              + offs_k[None, None, :])
+    a_ptrs = a_ptr + offs_j[:, None] * stride_am + offs_k[None, :]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            am = valid[:, None]
+        else:
+            am = valid[:, None] & ((k0 + offs_k) < I)[None, :]
+        w = tl.load(b_ptrs, mask=am[:, None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=am, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * a[:, None, :]
+        b_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)                                   # (K_PAD, BLOCK_N): one row per pair
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + slot[:, None] * stride_bias + rows[None, :], mask=valid[:, None],
+                     other=0.0).to(tl.float32)
+    y = y * tl.load(w_ptr + offs_j * stride_w, mask=valid, other=0.0).to(tl.float32)[:, None]
+    if REDUCE:
+        # Pair by pair from 0, as `_sum_over_k_kernel` adds written rows (extracting row j is exact:
+        # one value plus zeros).
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(K_PAD):
+            total += tl.sum(tl.where(offs_j[:, None] == j, y, 0.0), axis=0)
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    else:
+        tl.store(out_ptr + offs_j[:, None] * stride_om + offs_n[None, :], y,
+                 mask=valid[:, None] & (offs_n < H)[None, :])
+
+
+def _tile(tile: TokenTile, K: int) -> TokenTile:
+    """The tile kept within the problem: K steps no deeper than K's next power of two."""
+    return TokenTile(tile.block_n, min(tile.block_k, triton.next_power_of_2(K)), tile.num_warps)
+
+
+def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, activation_code: int,
+              intermediate: int, slot_map: Tensor | None = None, biases: tuple[Tensor, Tensor] | None = None,
+              alpha: float = 1.0, limit: float = 0.0, reduce: bool = True,
+              config: TokenConfig | None = None) -> Tensor:
+    """hidden (1, H), slots gate_up (S, 2I, H) and down (S, H, I), ids and weights (1, k) →
+    (1, H) in hidden's dtype (`reduce`), or the (1, k, H) fp32 pair rows, zero where unrouted.
+    Inputs are validated by the caller (`fused_moe_with_config`)."""
+    cfg = config or DEFAULT_TOKEN_CONFIG
+    k = ids.shape[1]
+    S, H, I = gate_up.shape[0], hidden.shape[1], intermediate
+    ids1, w1 = ids.reshape(k), weights.reshape(k)
+    has_map = slot_map is not None
+    smap = slot_map if has_map else ids1
+    has_bias = biases is not None
+    gu_bias, down_bias = biases if has_bias else (gate_up, down)
+    inter = torch.empty((k, I), dtype=hidden.dtype, device=hidden.device)
+    gu = _tile(cfg.gate_up, H)
+    _token_gate_up_kernel[(k, triton.cdiv(I, gu.block_n))](
+        hidden, gate_up, inter, ids1, smap, gu_bias,
+        I, H, S, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
+        HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps)
+    if reduce:
+        out = torch.empty((1, H), dtype=hidden.dtype, device=hidden.device)
+    else:
+        out = torch.zeros((k, H), dtype=torch.float32, device=hidden.device)
+    dn = _tile(cfg.down, I)
+    _token_down_kernel[(triton.cdiv(H, dn.block_n),)](
+        inter, down, out, ids1, smap, w1, down_bias,
+        H, I, S, k, ids1.stride(0), w1.stride(0), inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        down_bias.stride(0) if has_bias else 0,
+        HAS_MAP=has_map, HAS_BIAS=has_bias, REDUCE=reduce, K_PAD=triton.next_power_of_2(k),
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,
+        enable_fp_fusion=False)
+    return out if reduce else out.view(1, k, H)

@@ -1,0 +1,69 @@
+"""Checks of the one-token MoE path (fused_moe_token.py) against moe_reference and against itself.
+
+One body for both places it runs: compiled on a GPU (test_fused_moe_token.py) and under Triton's
+interpreter on the CPU (CI).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.kernels import moe_reference
+from moestream.kernels.moe_reference import Activation
+
+ACTIVATIONS = [("swiglu", False), (Activation("swiglu_clamped", alpha=1.702, limit=7.0), True), ("geglu_tanh", False)]
+
+
+def _inputs(H: int, I: int, S: int, E: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, H, generator=g).to(device, dtype)
+    gate_up = (torch.randn(S, 2 * I, H, generator=g) / H ** 0.5).to(device, dtype)
+    down = (torch.randn(S, H, I, generator=g) / I ** 0.5).to(device, dtype)
+    biases = ((torch.randn(S, 2 * I, generator=g) / 4).to(device, dtype),
+              (torch.randn(S, H, generator=g) / 4).to(device, dtype)) if bias else (None, None)
+    # Experts 0..S-1 sit in the slots (shuffled), the others in none. Expert ids: k-1 distinct
+    # resident ones and the last expert (no slot); one pair is held nowhere (-1).
+    mapped = min(S, E - 1)
+    ids = torch.cat([torch.randperm(mapped, generator=g)[: k - 1], torch.tensor([E - 1])])
+    ids[k // 2] = -1
+    slot_map = torch.full((E + 1,), -1, dtype=torch.int32)
+    slot_map[:mapped] = torch.randperm(S, generator=g)[:mapped].int()
+    weights = torch.rand(1, k, generator=g).softmax(dim=1)
+    return (hidden, gate_up, down, ids.view(1, k).to(device, torch.int32), weights.to(device),
+            biases, slot_map.to(device))
+
+
+def check_token_path(device: str, dtype: torch.dtype) -> None:
+    from moestream.kernels.fused_moe_triton import fused_moe_with_config, sum_pairs
+
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
+    for (H, I, S, E, k), (activation, bias) in zip(((64, 32, 8, 12, 4), (72, 40, 6, 10, 3), (160, 48, 8, 10, 8)),
+                                                   ACTIVATIONS):
+        hidden, gate_up, down, ids, weights, (gub, db), slot_map = _inputs(H, I, S, E, k, dtype, device, H + k, bias)
+        slots = slot_map[ids.long()]
+        slots[0, -1] = S + 2                                    # out of range: unrouted
+        ref = moe_reference(hidden.float(), gate_up.float(), down.float(), slots, weights, activation,
+                            gub.float() if bias else None, db.float() if bias else None)
+
+        def run(slot_ids, reduce=True, smap=None):
+            return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation, gate_up_bias=gub,
+                                         down_bias=db, reduce=reduce, slot_map=smap)
+        out = run(slots)
+        assert out.shape == (1, H) and out.dtype == dtype
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err < tol, (H, activation, err)
+        rows = run(slots, reduce=False)
+        assert rows.shape == (1, k, H) and rows.dtype == torch.float32
+        assert torch.equal(rows[0, -1], torch.zeros_like(rows[0, -1])), "an unrouted pair's row is zero"
+        assert torch.equal(sum_pairs(rows, dtype), out), "pair rows summed as a dispatch ends give its bits"
+        ids2 = ids.clone()
+        ids2[0, 0] = E - 1                                      # an expert the map gives no slot
+        slots2 = slot_map[ids2.long()]
+        assert torch.equal(run(ids2, smap=slot_map), run(slots2)), "the slot map read in the kernels"
+        none = run(torch.full_like(ids, -1))
+        assert torch.equal(none, torch.zeros_like(none))
+
+
+def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    for dtype in dtypes:
+        check_token_path(device, dtype)
