@@ -2,12 +2,14 @@
 
 With --ab-fused, first the CUDA-graph decode with the fused small ops (norms, q/k norm + rotary,
 router top-k) on and off, alternating (on, off, off, on: figures drift between runs), same process,
-same weights, the model's own routing. With --ab-kv, the same alternation between the two KV
+same weights, the model's own routing. With --graph-profile, the per-kernel
+time and the gaps between kernels inside the graph replays themselves. With --ab-pdl, the same alternation with programmatic dependent launch
+(kernels/pdl.py) on and off. With --ab-kv, the same alternation between the two KV
 layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl]
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--ab-fused", action="store_true", help="decode tok/s with the fused small ops on and off")
     ap.add_argument("--ab-kv", action="store_true", help="decode tok/s with the rows and the paged KV layout")
+    ap.add_argument("--ab-pdl", action="store_true",
+                    help="decode tok/s with programmatic dependent launch on and off (Hopper)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
+    ap.add_argument("--graph-profile", action="store_true",
+                    help="per-kernel time and the gaps between kernels inside decode graph replays instead")
     args = ap.parse_args()
     engine = moestream.load(args.model, device="cuda", dtype="bfloat16", capacity=args.capacity, max_context=4096)
     prompt = list(range(100, 100 + args.prompt_tokens))
@@ -65,7 +71,24 @@ def main() -> None:
         on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
         print(f"fused ops on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
         engine.runner.drop_graphs()
+    if args.ab_pdl:
+        from moestream.kernels.pdl import programmatic_launch
+
+        runs = {True: [], False: []}
+        for on in (True, False, False, True):
+            engine.runner.drop_graphs()
+            with programmatic_launch(on):
+                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
+            runs[on].append(engine.last_metrics.decode_tok_s)
+            print(f"programmatic launch {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
+        on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
+        print(f"programmatic launch on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
+        engine.runner.drop_graphs()
     timed("cuda graphs")
+    if args.graph_profile:
+        graph_profile(engine, prompt)
+        return
     if args.no_profile:
         return
     with engine.runner.eager():
@@ -75,6 +98,49 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
+def graph_profile(engine, prompt: list[int], steps: int = 16) -> None:
+    """Kernels of `steps` decode steps replayed as CUDA graphs, from the profiler's trace: time per
+    step by kernel, and the idle time between consecutive kernels (under 5 µs: inside a replay;
+    longer: the host's work between steps, stretched by the profiler itself)."""
+    import collections
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moestream.runtime.sampling import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+    for _ in range(8):            # the prefill and a few steps outside the trace
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
+    while not engine.scheduler.idle:
+        engine.step()
+    events.sort(key=lambda e: e["ts"])
+    gaps = collections.Counter()
+    for a, b in zip(events, events[1:]):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        gaps["inside replays (< 5 us)" if gap < 5 else "between steps"] += gap
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        by_name[e["name"][:70]][0] += 1
+        by_name[e["name"][:70]][1] += e["dur"]
+    busy = sum(e["dur"] for e in events)
+    print(f"graph replays: {len(events) / steps:.0f} kernels per step, {busy / steps:.1f} us of kernel time per step; "
+          + ", ".join(f"gaps {k}: {v / steps:.1f} us" for k, v in gaps.items()))
+    print(f"{'us/step':>9} {'count':>6} {'us each':>8}  kernel")
+    for name, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"{dur / steps:9.1f} {count / steps:6.1f} {dur / count:8.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
+from .pdl import pdl_args, release_consumer, wait_for_producer
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ def _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP: tl.constexpr):
 def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
                           I, H, num_slots, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
                           HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
     j = tl.program_id(0)
     slot = _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP)
     if slot < 0:
@@ -95,6 +98,7 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    release_consumer(USE_PDL)
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     if HAS_BIAS:
@@ -110,9 +114,11 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
                        H, I, num_slots, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
                        stride_bias,
                        HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, K_PAD: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """BLOCK_N output columns of every pair at once: the k experts' tiles are one [K_PAD, BLOCK_N,
     BLOCK_K] load per step, so a program has all its pairs' bytes in flight, not one at a time."""
+    wait_for_producer(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
@@ -136,6 +142,7 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
         acc += w.to(tl.float32) * a[:, None, :]
         b_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    release_consumer(USE_PDL)
     y = tl.sum(acc, axis=2)                                   # (K_PAD, BLOCK_N): one row per pair
     if HAS_BIAS:
         y += tl.load(bias_ptr + slot[:, None] * stride_bias + rows[None, :], mask=valid[:, None],
@@ -180,7 +187,8 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
         I, H, S, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
         HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
-        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps)
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,
+        **pdl_args(hidden))
     if reduce:
         out = torch.empty((1, H), dtype=hidden.dtype, device=hidden.device)
     else:
@@ -192,5 +200,5 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
         down_bias.stride(0) if has_bias else 0,
         HAS_MAP=has_map, HAS_BIAS=has_bias, REDUCE=reduce, K_PAD=triton.next_power_of_2(k),
         BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_args(hidden))
     return out if reduce else out.view(1, k, H)

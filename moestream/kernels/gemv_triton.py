@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, release_consumer, wait_for_producer
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -42,7 +44,8 @@ def default_config(N: int, K: int) -> GemvConfig:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past N wrap around (their store is masked): the weight loads stay unmasked along N.
@@ -51,6 +54,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    wait_for_producer(USE_PDL)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -62,6 +66,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    release_consumer(USE_PDL)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
@@ -81,5 +86,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x1, weight, bias if bias is not None else weight, out, N, K, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x))
     return out

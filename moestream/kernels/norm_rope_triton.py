@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels import SCALE_NONE
+from moestream.kernels.pdl import pdl_args, release_consumer, wait_for_producer
 
 
 @triton.jit
@@ -44,7 +45,10 @@ def _scaled(h, r, w, SCALE: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, D, stride_x, stride_res, stride_out, eps,
-                     HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     m = d < D
@@ -83,7 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: in
                                   weight if weight is not None else x2, out, D, x2.stride(0),
                                   res2.stride(0) if res2 is not None else 0, D, eps,
                                   HAS_RESIDUAL=residual is not None, SCALE=scale if weight is not None else SCALE_NONE,
-                                  BLOCK_D=block, num_warps=4 if block <= 4096 else 8)
+                                  BLOCK_D=block, num_warps=4 if block <= 4096 else 8, **pdl_args(x2))
     return out, summed
 
 
@@ -135,9 +139,11 @@ def _qk_rope_paged_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
                           stride_table, stride_block, stride_pos, stride_kvh, eps,
                           SCALE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BS: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BS: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (t, j < last): query heads of block j, normed and rotated into qo. Program (t, last):
     the token's keys, normed and rotated, and its values, straight into their paged block."""
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -207,5 +213,5 @@ def qk_rope_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), cos2.stride(0),
         tables.stride(0), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), eps,
         SCALE=scale, BLOCK_H=block_h, BLOCK_KH=triton.next_power_of_2(kv_heads), BLOCK_D=block_d,
-        BS=k_pool.shape[1], num_warps=4)
+        BS=k_pool.shape[1], num_warps=4, **pdl_args(q))
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, release_consumer, wait_for_producer
+
 _PROGRAMS = 264          # ~2 per SM of an H100: enough splits to fill the GPU at batch 1
 _TILE = 64               # positions per tile
 
@@ -55,7 +57,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, lse_p
                          stride_qb, stride_qh, stride_block, stride_pos, stride_kvh, stride_table,
                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BS: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,6 +91,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, lse_p
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    release_consumer(USE_PDL)
     held = l_i > 0   # an empty split (past the row's length) leaves lse at -inf and weighs nothing
     out = tl.where(held[:, None], acc / tl.where(held, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(held, m_i + tl.log(tl.where(held, l_i, 1.0)), float("-inf"))
@@ -98,7 +103,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, lse_p
 
 @triton.jit
 def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         stride_outb, stride_outh, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
+                         stride_outb, stride_outh, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -143,8 +151,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, D_PAD=D_PAD, BS=k_pool.shape[1], TILE=_TILE,
-        DOT_PRECISION=precision, num_warps=4)
+        DOT_PRECISION=precision, num_warps=4, **pdl_args(q))
     _decode_merge_kernel[(B, heads)](o, lse, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
                                      lse.stride(1), out.stride(0), out.stride(1), D=D, D_PAD=D_PAD,
-                                     S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                                     S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(q))
     return out

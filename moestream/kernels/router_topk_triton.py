@@ -12,10 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_args, release_consumer, wait_for_producer
+
 
 @triton.jit
 def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, K: tl.constexpr, MODE: tl.constexpr,
-                        RENORMALISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        RENORMALISE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
@@ -54,5 +59,6 @@ def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> t
     if T:
         _router_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), K=k, MODE=mode,
                                   RENORMALISE=renormalise, BLOCK_E=triton.next_power_of_2(E),
-                                  BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+                                  BLOCK_K=triton.next_power_of_2(k), num_warps=4,
+                                  **pdl_args(logits))
     return weights, ids

@@ -47,13 +47,23 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self._ffn_name)
 
-    def attend_and_norm(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + mixer(norm(x)), and that sum's post-attention norm (the feed-forward input)."""
-        return self.post_attention_layernorm.add_and_norm(x, self.mixer(self.input_layernorm(x), ctx))
+    def attend_and_norm(self, x: torch.Tensor, ctx: ForwardContext,
+                        delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """s + mixer(norm(s)) for the layer's input s = x + delta, and that sum's post-attention norm
+        (the feed-forward input). `delta` is the previous layer's feed-forward output, not yet added:
+        its add is the first norm's, one launch where fused."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, delta)
+        return self.post_attention_layernorm.add_and_norm(x, self.mixer(h, ctx))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, h = self.attend_and_norm(x, ctx)
-        return x + self.ffn(h)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on x + delta; returns (residual stream, feed-forward output), whose sum is the
+        layer's output: the next layer (or the final norm) adds them in its own norm's launch."""
+        x, h = self.attend_and_norm(x, ctx, delta)
+        return x, self.ffn(h)
 
 
 # Layer kinds an ArchSpec may name (`ArchSpec.layer`).
@@ -119,20 +129,22 @@ class MoECausalLM(nn.Module):
                   for i, layer in enumerate(self.model.layers)]
         return ModelCache(layers, rows, max_len, device, tables)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(x))
+    def head(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the residual stream x + delta (delta: the last layer's pending output, or None)."""
+        h = self.model.norm(x) if delta is None else self.model.norm.add_and_norm(x, delta)[1]
+        logits = self.lm_head(h)
         cap = self.config.final_logit_softcap
         if cap is not None:   # Gemma: cap * tanh(logits / cap), as transformers computes it
             logits = torch.tanh(logits / cap) * cap
         return logits
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
+            x, delta = layer(x, ctx, delta)
         if last_only:
-            x = x[:, -1:]
-        return self.head(x)
+            x, delta = x[:, -1:], (delta[:, -1:] if delta is not None else None)
+        return self.head(x, delta)
 
 
 def pageable(config: ModelConfig, spec: ArchSpec) -> bool:

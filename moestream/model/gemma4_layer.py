@@ -113,11 +113,14 @@ class Gemma4DecoderLayer(nn.Module):
     def attend(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         return x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), ctx))
 
-    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, ctx: ForwardContext, delta: Tensor | None = None) -> tuple[Tensor, None]:
+        """The layer on x + delta (the decoder's layer protocol); its output comes back whole."""
+        if delta is not None:
+            x = x + delta
         x = self.attend(x, ctx)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         h = x.reshape(-1, x.shape[-1])
         weights, ids = self.route(h)
         routed = self.experts.forward(self.layer, self.pre_feedforward_layernorm_2(h), ids, weights)
         routed = self.post_feedforward_layernorm_2(routed.view_as(x))
-        return (x + self.post_feedforward_layernorm(dense + routed)) * self.layer_scalar
+        return (x + self.post_feedforward_layernorm(dense + routed)) * self.layer_scalar, None

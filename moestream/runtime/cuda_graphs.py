@@ -146,21 +146,21 @@ class SegmentedDecode:
     def _segment(self, i: int, kv_len: int, prev: _Carry | None) -> _Carry:
         if i == 0:
             ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype)
-            x, start = self.model.model.embed_tokens(self.tokens), 0
+            x, delta, start = self.model.model.embed_tokens(self.tokens), None, 0
         else:
             ctx, layer = prev.ctx, self.moe_layers[i - 1]
             routed = self.layers[layer].ffn.combine(prev.h, prev.ids, prev.weights, resident=True)
             if self.cpu_rows is not None:
                 routed = (routed.float() + self.cpu_rows[i - 1]).to(routed.dtype)
-            x, start = prev.x + routed.view_as(prev.x), layer + 1
+            x, delta, start = prev.x, routed.view_as(prev.x), layer + 1
         if i == len(self.moe_layers):
             for layer in self.layers[start:]:
-                x = layer(x, ctx)
-            return _Carry(ctx, x, logits=self.model.head(x)[:, -1])
+                x, delta = layer(x, ctx, delta)
+            return _Carry(ctx, x, logits=self.model.head(x, delta)[:, -1])
         moe = self.moe_layers[i]
         for layer in self.layers[start:moe]:
-            x = layer(x, ctx)
-        x, h = self.layers[moe].attend_and_norm(x, ctx)
+            x, delta = layer(x, ctx, delta)
+        x, h = self.layers[moe].attend_and_norm(x, ctx, delta)
         h = h.reshape(-1, x.shape[-1])
         weights, ids = self.layers[moe].ffn.route(h)
         predicted = None

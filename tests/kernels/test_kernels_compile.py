@@ -80,7 +80,7 @@ def _sig(pointers: dict, ints: list[str], floats: list[str], consts: dict) -> di
 def test_gemv_kernel_compiles(bias):
     from moestream.kernels.gemv_triton import _gemv_kernel
 
-    consts = {"HAS_BIAS": bias, "BLOCK_N": 4, "BLOCK_K": 512, "EVEN_K": True}
+    consts = {"HAS_BIAS": bias, "BLOCK_N": 4, "BLOCK_K": 512, "EVEN_K": True, "USE_PDL": True}
     sig = _sig({n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}, ["N", "K", "stride_wn"], [], consts)
     triton.compile(ASTSource(fn=_gemv_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 8, "num_stages": 3})
@@ -94,14 +94,14 @@ def test_token_kernels_compile(has_map, activation, bias, reduce):
 
     ids = {"ids_ptr": "*i32", "map_ptr": "*i32"}
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "ACTIVATION": activation, "BLOCK_N": 2, "BLOCK_K": 2048,
-              "EVEN_K": True}
+              "EVEN_K": True, "USE_PDL": True}
     sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16"},
                ["I", "H", "num_slots", "stride_id", "stride_be", "stride_bn", "stride_cm", "stride_bias"],
                FLOATS, consts)
     triton.compile(ASTSource(fn=_token_gate_up_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "REDUCE": reduce, "K_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128,
-              "EVEN_K": False}
+              "EVEN_K": False, "USE_PDL": True}
     sig = _sig({"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16" if reduce else "*fp32", **ids,
                 "w_ptr": "*fp32", "bias_ptr": "*bf16"},
                ["H", "I", "num_slots", "top_k", "stride_id", "stride_w", "stride_am", "stride_be", "stride_bn",
@@ -117,9 +117,44 @@ def test_qk_rope_paged_kernel_compiles(scale):
     ptrs = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "qo_ptr",
                                  "kp_ptr", "vp_ptr")}
     ptrs.update({"tables_ptr": "*i32", "rows_ptr": "*i64", "pos_ptr": "*i64"})
-    consts = {"SCALE": scale, "BLOCK_H": 32, "BLOCK_KH": 4, "BLOCK_D": 128, "BS": 16}
+    consts = {"SCALE": scale, "BLOCK_H": 32, "BLOCK_KH": 4, "BLOCK_D": 128, "BS": 16, "USE_PDL": True}
     sig = _sig(ptrs, ["q_heads", "kv_heads", "D", "R", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
                       "stride_vt", "stride_vh", "stride_cos", "stride_table", "stride_block", "stride_pos",
                       "stride_kvh"], ["eps"], consts)
     triton.compile(ASTSource(fn=_qk_rope_paged_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+
+
+def test_paged_attention_kernels_compile_with_programmatic_launch():
+    from moestream.kernels.paged_attention_triton import _decode_merge_kernel, _decode_split_kernel
+
+    consts = {"G": 8, "G_PAD": 16, "D": 128, "D_PAD": 128, "BS": 16, "TILE": 64, "DOT_PRECISION": "tf32",
+              "USE_PDL": True}
+    sig = _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "tables_ptr": "*i32", "lens_ptr": "*i64",
+                "o_ptr": "*fp32", "lse_ptr": "*fp32"},
+               ["split_len", "stride_qb", "stride_qh", "stride_block", "stride_pos", "stride_kvh", "stride_table",
+                "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh"], ["scale"], consts)
+    triton.compile(ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+    consts = {"D": 128, "D_PAD": 128, "S_PAD": 8, "USE_PDL": True}
+    sig = _sig({"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
+               ["splits", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh", "stride_outb",
+                "stride_outh"], [], consts)
+    triton.compile(ASTSource(fn=_decode_merge_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_and_router_kernels_compile_with_programmatic_launch(residual):
+    from moestream.kernels.norm_rope_triton import _rms_norm_kernel
+    from moestream.kernels.router_topk_triton import _router_topk_kernel
+
+    consts = {"HAS_RESIDUAL": residual, "SCALE": 1, "BLOCK_D": 2048, "USE_PDL": True}
+    sig = _sig({n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "w_ptr", "out_ptr")},
+               ["D", "stride_x", "stride_res", "stride_out"], ["eps"], consts)
+    triton.compile(ASTSource(fn=_rms_norm_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+    consts = {"K": 8, "MODE": 0, "RENORMALISE": True, "BLOCK_E": 128, "BLOCK_K": 8, "USE_PDL": True}
+    sig = _sig({"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64"}, ["E", "stride"], [], consts)
+    triton.compile(ASTSource(fn=_router_topk_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
