@@ -1,5 +1,6 @@
 """Where a prefill's time goes: a cold prompt (pp) and an agent's cached second turn, timed, then
-the second turn under the torch profiler (per-kernel CUDA time and host time).
+the second turn (or, `--profile cold`, a cold prompt) under the torch profiler (per-kernel CUDA time
+and host time).
 
 The second turn is a `--prefix-tokens` prompt answered once (its KV kept by the prefix cache),
 then the same prompt plus `--new-tokens` new ones: only those are prefilled, attending to the
@@ -12,6 +13,7 @@ few experts per layer instead of all of them.
 
     python benchmarks/prefill_profile.py CHECKPOINT [--prompt-tokens 512] [--prefix-tokens 8192]
         [--new-tokens 200] [--kv-layout auto|paged|rows] [--routing uniform|model|trace] [--no-profile]
+        [--profile second|cold]
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--profile", choices=["second", "cold"], default="second",
+                    help="which prefill the profiler records: the cached second turn, or a cold prompt")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test on a tiny checkpoint")
     args = ap.parse_args()
     engine = moestream.load(args.model, device=args.device, dtype="bfloat16", kv_layout=args.kv_layout,
@@ -76,10 +80,14 @@ def main() -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    prefix = tokens(args.prefix_tokens)
-    ttft(prefix)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        ttft(prefix + tokens(args.new_tokens))
+    if args.profile == "cold":
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            cold()
+    else:
+        prefix = tokens(args.prefix_tokens)
+        ttft(prefix)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ttft(prefix + tokens(args.new_tokens))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
 

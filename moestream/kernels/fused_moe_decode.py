@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .moe_activation import activate
 from .moe_tiles import fit_tile, gated_dot, quant_block_k, quant_gemv
+from .pdl import pdl_args, release_consumer, wait_for_producer
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "QuantOperand",
            "launch_decode_gemms"]
@@ -89,9 +90,12 @@ def _moe_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
+    USE_PDL: tl.constexpr = False,   # programmatic dependent launch (pdl.py)
 ):
     """C[q, n-tile] = epilogue(A[row(q)] @ B[slot]^T) for every pair q routed to this pair's
     slot, if this pair is the slot's first pair (see the module docstring)."""
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     # One load of all T*k slot ids (this pair's among them): a single memory round trip
@@ -213,7 +217,7 @@ def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, 
         EVEN_K=(k % tile.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a),
     )
 
 

@@ -61,6 +61,7 @@ from .fused_moe_decode import (
     quant_args,
 )
 from .fused_moe_token import token_moe
+from .pdl import pdl_args, release_consumer, wait_for_producer
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
@@ -228,7 +229,7 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
 def _sum_over_k_kernel(
     src_ptr, slot_ptr, out_ptr, N, num_slots, top_k,
     stride_sm, stride_st, stride_sj, stride_om,
-    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """out[t, n-tile] = sum over routed j of src[t*k + j, n-tile] (fp32), cast to out dtype.
 
@@ -236,6 +237,8 @@ def _sum_over_k_kernel(
     at once): deterministic, and the order the one-token path (fused_moe_token.py) sums in, so
     pair rows summed here give its bits. Rows of unrouted pairs are masked, never read.
     """
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -254,7 +257,7 @@ def _launch_sum_over_k(per_pair: Tensor, slot_ids: Tensor, out: Tensor, num_slot
     _sum_over_k_kernel[(T, triton.cdiv(H, block_n))](
         per_pair, slot_ids, out, H, num_slots, k,
         per_pair.stride(0), slot_ids.stride(0), slot_ids.stride(1), out.stride(0),
-        K_PAD=k_pad, BLOCK_N=block_n, num_warps=4,
+        K_PAD=k_pad, BLOCK_N=block_n, num_warps=4, **pdl_args(per_pair),
     )
 
 

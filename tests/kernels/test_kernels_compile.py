@@ -50,7 +50,7 @@ def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
     consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": activation, "MUL_WEIGHT": not gated,
               "HAS_BIAS": bias, "PAIRS": 16,
               "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": block_k, "EVEN_K": bits == 0,
-              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf}
+              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
                          bits, nf)
     ints = INTS + ["num_pairs", "num_slots", "top_k", "stride_st", "stride_sj", "stride_wt", "stride_wj"]
