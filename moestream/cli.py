@@ -581,6 +581,8 @@ def cmd_check(args) -> int:
     _print_model(plan)
     print(plan.memory.explain())
     _print_cpu_path()
+    if args.measure_costs:
+        _print_miss_costs(plan)
     return 0
 
 
@@ -593,7 +595,47 @@ def _print_cpu_path() -> None:
         print(f"CPU experts       plain torch ({cpu_moe.unavailable_reason()}); --cpu-misses would be slow here")
     else:
         print(f"CPU experts       C kernel, {cpu_moe.default_threads(cpus)} of {cpus} cores by default (--cpu-threads); "
-              f"--cpu-misses auto measures copy and CPU costs at the first decode step (--stats prints them)")
+              f"--cpu-misses auto measures copy and CPU costs at the first decode step (--stats prints them; "
+              f"--measure-costs here times them now)")
+
+
+def _print_miss_costs(plan) -> None:
+    """The hybrid split's inputs (`MissCosts`), measured now on random experts of this model's shape
+    and format in host RAM (pinned where a GPU can copy them): what `--cpu-misses auto` measures at
+    its first decode step, here before any weight is read."""
+    import torch
+
+    from moestream.experts.fetch import MissCosts
+    from moestream.experts.format import ExpertShape
+    from moestream.kernels import cpu_moe
+
+    fmt = next(iter(plan.expert_formats.values()), None)
+    if fmt is None:
+        print("miss costs        none: the model has no routed experts")
+        return
+    shape = ExpertShape.of(plan.config)
+    nbytes = fmt.nbytes(shape)
+    pin = plan.device.type == "cuda"
+    # Up to 1 GiB of experts, more than a server's last-level cache, so every timed read is DRAM's.
+    count = max(8, min(128, (1 << 30) // max(nbytes, 1)))
+    g = torch.Generator().manual_seed(0)
+    stack = {}
+    for t in fmt.tensors(shape):
+        if t.dtype.is_floating_point:
+            data = (torch.randn((count, *t.shape), generator=g) * 0.02).to(t.dtype)
+        else:
+            data = torch.randint(0, 256, (count, *t.shape), generator=g, dtype=torch.uint8).view(t.dtype)
+        stack[t.name] = data.pin_memory() if pin else data
+    costs = MissCosts.measure(stack, fmt.host_dispatch(shape), plan.device, shape.hidden, fmt.dtype)
+    threads = cpu_moe.default_threads(len(cpu_moe.usable_cpus()))
+    print(f"miss costs        one {fmt.name} expert ({nbytes / 1e6:.2f} MB), measured now on {count} random experts:")
+    if pin:
+        print(f"  copy over PCIe  {costs.copy_s * 1e6:.0f} us ({nbytes / costs.copy_s / 1e9:.1f} GB/s)")
+    print(f"  on the CPU      {costs.cpu_expert_s * 1e6:.0f} us for its first token ({nbytes / costs.cpu_expert_s / 1e9:.1f} "
+          f"GB/s of weights, {threads} threads), +{costs.cpu_token_s * 1e6:.1f} us per further token")
+    print(f"  CPU call        {costs.cpu_call_s * 1e6:.0f} us fixed (hidden rows to the host, the result back)")
+    if pin:
+        print(f"  both at once    {costs.contention:.2f}x the slower alone (both read host RAM)")
 
 
 def _print_model(plan) -> None:
@@ -756,6 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_args(check)
     _add_budget_args(check)
     _add_quant_args(check)
+    check.add_argument("--measure-costs", action="store_true",
+                       help="also time what a miss costs on this machine (copy over PCIe, an expert on the CPU) on "
+                            "random experts of the model's shape: the inputs of --cpu-misses auto's split")
     check.set_defaults(func=cmd_check)
 
     conv = sub.add_parser("convert", help="write a packed checkpoint with quantized experts (and dense tensors)")

@@ -145,4 +145,18 @@ def test_stats_print_the_split_costs_and_check_the_cpu_path(tiny_qwen3, capsys):
     err = capsys.readouterr().err
     assert "hybrid misses split by: copy" in err and "contention" in err
     assert main(["check", str(tiny_qwen3), "--device", "cpu"]) == 0
-    assert "CPU experts" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CPU experts" in out and "miss costs" not in out
+
+
+@pytest.mark.parametrize("experts,name", [(None, "fp32"), ("int4", "int4-g64")])
+def test_check_measures_the_miss_costs(tiny_qwen3, capsys, experts, name):
+    """`check --measure-costs` times the split's inputs on random experts of the model's shape and
+    format, without reading the checkpoint's weights."""
+    from moestream.cli import main
+
+    quant = ["--experts", experts] if experts else []
+    assert main(["check", str(tiny_qwen3), "--device", "cpu", *quant, "--measure-costs"]) == 0
+    out = capsys.readouterr().out
+    assert f"miss costs        one {name} expert" in out
+    assert "on the CPU" in out and "per further token" in out and "CPU call" in out
