@@ -60,31 +60,11 @@ def main() -> None:
     if args.ab_fused:
         from moestream.kernels import fused_ops
 
-        runs: dict[bool, list[float]] = {True: [], False: []}
-        for on in (True, False, False, True):
-            engine.runner.drop_graphs()
-            with fused_ops(on):
-                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
-                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
-            runs[on].append(engine.last_metrics.decode_tok_s)
-            print(f"fused ops {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
-        on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
-        print(f"fused ops on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
-        engine.runner.drop_graphs()
+        ab_switch(engine, prompt, args.steps, "fused ops", fused_ops)
     if args.ab_pdl:
         from moestream.kernels.pdl import programmatic_launch
 
-        runs = {True: [], False: []}
-        for on in (True, False, False, True):
-            engine.runner.drop_graphs()
-            with programmatic_launch(on):
-                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
-                engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
-            runs[on].append(engine.last_metrics.decode_tok_s)
-            print(f"programmatic launch {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
-        on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
-        print(f"programmatic launch on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
-        engine.runner.drop_graphs()
+        ab_switch(engine, prompt, args.steps, "programmatic launch", programmatic_launch)
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)
@@ -98,6 +78,22 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(prompt, max_tokens=args.steps, ignore_eos=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
+def ab_switch(engine, prompt: list[int], steps: int, label: str, switch) -> None:
+    """Decode tok/s with `switch(True)` and `switch(False)` (context managers), alternating on, off,
+    off, on: graphs are captured again for each run, since a captured graph keeps the choice."""
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False, False, True):
+        engine.runner.drop_graphs()
+        with switch(on):
+            engine.generate(prompt, max_tokens=steps, ignore_eos=True)
+            engine.generate(prompt, max_tokens=steps, ignore_eos=True)
+        runs[on].append(engine.last_metrics.decode_tok_s)
+        print(f"{label} {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
+    on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
+    print(f"{label} on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
+    engine.runner.drop_graphs()
 
 
 def graph_profile(engine, prompt: list[int], steps: int = 16) -> None:

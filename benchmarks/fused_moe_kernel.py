@@ -20,7 +20,7 @@ figure of merit for prefill; `roof us` = those bytes at 3.35 TB/s (H100 SXM HBM3
 `--tune` sweeps grouped-path block sizes per T (refreshes `_CONFIG_TABLE`); `--tune-decode`
 sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `cold`;
 `--tune-token` sweeps the one-token path's tiles (refreshes `DEFAULT_TOKEN_CONFIG`) beside the
-decode path at T=1. Without a config the "decode" rows at T=1 are the one-token path.
+decode path at T=1. At T=1 the "token" rows are the one-token path, which `fused_moe` takes there.
 
 `--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
 the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched.
@@ -117,6 +117,31 @@ def time_cold_graph_ms(call: Callable[[tuple], object], routings: list[tuple],
     return sorted(times)[len(times) // 2]
 
 
+def skipping(time_of: Callable[[object], float]) -> Callable[[object], float]:
+    """`time_of(cfg)`, or infinity for a config that cannot run (out of shared memory or registers)."""
+    def measure(cfg) -> float:
+        try:
+            return time_of(cfg)
+        except Exception as exc:
+            print(f"    skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+            return float("inf")
+    return measure
+
+
+def coordinate_search(start, measure: Callable[[object], float],
+                      variants: list[Callable[[object], object]]) -> tuple[object, float, float]:
+    """Each variant (config -> config) applied in turn to the best config so far, kept when faster.
+    Returns (best, its time, the start's time)."""
+    best = start
+    best_ms = start_ms = measure(start)
+    for make in variants:
+        cfg = make(best)
+        ms = measure(cfg)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms, start_ms
+
+
 def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
     """Coordinate search around the default grouped config for one T: BLOCK_M, the gate_up
     tile, the down tile, then GROUP_M (each timed on the whole call). Returns the best and its
@@ -129,15 +154,7 @@ def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
         select_config,
     )
 
-    def measure(cfg) -> float:
-        try:
-            return time_ms(lambda: fused_moe_with_config(*inputs, config=cfg, path="grouped"))
-        except Exception as exc:  # out of shared memory / registers: not a candidate
-            print(f"    skip {cfg}: {type(exc).__name__}")
-            return float("inf")
-
-    best = select_config(T, k, S)
-    best_ms = measure(best)
+    measure = skipping(lambda cfg: time_ms(lambda: fused_moe_with_config(*inputs, config=cfg, path="grouped")))
     tiles = [GemmConfig(bn, bk, w, st) for bn, bk, w, st in itertools.product(
         (32, 64, 128, 256), (64, 128), (4, 8), (3, 4))]
     candidates = [lambda c, bm=bm: replace(c, block_m=bm) for bm in (16, 32, 64, 128)]
@@ -145,11 +162,7 @@ def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
     candidates += [lambda c, g=g: replace(c, down=g) for g in tiles]
     candidates += [lambda c, gm=gm: replace(c, gate_up=replace(c.gate_up, group_m=gm),
                                             down=replace(c.down, group_m=gm)) for gm in (1, 8)]
-    for make in candidates:
-        cfg = make(best)
-        ms = measure(cfg)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    best, best_ms, _ = coordinate_search(select_config(T, k, S), measure, candidates)
     return asdict(best), best_ms
 
 
@@ -164,33 +177,17 @@ def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
         fused_moe_with_config,
     )
 
-    def measure(cfg) -> float:
-        try:
-            return time_cold_graph_ms(
-                lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2], config=cfg,
-                                                path="decode"), routings, replays=5)
-        except Exception as exc:
-            print(f"    skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
-            return float("inf")
-
-    best = DEFAULT_DECODE_CONFIG
-    best_ms = measure(best)
+    measure = skipping(lambda cfg: time_cold_graph_ms(
+        lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2], config=cfg, path="decode"), routings, replays=5))
     gate_up_tiles = [DecodeTile(bn, bk, w, st) for bn, bk, w, st in (
         (16, 64, 4, 6), (16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (16, 128, 2, 4),
         (32, 256, 8, 3))]
     down_tiles = [DecodeTile(bn, bk, w, st) for bn, bk, w, st in (
         (16, 128, 4, 4), (32, 64, 4, 6), (32, 256, 4, 3), (64, 128, 4, 4), (32, 128, 2, 4),
         (128, 64, 4, 4))]
-    for tile in gate_up_tiles:
-        cfg = replace(best, gate_up=tile)
-        ms = measure(cfg)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    for tile in down_tiles:
-        cfg = replace(best, down=tile)
-        ms = measure(cfg)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    variants = [lambda c, t=t: replace(c, gate_up=t) for t in gate_up_tiles]
+    variants += [lambda c, t=t: replace(c, down=t) for t in down_tiles]
+    best, best_ms, _ = coordinate_search(DEFAULT_DECODE_CONFIG, measure, variants)
     print(f"T={T}: best decode {best} {best_ms * 1e3:.1f} us (cold)")
     return asdict(best), best_ms
 
@@ -200,35 +197,20 @@ def tune_token(bank, routings: list[tuple]) -> tuple[dict, float, float]:
     tile, each timed `cold` on the whole call. Returns (best config, its time, the decode path's)."""
     from dataclasses import asdict, replace
 
-    from moestream.kernels.fused_moe_token import DEFAULT_TOKEN_CONFIG, TokenTile, token_moe
+    from moestream.kernels.fused_moe_token import DEFAULT_TOKEN_CONFIG, TokenTile
     from moestream.kernels.fused_moe_triton import DEFAULT_DECODE_CONFIG, fused_moe_with_config
 
-    I = bank[1].shape[2]
-
-    def measure(cfg) -> float:
-        try:
-            return time_cold_graph_ms(lambda r: token_moe(r[0], *bank, r[1], r[2], 0, I, config=cfg), routings,
-                                      replays=5)
-        except Exception as exc:
-            print(f"    skip {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
-            return float("inf")
-
+    measure = skipping(lambda cfg: time_cold_graph_ms(
+        lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2], config=cfg), routings, replays=5))
     decode_ms = time_cold_graph_ms(lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2],
                                                                    config=DEFAULT_DECODE_CONFIG), routings)
-    best = DEFAULT_TOKEN_CONFIG
-    best_ms = measure(best)
-    print(f"T=1 decode path {decode_ms * 1e3:.1f} us, token path default {best_ms * 1e3:.1f} us", flush=True)
-    for bn, bk, w in itertools.product((2, 4), (512, 1024, 2048), (4, 8)):
-        cfg = replace(best, gate_up=TokenTile(bn, bk, w))
-        ms = measure(cfg)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    for bn, bk, w in itertools.product((2, 4, 8), (64, 128, 256), (2, 4, 8)):
-        cfg = replace(best, down=TokenTile(bn, bk, w))
-        ms = measure(cfg)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    print(f"T=1: best token {best} {best_ms * 1e3:.1f} us (cold), decode path {decode_ms * 1e3:.1f} us", flush=True)
+    variants = [lambda c, t=TokenTile(bn, bk, w): replace(c, gate_up=t)
+                for bn, bk, w in itertools.product((2, 4), (512, 1024, 2048), (4, 8))]
+    variants += [lambda c, t=TokenTile(bn, bk, w): replace(c, down=t)
+                 for bn, bk, w in itertools.product((2, 4, 8), (64, 128, 256), (2, 4, 8))]
+    best, best_ms, default_ms = coordinate_search(DEFAULT_TOKEN_CONFIG, measure, variants)
+    print(f"T=1: best token {best} {best_ms * 1e3:.1f} us (cold; default {default_ms * 1e3:.1f} us), "
+          f"decode path {decode_ms * 1e3:.1f} us", flush=True)
     return asdict(best), best_ms, decode_ms
 
 
@@ -317,7 +299,7 @@ def main() -> None:
         cold_bytes = cold_used * expert_bytes + T * H * 2 * 2
         flops = 2 * T * k * 3 * H * I
         ref32 = moe_reference(*(t.float() if t.is_floating_point() else t for t in inputs))
-        paths = ["grouped"] + (["decode"] if T <= args.decode_max_tokens else [])
+        paths = ["grouped"] + (["decode"] if T <= args.decode_max_tokens else []) + (["token"] if T == 1 else [])
         impls: list[tuple[str, str, Callable[[], object], float | None]] = []
         for path in paths:
             def call(p=path, x=inputs):

@@ -203,13 +203,8 @@ class DenseFormat(ExpertFormat):
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
-            extra = {}
-            if slot_map is not None and run is kernels.fused_moe:   # the kernels read the map themselves
-                extra["slot_map"] = slot_map
-            elif slot_map is not None:
-                slot_ids = slot_map[slot_ids]
             return run(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
-                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, **extra)
+                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, slot_map=slot_map)
         return dispatch
 
     def host_dispatch(self, shape: ExpertShape) -> HostDispatch:

@@ -47,6 +47,6 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     for t in (gate_up.qweight, gate_up.scales, down.qweight, slot_ids, weights):
         if t.device != hidden.device:
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
-    path = resolve_path(path, config, T, k)
+    path = resolve_path(path, config, T, k, one_token=False)
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
                      quant=(gate_up, down), reduce=reduce)

@@ -56,23 +56,24 @@ DEFAULT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(2, 2048, 4), down=TokenTile
 
 
 @triton.jit
-def _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP: tl.constexpr):
-    """Slot of pair j (-1 when it has none): ids[j], through the slot map when there is one."""
-    e = tl.load(ids_ptr + j * stride_id).to(tl.int32)
+def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, HAS_MAP: tl.constexpr):
+    """Slot of pair j, a scalar or a block of pairs (-1 where there is none, or j >= top_k): ids[j],
+    through the slot map when there is one."""
+    e = tl.load(ids_ptr + j * stride_id, mask=j < top_k, other=-1).to(tl.int32)
     if HAS_MAP:
-        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0)).to(tl.int32), -1)
+        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int32), -1)
     return tl.where((e >= 0) & (e < num_slots), e, -1)
 
 
 @triton.jit
 def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
-                          I, H, num_slots, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
+                          I, H, num_slots, top_k, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
                           HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                           USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
-    slot = _slot_of(ids_ptr, map_ptr, j, stride_id, num_slots, HAS_MAP)
+    slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, HAS_MAP)
     if slot < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,11 +124,9 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    e = tl.load(ids_ptr + offs_j * stride_id, mask=offs_j < top_k, other=-1).to(tl.int32)
-    if HAS_MAP:
-        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int32), -1)
-    valid = (e >= 0) & (e < num_slots)
-    slot = tl.where(valid, e, 0).to(tl.int64)
+    slot = _slot_of(ids_ptr, map_ptr, offs_j, top_k, stride_id, num_slots, HAS_MAP)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0).to(tl.int64)
     b_ptrs = (b_ptr + slot[:, None, None] * stride_be + rows[None, :, None] * stride_bn
               + offs_k[None, None, :])
     a_ptrs = a_ptr + offs_j[:, None] * stride_am + offs_k[None, :]
@@ -184,7 +183,7 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
     gu = _tile(cfg.gate_up, H)
     _token_gate_up_kernel[(k, triton.cdiv(I, gu.block_n))](
         hidden, gate_up, inter, ids1, smap, gu_bias,
-        I, H, S, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        I, H, S, k, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
         HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
         BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,

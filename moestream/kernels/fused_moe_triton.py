@@ -60,7 +60,7 @@ from .fused_moe_decode import (
     launch_decode_gemms,
     quant_args,
 )
-from .fused_moe_token import token_moe
+from .fused_moe_token import TokenConfig, token_moe
 from .pdl import pdl_args, release_consumer, wait_for_producer
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
@@ -88,7 +88,7 @@ DECODE_MAX_PAIRS = 64
 # The decode path keeps all T*k slot ids of a program in registers; forcing it past this many
 # pairs is refused (the grouped path is the right one there anyway).
 _DECODE_FORCED_MAX_PAIRS = 1024
-_PATHS = ("auto", "decode", "grouped")
+_PATHS = ("auto", "token", "decode", "grouped")
 
 # Shared memory we let one program's pipeline use (H100 allows 227 KiB per block).
 _SMEM_BUDGET_BYTES = 192 * 1024
@@ -265,23 +265,28 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def choose_path(num_tokens: int, top_k: int) -> str:
-    """The path `fused_moe` takes: decode when T*k <= DECODE_MAX_PAIRS, else grouped."""
+def choose_path(num_tokens: int, top_k: int, one_token: bool = True) -> str:
+    """The path `fused_moe` takes: token for one token (`one_token`: a dense bank), decode when
+    T*k <= DECODE_MAX_PAIRS, else grouped."""
+    if one_token and num_tokens == 1:
+        return "token"
     return "decode" if num_tokens * top_k <= DECODE_MAX_PAIRS else "grouped"
 
 
 def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                           weights: Tensor, activation: str | Activation = "swiglu",
-                          config: MoeConfig | DecodeConfig | None = None,
+                          config: MoeConfig | DecodeConfig | TokenConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
                           down_bias: Tensor | None = None, reduce: bool = True,
                           slot_map: Tensor | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
-        path: "auto" (`choose_path`, or the path `config`'s type names), "decode" or "grouped".
-        config: a `DecodeConfig` (decode path) or a `MoeConfig` (grouped path); None = defaults
-            (`DEFAULT_DECODE_CONFIG`, `select_config`).
+        path: "auto" (`choose_path`, or the path `config`'s type names), "token" (T = 1 only),
+            "decode" or "grouped".
+        config: a `TokenConfig` (token path), a `DecodeConfig` (decode path) or a `MoeConfig`
+            (grouped path); None = defaults (`DEFAULT_TOKEN_CONFIG`, `DEFAULT_DECODE_CONFIG`,
+            `select_config`).
     """
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
@@ -302,27 +307,29 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
     biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
     if slot_map is not None and slot_map.device != hidden.device:
         raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
-    if path == "decode" and T == 1 and not isinstance(config, DecodeConfig):
+    if path == "token":
         return token_moe(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], I,
-                         slot_map=slot_map, biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
+                         slot_map=slot_map, biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce,
+                         config=config)
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
                      biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
 
 
-def resolve_path(path: str, config, num_tokens: int, top_k: int) -> str:
-    """The path a call takes: given, implied by the config's type, or `choose_path`."""
+def resolve_path(path: str, config, num_tokens: int, top_k: int, one_token: bool = True) -> str:
+    """The path a call takes: given, implied by the config's type, or `choose_path`. `one_token`:
+    whether the one-token path exists for the bank (dense experts)."""
     if path not in _PATHS:
         raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
+    configs = {"token": TokenConfig, "decode": DecodeConfig, "grouped": MoeConfig}
     if path == "auto":
-        if isinstance(config, DecodeConfig):
-            path = "decode"
-        elif isinstance(config, MoeConfig):
-            path = "grouped"
-        else:
-            path = choose_path(num_tokens, top_k)
-    wanted = DecodeConfig if path == "decode" else MoeConfig
+        implied = [name for name, kind in configs.items() if isinstance(config, kind)]
+        path = implied[0] if implied else choose_path(num_tokens, top_k, one_token)
+    if path == "token" and (num_tokens != 1 or not one_token):
+        raise ValueError(f"the token path takes one token of a dense bank, got {num_tokens} tokens"
+                         + ("" if one_token else " of quantized experts"))
+    wanted = configs[path]
     if config is not None and not isinstance(config, wanted):
         raise TypeError(f"the {path} path takes a {wanted.__name__}, got {type(config).__name__}")
     return path

@@ -160,7 +160,7 @@ def check_expert_biases(gate_up_bias: Tensor | None, down_bias: Tensor | None, S
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                   weights: Tensor, activation: str | Activation = "swiglu",
                   gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                  reduce: bool = True) -> Tensor:
+                  reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
 
     Args:
@@ -177,10 +177,14 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
 
         reduce: False returns the (T, k, H) fp32 row of every pair instead (zero where unrouted):
             rows of several calls added up, then `sum_pairs_reference`, equal one call's result.
+        slot_map: optional (E + 1,) expert → slot table (its last entry -1); then slot_ids holds
+            expert ids (-1: none), each looked up in it first.
 
     Returns:
         (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
     """
+    if slot_map is not None:
+        slot_ids = slot_map[slot_ids.long()]
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
     act = get_activation(activation)

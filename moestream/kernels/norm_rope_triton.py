@@ -165,6 +165,18 @@ def _qk_rope_paged_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
         tl.store(vp_ptr + dst, v.to(vp_ptr.dtype.element_ty), mask=m)
 
 
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """x (B, L, heads, D) as the kernels index it: B * L tokens x.stride(1) apart, unit last stride
+    (a view where it already is, as the q/k/v split of one GEMM gives)."""
+    return x if x.stride(-1) == 1 and x.stride(0) == x.shape[1] * x.stride(1) else x.contiguous()
+
+
+def _head_tiles(heads: int, D: int) -> tuple[int, int]:
+    """(BLOCK_H, BLOCK_D): a program's heads and head dims, at most 4,096 values."""
+    block_d = triton.next_power_of_2(D)
+    return min(triton.next_power_of_2(heads), max(1, 4096 // block_d)), block_d
+
+
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: int, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
     """x (B, L, heads, D) (last dim contiguous) → per-head RMSNorm (none when weight is None), then
@@ -172,14 +184,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: i
     contiguous (B, L, heads, D)."""
     B, L, heads, D = x.shape
     R = cos.shape[-1]
-    if x.stride(-1) != 1 or x.stride(0) != L * x.stride(1):
-        x = x.contiguous()
+    x = _token_major(x)
     cos2, sin2 = cos.reshape(B * L, R), sin.reshape(B * L, R)
     out = torch.empty((B, L, heads, D), dtype=x.dtype, device=x.device)
     if B * L == 0:
         return out
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h, block_d = _head_tiles(heads, D)
     grid = (B * L, triton.cdiv(heads, block_h))
     _norm_rope_kernel[grid](x, weight if weight is not None else x, cos2, sin2, out, heads, D, R, x.stride(1),
                             x.stride(2), cos2.stride(0), eps, SCALE=scale if weight is not None else SCALE_NONE,
@@ -197,14 +207,13 @@ def qk_rope_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     B, L, heads, D = q.shape
     kv_heads = k.shape[2]
     R = cos.shape[-1]
-    q, k, v = (x if x.stride(-1) == 1 and x.stride(0) == L * x.stride(1) else x.contiguous() for x in (q, k, v))
+    q, k, v = _token_major(q), _token_major(k), _token_major(v)
     cos2, sin2 = cos.reshape(B * L, R), sin.reshape(B * L, R)
     rows, positions = rows.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
     out = torch.empty((B, L, heads, D), dtype=q.dtype, device=q.device)
     if B * L == 0:
         return out
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h, block_d = _head_tiles(heads, D)
     if q_weight is None:
         scale = SCALE_NONE
     _qk_rope_paged_kernel[(B * L, triton.cdiv(heads, block_h) + 1)](

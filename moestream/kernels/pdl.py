@@ -25,6 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 _enabled = True
+# Triton reads TRITON_INTERPRET when it is imported, so the answer cannot change afterwards.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -49,7 +51,7 @@ def _supported(device_index: int) -> bool:
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel taking `USE_PDL`: on for CUDA tensors of a Hopper-or-later
     device (never under Triton's interpreter), else off."""
-    on = (_enabled and t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    on = (_enabled and t.is_cuda and not _INTERPRETING
           and _supported(t.device.index if t.device.index is not None else torch.cuda.current_device()))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 

@@ -110,8 +110,8 @@ class KVCache(LayerCache):
 
 class BlockTables:
     """Per row, the pool blocks that hold its positions: (rows, max_blocks) int32 on the device (0 =
-    the null block), shared by every paged layer of a model. The runtime's `BlockManager` is its
-    only writer (`assign`); rows move (`move`) when the scheduler compacts them."""
+    the null block), shared by every paged layer of a model. The engine writes the blocks the runtime's
+    `BlockManager` hands out (`assign`); rows move (`move`) when the scheduler compacts them."""
 
     def __init__(self, rows: int, max_len: int, block_size: int, device: torch.device):
         self.block_size = block_size
@@ -405,9 +405,9 @@ def rotate_and_attend(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, q_norm, 
     decode step the norms, the rotary and the write of k and v into their blocks are one launch."""
     cache = _paged_decode_cache(ctx, layer, q)
     if cache is not None and _one_fused_kind(q_norm, k_norm):
-        fused = q_norm is not None
-        q = kernels.qk_rope_paged(q, k, v, q_norm.weight if fused else None, k_norm.weight if fused else None,
-                                  q_norm.eps if fused else 0.0, q_norm.fused_scale if fused else kernels.SCALE_NONE,
+        normed = q_norm is not None   # else rotary alone (the kernel ignores eps and scale)
+        q = kernels.qk_rope_paged(q, k, v, q_norm.weight if normed else None, k_norm.weight if normed else None,
+                                  q_norm.eps if normed else 0.0, q_norm.fused_scale if normed else kernels.SCALE_NONE,
                                   ctx.cos, ctx.sin, cache.k, cache.v, cache.tables.table, ctx.write_rows,
                                   ctx.positions)
         return _paged_decode(ctx, cache, q.transpose(1, 2), None)

@@ -96,7 +96,7 @@ def test_token_kernels_compile(has_map, activation, bias, reduce):
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "ACTIVATION": activation, "BLOCK_N": 2, "BLOCK_K": 2048,
               "EVEN_K": True, "USE_PDL": True}
     sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16"},
-               ["I", "H", "num_slots", "stride_id", "stride_be", "stride_bn", "stride_cm", "stride_bias"],
+               ["I", "H", "num_slots", "top_k", "stride_id", "stride_be", "stride_bn", "stride_cm", "stride_bias"],
                FLOATS, consts)
     triton.compile(ASTSource(fn=_token_gate_up_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
