@@ -36,7 +36,8 @@ def budgets(args) -> dict:
     bw = results["bandwidth"]["pinned_h2d_GBps"] * 1e9
     tier = None
     variants = {"on": [True], "off": [False], "both": [True, False]}[args.prefetch]
-    for frac, prefetch, cpu_misses in [(f, p, c) for f in args.fractions for p in variants for c in args.cpu_misses]:
+    runs = [(f, p, c, m) for f in args.fractions for m in args.miss_policy for p in variants for c in args.cpu_misses]
+    for frac, prefetch, cpu_misses, policy in runs:
         t0 = time.perf_counter()
         top_k = json.loads((args.ckpt / "config.json").read_text()).get("num_experts_per_tok", 8)
         probe = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", capacity=top_k, host_tier="disk",
@@ -56,7 +57,8 @@ def budgets(args) -> dict:
         engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=args.max_context,
                                 pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
-                                prefetch=prefetch, cpu_misses=cpu_misses if cap < config.num_experts else 0.0)
+                                prefetch=prefetch, cpu_misses=cpu_misses if cap < config.num_experts else None,
+                                miss_policy=policy if cap < config.num_experts else "fetch")
         load_s = time.perf_counter() - t0
         routing = apply_routing(engine, args.routing, args.trace)
         if isinstance(routing, TraceRouting) and args.trace_prediction_accuracy is not None:
@@ -76,18 +78,23 @@ def budgets(args) -> dict:
         res["roofline_tok_s"] = bw / missed if missed else None   # the PCIe roofline of the copied bytes
         res["share_of_roofline"] = res["decode_tok_s"] / res["roofline_tok_s"] if missed else None
         # host -> compute bandwidth reached: expert bytes copied plus those the CPU read, per second
-        res["host_gb_s"] = (missed + res["decode_cpu_bytes_per_token"]) * res["decode_tok_s"] / 1e9
+        res["host_gb_s"] = (missed + res["decode_cpu_bytes_per_token"] + res["decode_host_read_bytes_per_token"]
+                            ) * res["decode_tok_s"] / 1e9
         log(f"--- {frac:.0%} of experts: capacity {cap}, budget {format_bytes(budget)}, prefetch {prefetch}, "
-            f"cpu misses {cpu_misses}, routing {res['routing']}")
+            f"miss policy {policy}, cpu misses {cpu_misses}, routing {res['routing']}")
         log(json.dumps({k: res[k] for k in ("decode_tok_s", "ttft_s", "decode_hit_rate", "decode_bytes_per_token",
-                                             "decode_cpu_bytes_per_token", "decode_cpu_share", "host_gb_s",
+                                             "decode_cpu_bytes_per_token", "decode_host_read_bytes_per_token",
+                                             "decode_cpu_share", "host_gb_s",
                                              "prediction_accuracy", "prefetched", "roofline_tok_s", "share_of_roofline",
                                              "peak_device_bytes", "within_budget")}))
         if engine.bank.fetcher is not None and engine.bank.fetcher.costs is not None:
             res["miss_costs"] = vars(engine.bank.fetcher.costs)
             log(f"miss costs: {res['miss_costs']}")
         key = f"moestream_{int(frac * 100)}" + ("" if prefetch else "_noprefetch")
+        key += f"_{policy}" if len(args.miss_policy) > 1 else ""
         results[key + (f"_cpu{cpu_misses}" if len(args.cpu_misses) > 1 else "")] = res
+        res["miss_policy"] = policy
+        engine.bank.close()
         del engine
         torch.cuda.empty_cache()
     del tier
@@ -116,8 +123,11 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.15])
     ap.add_argument("--residency", default="lcp")
     ap.add_argument("--max-context", type=int, default=4096, help="context each engine is planned and built for")
-    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[0.0],
-                    help="hybrid misses at bounded budgets: a share computed on the CPU, or auto (needs the pinned tier)")
+    ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[None],
+                    help="misses computed on the CPU at bounded budgets: a share, or auto (needs the pinned tier); "
+                         "with --miss-policy hybrid the CPU's share of the experts outside the bank")
+    ap.add_argument("--miss-policy", nargs="+", default=["fetch"], choices=["fetch", "hybrid"],
+                    help="exact miss policies to run at each bounded budget")
     ap.add_argument("--hf-offload", action="store_true")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")

@@ -125,15 +125,20 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     _add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
-    p.add_argument("--miss-policy", default="fetch", choices=["fetch", "skip"], help="fetch = exact (default); skip = drop non-resident experts and renormalise (approximate)")
+    p.add_argument("--miss-policy", default="fetch", choices=["fetch", "hybrid", "skip"],
+                   help="fetch = copy missing experts into the bank (exact, default); hybrid = the GPU reads some "
+                        "missing experts from host RAM in place while a CPU thread computes the others, decode steps "
+                        "as whole CUDA graphs (exact; needs the pinned host tier); skip = drop non-resident experts "
+                        "and renormalise (approximate)")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
-    p.add_argument("--cpu-misses", type=share_or_auto, default=0.0, metavar="SHARE|auto",
-                   help="a decode step's missing experts computed on the CPU from host RAM while the rest are copied: "
-                        "a share of them (1: all), or auto (split by costs measured at the first decode step) "
-                        "(exact; needs the pinned host tier; off by default)")
+    p.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
+                   help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
+                        "copied: a share of them (1: all), or auto (split by costs measured at the first decode step) "
+                        "(exact; needs the pinned host tier; off by default); hybrid: the CPU's share of the "
+                        "experts outside the bank in one-stream steps, the GPU reading the rest (default 0.6)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
-                   help="threads the CPU computes missed experts with (--cpu-misses; default: three of every four "
-                        "cores this process may use)")
+                   help="threads the CPU computes missed experts with (--cpu-misses, --miss-policy hybrid; default: "
+                        "three of every four cores this process may use)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
@@ -269,7 +274,7 @@ def engine_config(args):
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
                       residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False),
-                      cpu_misses=getattr(args, "cpu_misses", 0.0), cpu_threads=getattr(args, "cpu_threads", None))
+                      cpu_misses=getattr(args, "cpu_misses", None), cpu_threads=getattr(args, "cpu_threads", None))
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))

@@ -117,12 +117,13 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
             torch.set_num_threads(cfg.bank.cpu_threads)
         if cpu_moe.load() is not None:
             cpu_moe.set_threads(cfg.bank.cpu_threads)
-    if cfg.bank.cpu_misses and not memory.fully_resident and getattr(tier, "layers", None) is None:
+    if (cfg.bank.cpu_misses and cfg.bank.miss_policy == "fetch" and not memory.fully_resident
+            and getattr(tier, "layers", None) is None):
         raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
                          "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")
     return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
-                      prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses)
+                      prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads)
 
 
 def discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:

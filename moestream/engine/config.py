@@ -146,27 +146,29 @@ class BankConfig:
     capacity: int | None = None           # slots per layer; instead of a budget
     host_memory: int | str | None = None  # pinned host RAM for experts off the device; beyond it, disk
     host_tier: Any = "auto"               # auto | pinned | disk, or a host tier of this checkpoint to share
-    miss_policy: str = "fetch"            # fetch (exact) | skip (approximate)
+    miss_policy: str = "fetch"            # fetch (exact) | hybrid (exact, CPU and PCIe at once) | skip (approximate)
     residency: str = "lcp"                # lcp | lru
     prefetch: bool = False                # next-layer prediction copies ahead (fetch); see BENCHMARKS.md
     pinned: dict[int, list[int]] | None = None   # experts kept resident for good, per MoE layer
-    cpu_misses: float | str = 0.0         # decode misses computed on the CPU from host RAM (exact): a share, or "auto"
+    cpu_misses: float | str | None = None  # decode misses computed on the CPU from host RAM (exact): a share, or
+    #                                        "auto"; None: none with fetch, the hybrid policy's default share
     cpu_threads: int | None = None        # threads those CPU experts run on (None: torch's default, all cores)
 
     def validate(self) -> None:
         _typed(self, {"gpu_memory": SIZE, "capacity": OPT_INT, "host_memory": SIZE, "miss_policy": (str,),
                       "residency": (str,), "prefetch": (bool,), "pinned": (dict, type(None)),
-                      "cpu_misses": (int, float, str), "cpu_threads": OPT_INT})
+                      "cpu_misses": (int, float, str, type(None)), "cpu_threads": OPT_INT})
         if isinstance(self.cpu_misses, str) and self.cpu_misses != "auto":
             raise InputError(f"cpu_misses is a share from 0 to 1 or 'auto', got {self.cpu_misses!r}.")
-        if not isinstance(self.cpu_misses, str) and not 0 <= self.cpu_misses <= 1:
+        if isinstance(self.cpu_misses, (int, float)) and not 0 <= self.cpu_misses <= 1:
             raise InputError(f"cpu_misses is a share of the misses, from 0 to 1; got {self.cpu_misses}.")
-        if self.cpu_misses and self.miss_policy != "fetch":
-            raise InputError("cpu_misses computes exact misses on the CPU; it needs --miss-policy fetch.")
+        if self.cpu_misses and self.miss_policy == "skip":
+            raise InputError("cpu_misses computes exact misses on the CPU; it needs --miss-policy fetch or hybrid.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
-        if self.cpu_threads is not None and not self.cpu_misses:
-            raise InputError("cpu_threads sets the threads of CPU-computed misses; give --cpu-misses too, or leave it out.")
+        if self.cpu_threads is not None and not self.cpu_misses and self.miss_policy != "hybrid":
+            raise InputError("cpu_threads sets the threads of CPU-computed misses; give --cpu-misses or "
+                             "--miss-policy hybrid too, or leave it out.")
         if self.capacity is not None and self.capacity < 1:
             raise InputError(f"capacity must be at least 1, got {self.capacity}.")
         checks = [("miss policy", self.miss_policy, MISS_POLICIES), ("residency policy", self.residency, tuple(POLICIES))]

@@ -8,6 +8,8 @@ runtime's per-step hooks. It composes the parts that each own one concern:
   residency.py which experts stay (LCP, LRU, pins)
   fetch.py     exact misses (fetch, or stream long prompts through staging)
   skip.py      approximate misses on decode steps (drop and renormalise)
+  hybrid.py    exact misses on decode steps without host work: the GPU reads some from host RAM in
+               place, a CPU worker thread computes the others, all inside CUDA graphs
   prefetch.py  next-layer prediction and its accuracy gate
   stats.py     counters per layer
 
@@ -24,6 +26,7 @@ from moestream.errors import BudgetError
 from moestream.experts.fetch import Fetcher
 from moestream.experts.format import ExpertFormat
 from moestream.experts.host_tier import read_stack
+from moestream.experts.hybrid import DEFAULT_CPU_SHARE, HybridMisses
 from moestream.experts.prefetch import Prefetcher
 from moestream.experts.residency import POLICIES, ResidencyPolicy
 from moestream.experts.skip import SkipPolicy
@@ -32,17 +35,19 @@ from moestream.experts.stats import BankStats
 from moestream.experts.store import ExpertStore
 from moestream.experts.transfer import Transfers
 
-MISS_POLICIES = ("fetch", "skip")
+MISS_POLICIES = ("fetch", "skip", "hybrid")
 
 
 class ExpertBank:
     def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device, capacity: int,
                  tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
                  pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16,
-                 cpu_misses: float | str = 0.0):
+                 cpu_misses: float | str | None = None, cpu_threads: int | None = None):
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
-        when every expert is resident)."""
+        when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
+        call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of the
+        non-resident experts in one-token calls (None: the policy's default)."""
         config = store.config
         self.store, self.formats, self.device = store, formats, device
         self.dtype = next(iter(formats.values())).dtype if formats else torch.float32
@@ -61,9 +66,14 @@ class ExpertBank:
         self.transfers = Transfers(tier, device)
         self.prefetcher = Prefetcher(self.slots, self.transfers, self.policy) if prefetch and not self.fully_resident else None
         host_stacks = getattr(tier, "layers", None)   # every expert in host RAM (the pinned tier)
+        hybrid = miss_policy == "hybrid" and not self.fully_resident
         self.fetcher = None if self.fully_resident else Fetcher(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, store.shape, self.top_k,
-            staging_slots, self.prefetcher, host_stacks, cpu_misses)
+            staging_slots, self.prefetcher, host_stacks, 0.0 if hybrid else (cpu_misses or 0.0))
+        self.hybrid_misses = HybridMisses(
+            self.slots, self.transfers, self.policy, self.stats, self._dispatch, host_stacks, store.shape,
+            self.top_k, DEFAULT_CPU_SHARE if cpu_misses in (None, "auto") else float(cpu_misses),
+            cpu_threads, refresh_every) if hybrid else None
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
         self.decoding = False   # set per step by the runtime: skip applies to decode steps only
@@ -129,6 +139,8 @@ class ExpertBank:
             return self.dispatch(layer, hidden, expert_ids, weights)
         if self.skip is not None and self.decoding:
             return self.skip.forward(layer, hidden, expert_ids, weights)
+        if self.hybrid_misses is not None and self.hybrid_misses.takes(hidden.shape[0]):
+            return self.hybrid_misses.forward(layer, hidden, expert_ids, weights)
         return self.fetcher.forward(layer, hidden, expert_ids, weights)
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
@@ -140,11 +152,12 @@ class ExpertBank:
     @property
     def graph_safe(self) -> bool:
         """A decode step reads nothing back: it can be captured and replayed as a CUDA graph."""
-        return (self.fully_resident or self.skip is not None) and not self.dispatch_syncs
+        return ((self.fully_resident or self.skip is not None or self.hybrid_misses is not None)
+                and not self.dispatch_syncs)
 
     def can_segment(self, batch: int) -> bool:
         """Decode of `batch` tokens can always be made resident before its experts run (fetch policy)."""
-        if self.fetcher is None or self.skip is not None or self.dispatch_syncs:
+        if self.fetcher is None or self.skip is not None or self.hybrid_misses is not None or self.dispatch_syncs:
             return False
         most_pinned = max((len(p) for p in self.policy.pinned.values()), default=0)
         return batch * self.top_k <= self.capacity - most_pinned and batch <= self.capacity
@@ -168,8 +181,11 @@ class ExpertBank:
             self.stats.record(layer, prefetched=self.prefetcher.issue(layer, predicted))
 
     def begin_step(self, decoding: bool) -> None:
-        """Called before each forward: one token per sequence lets the skip policy apply (prompts stay exact)."""
+        """Called before each forward: one token per sequence lets the skip policy apply (prompts stay
+        exact); the hybrid policy's maps follow any change of the bank since the last step."""
         self.decoding = decoding
+        if self.hybrid_misses is not None:
+            self.hybrid_misses.sync_maps()
 
     def after_step(self, tokens: int) -> None:
         """Advance the residency clock; in skip mode, refresh the bank from miss counters now and then."""
@@ -180,13 +196,22 @@ class ExpertBank:
                 self.stats.record(layer, hits=tokens * self.top_k)
         elif self.skip is not None:
             self.skip.after_step(tokens)
+        elif self.hybrid_misses is not None:
+            self.hybrid_misses.after_step(tokens)
 
     def sync_stats(self) -> None:
         """Fold device-side counters (skip mode) into the host statistics."""
         if self.skip is not None:
             self.skip.sync_stats()
+        if self.hybrid_misses is not None:
+            self.hybrid_misses.sync_stats()
         if self.external_hits is not None:
             self.external_hits()
+
+    def close(self) -> None:
+        """Stop the hybrid policy's CPU worker thread (a bank that is dropped stops it too)."""
+        if self.hybrid_misses is not None:
+            self.hybrid_misses.close()
 
     def synchronize(self) -> None:
         """Every queued copy has landed (before reading or replacing slot tensors wholesale)."""

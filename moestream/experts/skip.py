@@ -53,32 +53,12 @@ class SkipPolicy:
     def refresh(self) -> None:
         """Swap cold resident experts for hot missed ones (one sync per refresh)."""
         for layer in self.slots:
-            ls = self.slots[layer]
             misses = self.miss_counts[layer].cpu().numpy().copy()   # copies: on the CPU .cpu() aliases
             uses = self.use_counts[layer].cpu().numpy().copy()
             self.miss_counts[layer].zero_()
             self.use_counts[layer].zero_()
             self._fold_pairs(layer)
-            used = np.nonzero(uses)[0]
-            if len(used):
-                self.policy.record(layer, used, uses[used])
-            hot = [e for e in np.argsort(-misses, kind="stable").tolist() if misses[e] > 0 and e not in ls.where]
-            if not hot:
-                continue
-            resident = ls.resident()
-            pinned = self.policy.pinned.get(layer, set())
-            n = min(len(hot), len([e for e in resident if e not in pinned]))
-            if not n:
-                continue
-            # swap only where the missed expert beats the coldest resident one
-            victims = self.policy.victims(layer, resident, n, set())
-            cold = self.policy.priority(layer, np.array(victims, dtype=np.int64))
-            warm = self.policy.priority(layer, np.array(hot[:n], dtype=np.int64))
-            pairs = [(h, v) for h, v, hp, vp in zip(hot[:n], victims, warm, cold) if hp > vp]
-            if pairs:
-                done = self.slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], self.transfers)
-                self.stats.record(layer, bytes_copied=done.bytes_copied, evictions=done.evictions,
-                                  copy_wait_s=done.wait_s)
+            promote_missed(self.slots, self.policy, self.transfers, self.stats, layer, misses, uses)
 
     def _fold_pairs(self, layer: int) -> None:
         hits, missed = self.pair_counts[layer].tolist()
@@ -89,3 +69,33 @@ class SkipPolicy:
         """Fold the device-side hit and miss counters into the host statistics."""
         for layer in self.slots:
             self._fold_pairs(layer)
+
+
+def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfers, stats: BankStats, layer: int,
+                   misses: np.ndarray, uses: np.ndarray, margin: float = 1.0, most: int | None = None,
+                   wait: str = "host") -> int:
+    """Fold a refresh period's per-expert use counts into the policy, then copy the most-missed
+    experts over the coldest resident ones wherever the missed one's priority beats the victim's
+    by more than `margin` times (at most `most` per layer). Returns how many were swapped."""
+    ls = slots[layer]
+    used = np.nonzero(uses)[0]
+    if len(used):
+        policy.record(layer, used, uses[used])
+    hot = [e for e in np.argsort(-misses, kind="stable").tolist() if misses[e] > 0 and e not in ls.where]
+    if most is not None:
+        hot = hot[:most]
+    if not hot:
+        return 0
+    resident = ls.resident()
+    pinned = policy.pinned.get(layer, set())
+    n = min(len(hot), len([e for e in resident if e not in pinned]))
+    if not n:
+        return 0
+    victims = policy.victims(layer, resident, n, set())
+    cold = policy.priority(layer, np.array(victims, dtype=np.int64))
+    warm = policy.priority(layer, np.array(hot[:n], dtype=np.int64))
+    pairs = [(h, v) for h, v, hp, vp in zip(hot[:n], victims, warm, cold) if hp > margin * vp]
+    if pairs:
+        done = slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], transfers, wait=wait)
+        stats.record(layer, bytes_copied=done.bytes_copied, evictions=done.evictions, copy_wait_s=done.wait_s)
+    return len(pairs)

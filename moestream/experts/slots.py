@@ -55,6 +55,7 @@ class SlotTable:
                  device: torch.device):
         """`formats`: the expert format of every MoE layer (layers may differ, e.g. the first and last at 8 bits)."""
         self.capacity, self.num_experts, self.formats, self.device = capacity, num_experts, formats, device
+        self.version = 0   # bumped on every change of residency: maps derived from it know when to rebuild
         self.layers: dict[int, LayerSlots] = {
             layer: LayerSlots(fmt.empty(shape, capacity, device=device),
                               torch.full((num_experts + 1,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
@@ -97,6 +98,7 @@ class SlotTable:
         if ls.where:
             slot_map[torch.tensor(list(ls.where))] = torch.tensor(list(ls.where.values()), dtype=torch.int32)
         ls.slot_map.copy_(slot_map)
+        self.version += 1
 
     def install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers,
                 wait: str = "host") -> Installed:
@@ -124,3 +126,4 @@ class SlotTable:
         if pin:
             index, value = index.pin_memory(), value.pin_memory()
         ls.slot_map.index_put_((index.to(self.device, non_blocking=True),), value.to(self.device, non_blocking=True))
+        self.version += 1

@@ -20,6 +20,8 @@ class LayerStats:
     cpu_served: int = 0      # missed pairs computed on the CPU from host RAM instead of copied (hybrid misses)
     cpu_bytes: int = 0       # expert bytes the CPU read from host RAM for them
     cpu_s: float = 0.0       # host time spent computing them
+    host_read: int = 0       # missed pairs the GPU computed reading the expert in place from host RAM (hybrid)
+    host_read_bytes: int = 0  # expert bytes it read so, over PCIe
 
     def add(self, other: "LayerStats") -> None:
         for k, v in asdict(other).items():
@@ -77,17 +79,18 @@ class BankStats:
                 "prediction_accuracy": total.prediction_accuracy, "hidden_share": total.hidden_share,
                 "bytes_copied_per_token": total.bytes_copied / self.tokens if self.tokens else 0.0,
                 "cpu_bytes_per_token": total.cpu_bytes / self.tokens if self.tokens else 0.0,
+                "host_read_bytes_per_token": total.host_read_bytes / self.tokens if self.tokens else 0.0,
                 "layers": per_layer}
 
     def table(self) -> str:
-        rows = [("layer", "hits", "misses", "on CPU", "hit rate", "evictions", "MB copied", "wait s", "MB CPU", "CPU s",
-                 "prefetched", "pred acc", "hidden")]
+        rows = [("layer", "hits", "misses", "on CPU", "GPU reads", "hit rate", "evictions", "MB copied", "wait s",
+                 "MB CPU", "CPU s", "MB read", "prefetched", "pred acc", "hidden")]
         items = sorted(self.layers.items()) + [("all", self.total())]
         for i, s in items:
             acc, hidden = s.prediction_accuracy, s.hidden_share
-            rows.append((str(i), str(s.hits), str(s.misses), str(s.cpu_served), f"{s.hit_rate:.1%}", str(s.evictions),
-                         f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}", f"{s.cpu_bytes / 1e6:.1f}",
-                         f"{s.cpu_s:.3f}", str(s.prefetched),
+            rows.append((str(i), str(s.hits), str(s.misses), str(s.cpu_served), str(s.host_read), f"{s.hit_rate:.1%}",
+                         str(s.evictions), f"{s.bytes_copied / 1e6:.1f}", f"{s.copy_wait_s:.3f}",
+                         f"{s.cpu_bytes / 1e6:.1f}", f"{s.cpu_s:.3f}", f"{s.host_read_bytes / 1e6:.1f}", str(s.prefetched),
                          "-" if acc is None else f"{acc:.1%}", "-" if hidden is None else f"{hidden:.1%}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)

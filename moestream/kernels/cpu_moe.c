@@ -17,9 +17,13 @@
  */
 #define _GNU_SOURCE
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
 #include <omp.h>
 
 enum { W_BF16 = 0, W_FP32 = 1 };
@@ -249,8 +253,8 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
  * `rows_dot` takes them; `scratch`: (n_pairs, 2I) fp32; `act_buf`: (n_pairs, I) activations, stored
  * as the down projection takes them (dense bf16: bf16 bits; quantized: phase-ordered fp32, rounded
  * to bf16 values when `round_act`); `out`: (T, H) fp32, added to. Dense experts may have biases. */
-static void run_experts(const Weights *W, const void *gate_up_bias, const void *down_bias, int H, int I, int act,
-                        float alpha, float limit, int round_act, int n_used, const int32_t *experts,
+static void run_experts(int threads, const Weights *W, const void *gate_up_bias, const void *down_bias, int H, int I,
+                        int act, float alpha, float limit, int round_act, int n_used, const int32_t *experts,
                         const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const void *x,
                         float *scratch, void *act_buf, float *out) {
     const int two_i = 2 * I;
@@ -260,7 +264,7 @@ static void run_experts(const Weights *W, const void *gate_up_bias, const void *
     const int dense_bf16 = !W->quantized && W->dtype == W_BF16;
     const int v = W->quantized ? 8 / W->bits : 1;
     const size_t esize = dense_bf16 ? 2 : 4;
-#pragma omp parallel num_threads(team)
+#pragma omp parallel num_threads(threads)
     {
         /* 1. gate_up rows of every used expert, for all its tokens at once */
 #pragma omp for schedule(static)
@@ -325,7 +329,7 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
     W.dtype = dtype;
     W.w[0] = gate_up;
     W.w[1] = down;
-    run_experts(&W, gate_up_bias, down_bias, H, I, act, alpha, limit, 0, n_used, experts, pair_off, pair_tok,
+    run_experts(team, &W, gate_up_bias, down_bias, H, I, act, alpha, limit, 0, n_used, experts, pair_off, pair_tok,
                 pair_w, x, scratch, act_buf, out);
 }
 
@@ -349,6 +353,223 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
     W.group = group;
     W.sdtype = sdtype;
     for (int i = 0; i < 16; i++) W.table[i] = table ? table[i] : (float)i;
-    run_experts(&W, NULL, NULL, H, I, ACT_SWIGLU, 0.f, 0.f, round_act, n_used, experts, pair_off, pair_tok, pair_w,
+    run_experts(team, &W, NULL, NULL, H, I, ACT_SWIGLU, 0.f, 0.f, round_act, n_used, experts, pair_off, pair_tok, pair_w,
                 x, scratch, act_buf, out);
+}
+
+/* ---- the stream worker: a thread that serves the CPU's share of every decode step's misses ------
+ *
+ * With the hybrid miss policy a decode step runs on the device as one CUDA graph and never waits
+ * for the Python thread. Each MoE layer posts its routing and hidden rows into pinned host memory
+ * (`post`: header [seq, tokens], then ids, weights, hidden), the GPU computes its own pairs, and a
+ * device-side wait reads back what this thread wrote (`result`: header [seq, pairs], then fp32 rows).
+ * The thread polls every layer's post for a new sequence number, computes the pairs whose expert
+ * `serve_one` (one-token calls) or `serve_many` (larger calls) marks as the CPU's, writes the rows,
+ * and publishes the sequence number last. Sequence numbers are counted per layer on the device. */
+
+typedef struct {
+    const void *gate_up, *down, *gate_up_bias, *down_bias;   /* host stacks (E, 2I, H), (E, H, I) */
+    const uint8_t *serve_one, *serve_many;                    /* (E) 1 where the CPU computes the expert */
+    volatile int32_t *post;                                   /* [0] seq, [1] tokens */
+    const int32_t *ids;                                       /* (max_tokens, k) */
+    const float *weights;                                     /* (max_tokens, k) */
+    const void *hidden;                                       /* (max_tokens, H) in the weights' dtype */
+    volatile int32_t *result;                                 /* [0] seq, [1] pairs computed */
+    float *out;                                               /* (max_tokens, H) fp32 */
+    double *busy_s;                                           /* statistics, added to: compute time */
+    int64_t *counts;                                          /* [calls, pairs, experts] */
+} StreamLayer;
+
+typedef struct {
+    StreamLayer *layers;
+    int n_layers, dtype, H, I, k, E, max_tokens, act, threads, ncpus;
+    float alpha, limit;
+    int32_t *cpus;
+    int32_t *last;                                            /* per layer: the last sequence served */
+    int32_t *experts, *pair_off, *pair_tok;
+    float *pair_w, *scratch;
+    void *act_buf;
+    volatile int stop;
+    pthread_t thread;
+} StreamWorker;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void serve_layer(StreamWorker *w, StreamLayer *L, int32_t seq) {
+    double t0 = now_s();
+    int T = L->post[1];
+    if (T < 0) T = 0;
+    if (T > w->max_tokens) T = w->max_tokens;
+    const uint8_t *serve = T == 1 ? L->serve_one : L->serve_many;
+    int n = 0;
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < w->k; j++) {
+            int32_t e = L->ids[t * w->k + j];
+            if (e < 0 || e >= w->E || !serve[e]) continue;
+            /* insertion by expert, tokens in order within one: the pairs grouped as run_experts takes them */
+            int p = n++;
+            while (p > 0 && w->experts[p - 1] > e) {
+                w->experts[p] = w->experts[p - 1];
+                w->pair_tok[p] = w->pair_tok[p - 1];
+                w->pair_w[p] = w->pair_w[p - 1];
+                p--;
+            }
+            w->experts[p] = e;
+            w->pair_tok[p] = t;
+            w->pair_w[p] = L->weights[t * w->k + j];
+        }
+    memset(L->out, 0, (size_t)T * w->H * sizeof(float));
+    int used = 0;
+    if (n) {
+        /* compact the sorted expert column into distinct experts and their pair offsets */
+        for (int p = 0; p < n; p++)
+            if (p == 0 || w->experts[p] != w->experts[p - 1]) {
+                w->pair_off[used] = p;
+                w->experts[used++] = w->experts[p];
+            }
+        w->pair_off[used] = n;
+        Weights W = {0};
+        W.dtype = w->dtype;
+        W.w[0] = L->gate_up;
+        W.w[1] = L->down;
+        run_experts(w->threads, &W, L->gate_up_bias, L->down_bias, w->H, w->I, w->act, w->alpha, w->limit, 0, used,
+                    w->experts, w->pair_off, w->pair_tok, w->pair_w, L->hidden, w->scratch, w->act_buf, L->out);
+    }
+    L->result[1] = n;
+    __atomic_store_n((int32_t *)&L->result[0], seq, __ATOMIC_RELEASE);
+    L->busy_s[0] += now_s() - t0;
+    L->counts[0] += 1;
+    L->counts[1] += n;
+    L->counts[2] += used;
+}
+
+static void *stream_main(void *arg) {
+    StreamWorker *w = (StreamWorker *)arg;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    if (w->ncpus > 0) {   /* this thread on the first CPU given, its team's other threads on the rest */
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(w->cpus[0], &set);
+        sched_setaffinity(0, sizeof(set), &set);
+#pragma omp parallel num_threads(w->threads)
+        {
+            int t = omp_get_thread_num();
+            if (t > 0) {
+                cpu_set_t s;
+                CPU_ZERO(&s);
+                CPU_SET(w->cpus[t % w->ncpus], &s);
+                sched_setaffinity(0, sizeof(s), &s);
+            }
+        }
+    }
+    double idle_since = now_s();
+    long polls = 0;
+    while (!w->stop) {
+        int served = 0;
+        for (int l = 0; l < w->n_layers; l++) {
+            StreamLayer *L = &w->layers[l];
+            int32_t seq = __atomic_load_n((int32_t *)&L->post[0], __ATOMIC_ACQUIRE);
+            if (seq != w->last[l]) {
+                w->last[l] = seq;
+                serve_layer(w, L, seq);
+                served = 1;
+            }
+        }
+        if (served) {
+            idle_since = -1.0;
+            polls = 0;
+            continue;
+        }
+        cpu_relax();
+        if ((++polls & 1023) == 0) {   /* spin through a step's gaps; nap once the engine is idle */
+            double t = now_s();
+            if (idle_since < 0) idle_since = t;
+            else if (t - idle_since > 0.002) {
+                struct timespec nap = {0, 20000};
+                nanosleep(&nap, NULL);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Start a worker over `layers` (copied); `last_seq` gives each layer's sequence number already
+ * served (the posts' current values). Returns the handle, or NULL when no thread could start. */
+void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n_layers, int dtype, int H, int I, int k,
+                       int E, int max_tokens, int act, float alpha, float limit, int threads, const int32_t *cpus,
+                       int ncpus) {
+    StreamWorker *w = calloc(1, sizeof(StreamWorker));
+    if (!w) return NULL;
+    size_t pairs = (size_t)max_tokens * k;
+    w->layers = malloc(sizeof(StreamLayer) * n_layers);
+    w->last = malloc(sizeof(int32_t) * n_layers);
+    w->cpus = malloc(sizeof(int32_t) * (ncpus > 0 ? ncpus : 1));
+    w->experts = malloc(sizeof(int32_t) * pairs);
+    w->pair_off = malloc(sizeof(int32_t) * (pairs + 1));
+    w->pair_tok = malloc(sizeof(int32_t) * pairs);
+    w->pair_w = malloc(sizeof(float) * pairs);
+    w->scratch = malloc(sizeof(float) * pairs * 2 * I);
+    w->act_buf = malloc(sizeof(float) * pairs * I);
+    if (!w->layers || !w->last || !w->cpus || !w->experts || !w->pair_off || !w->pair_tok || !w->pair_w ||
+        !w->scratch || !w->act_buf)
+        goto fail;
+    memcpy(w->layers, layers, sizeof(StreamLayer) * n_layers);
+    memcpy(w->last, last_seq, sizeof(int32_t) * n_layers);
+    if (ncpus > 0) memcpy(w->cpus, cpus, sizeof(int32_t) * ncpus);
+    w->n_layers = n_layers;
+    w->dtype = dtype;
+    w->H = H;
+    w->I = I;
+    w->k = k;
+    w->E = E;
+    w->max_tokens = max_tokens;
+    w->act = act;
+    w->alpha = alpha;
+    w->limit = limit;
+    w->threads = threads > 0 ? threads : 1;
+    w->ncpus = ncpus;
+    if (pthread_create(&w->thread, NULL, stream_main, w) != 0) goto fail;
+    return w;
+fail:
+    free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
+    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
+    return NULL;
+}
+
+void moe_stream_stop(void *handle) {
+    StreamWorker *w = (StreamWorker *)handle;
+    if (!w) return;
+    w->stop = 1;
+    pthread_join(w->thread, NULL);
+    free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
+    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
+}
+
+/* Wait until layer `l`'s result carries `seq` (the CPU side of a device-side wait: eager calls on
+ * the CPU). Returns 0, or -1 after `timeout_s`. Called through ctypes, which releases the GIL. */
+int moe_stream_wait(const volatile int32_t *result, int32_t seq, double timeout_s) {
+    double t0 = now_s();
+    long polls = 0;
+    while (__atomic_load_n((const int32_t *)&result[0], __ATOMIC_ACQUIRE) != seq) {
+        cpu_relax();
+        if ((++polls & 1023) == 0 && now_s() - t0 > timeout_s) return -1;
+    }
+    return 0;
+}
+
+/* Publish `seq` in a post's header after the writes before it (the CPU side of a device-side post). */
+void moe_stream_publish(volatile int32_t *header, int32_t seq) {
+    __atomic_store_n((int32_t *)&header[0], seq, __ATOMIC_RELEASE);
 }

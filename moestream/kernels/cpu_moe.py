@@ -114,6 +114,14 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
                                               p, p, p, p, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
+        lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
+        lib.moe_stream_start.restype = p
+        lib.moe_stream_stop.argtypes = [p]
+        lib.moe_stream_stop.restype = None
+        lib.moe_stream_wait.argtypes = [p, i32, ctypes.c_double]
+        lib.moe_stream_wait.restype = i32
+        lib.moe_stream_publish.argtypes = [p, i32]
+        lib.moe_stream_publish.restype = None
         _lib = lib
         return _lib
 
@@ -268,3 +276,92 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
             H, I, len(experts), experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
             x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
     return out.to(out_dtype or hidden.dtype)
+
+
+# ---- the stream worker ---------------------------------------------------------------------------
+
+class _StreamLayer(ctypes.Structure):
+    """One layer as the worker sees it (`StreamLayer` in cpu_moe.c)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "gate_up", "down", "gate_up_bias", "down_bias", "serve_one", "serve_many", "post", "ids", "weights",
+        "hidden", "result", "out", "busy_s", "counts")]
+
+
+class Mailbox:
+    """One MoE layer's exchange with the worker, in pinned host memory: what the device posts (header
+    [seq, tokens], the routing, the routing weights, the hidden rows) and what the worker answers
+    (header [seq, pairs computed], fp32 rows). Which experts the CPU computes: `serve_one` (one-token
+    calls) and `serve_many` (larger ones), 1 per expert; the bank rewrites them between steps."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
+        def empty(n: int, dt: torch.dtype) -> Tensor:
+            return torch.zeros(n, dtype=dt, pin_memory=pin)
+        self.post, self.result = empty(16, torch.int32), empty(16, torch.int32)   # a 64-byte line each
+        self.ids, self.weights = empty(max_tokens * top_k, torch.int32), empty(max_tokens * top_k, torch.float32)
+        self.hidden, self.rows = empty(max_tokens * hidden, dtype), empty(max_tokens * hidden, torch.float32)
+        self.serve_one, self.serve_many = empty(num_experts, torch.uint8), empty(num_experts, torch.uint8)
+        self.busy_s, self.counts = torch.zeros(1, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)
+
+    def served(self) -> tuple[float, int, int, int]:
+        """What the worker did so far: compute seconds, calls, pairs and experts."""
+        calls, pairs, experts = self.counts.tolist()
+        return float(self.busy_s[0]), calls, pairs, experts
+
+
+class StreamWorker:
+    """A C thread that serves the CPU's share of every layer's misses as the device posts them (see
+    cpu_moe.c): no Python between a layer's post and its answer, so a whole decode step can run as
+    one CUDA graph while the CPU computes. One OpenMP team of its own, pinned off the first CPU."""
+
+    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int,
+                 max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None):
+        lib = _ready()
+        act = Activation.of(activation)
+        first = next(iter(stacks.values()))
+        gate_up = first["gate_up"]
+        if not supports(gate_up.dtype, act):
+            raise ValueError(f"the CPU expert kernel takes bf16 or fp32 experts with {', '.join(ACTIVATION_CODES)}; "
+                             f"got {gate_up.dtype} and {act.name}")
+        E, two_i, H = gate_up.shape
+        self.layers = list(mailboxes)
+        self._keep = (stacks, mailboxes)
+        structs = (_StreamLayer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            stack, box = stacks[layer], mailboxes[layer]
+            _check_once(stack, {name: gate_up.dtype for name in stack})
+            structs[i] = _StreamLayer(
+                _ptr(stack["gate_up"]), _ptr(stack["down"]), _ptr(stack.get("gate_up_bias")),
+                _ptr(stack.get("down_bias")), _ptr(box.serve_one), _ptr(box.serve_many), _ptr(box.post),
+                _ptr(box.ids), _ptr(box.weights), _ptr(box.hidden), _ptr(box.result), _ptr(box.rows),
+                _ptr(box.busy_s), _ptr(box.counts))
+        last = (ctypes.c_int32 * len(self.layers))(*[int(mailboxes[layer].post[0]) for layer in self.layers])
+        cpus = usable_cpus()
+        workers = cpus[1:] or cpus
+        self.threads = max(1, threads or default_threads(len(cpus)))
+        arr = (ctypes.c_int32 * len(workers))(*workers)
+        self._handle = lib.moe_stream_start(structs, last, len(self.layers), DTYPES[gate_up.dtype], H, two_i // 2,
+                                            top_k, E, max_tokens, ACTIVATION_CODES[act.name], act.alpha, act.limit,
+                                            self.threads, arr, len(workers))
+        if not self._handle:
+            raise RuntimeError("the CPU expert worker thread could not start")
+        self._lib = lib
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the layer it is serving)."""
+        if self._handle:
+            self._lib.moe_stream_stop(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def publish(header: Tensor, seq: int) -> None:
+    """Make `seq` visible in a post's header after the writes before it (host-side posts)."""
+    _ready().moe_stream_publish(header.data_ptr(), seq)
+
+
+def wait_answer(header: Tensor, seq: int, timeout_s: float = 30.0) -> bool:
+    """Wait (GIL released) until the worker's answer carries `seq`; False on timeout."""
+    return _ready().moe_stream_wait(header.data_ptr(), seq, timeout_s) == 0

@@ -56,30 +56,39 @@ DEFAULT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(2, 2048, 4), down=TokenTile
 
 
 @triton.jit
-def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, HAS_MAP: tl.constexpr):
-    """Slot of pair j, a scalar or a block of pairs (-1 where there is none, or j >= top_k): ids[j],
-    through the slot map when there is one."""
+def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr):
+    """Source of pair j, a scalar or a block of pairs (-1 where there is none, or j >= top_k): ids[j],
+    through the slot map when there is one. Below num_slots a slot; num_slots + e an expert read in
+    place from the host stack (when num_host > 0)."""
     e = tl.load(ids_ptr + j * stride_id, mask=j < top_k, other=-1).to(tl.int32)
     if HAS_MAP:
         e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0), mask=e >= 0, other=-1).to(tl.int32), -1)
-    return tl.where((e >= 0) & (e < num_slots), e, -1)
+    return tl.where((e >= 0) & (e < num_slots + num_host), e, -1)
+
+
+@triton.jit
+def _expert_offset(src, num_slots, host_off, stride_e):
+    """Element offset of a source's expert from the slot tensor's base: a slot, or (src >= num_slots)
+    the host stack's expert, `host_off` elements away (pinned memory the GPU reads over PCIe)."""
+    src = src.to(tl.int64)
+    return tl.where(src < num_slots, src * stride_e, host_off + (src - num_slots) * stride_e)
 
 
 @triton.jit
 def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
-                          I, H, num_slots, top_k, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
+                          I, H, num_slots, num_host, host_off, top_k, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
                           HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                           USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
-    slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, HAS_MAP)
+    slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
     if slot < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % I).to(tl.int64)     # past I: wrap (store masked), loads stay unmasked along N
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = b_ptr + slot.to(tl.int64) * stride_be + rows[:, None] * stride_bn + offs_k[None, :]
+    g_ptrs = b_ptr + _expert_offset(slot, num_slots, host_off, stride_be) + rows[:, None] * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + I * stride_bn
     x_ptrs = x_ptr + offs_k
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -112,7 +121,7 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
 
 @triton.jit
 def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
-                       H, I, num_slots, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
+                       H, I, num_slots, num_host, host_off, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
                        stride_bias,
                        HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, K_PAD: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -124,11 +133,11 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    slot = _slot_of(ids_ptr, map_ptr, offs_j, top_k, stride_id, num_slots, HAS_MAP)
+    slot = _slot_of(ids_ptr, map_ptr, offs_j, top_k, stride_id, num_slots, num_host, HAS_MAP)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0).to(tl.int64)
-    b_ptrs = (b_ptr + slot[:, None, None] * stride_be + rows[None, :, None] * stride_bn
-              + offs_k[None, None, :])
+    b_ptrs = (b_ptr + _expert_offset(slot, num_slots, host_off, stride_be)[:, None, None]
+              + rows[None, :, None] * stride_bn + offs_k[None, None, :])
     a_ptrs = a_ptr + offs_j[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -159,6 +168,16 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
                  mask=valid[:, None] & (offs_n < H)[None, :])
 
 
+def host_offset(host: Tensor, slots: Tensor) -> int:
+    """Elements from `slots`' first element to `host`'s: the kernels reach a host stack through the
+    slot tensor's pointer (one pointer argument per projection; pinned memory shares the device's
+    virtual address space). Both must hold the same dtype and expert shape."""
+    if host.dtype != slots.dtype or host.shape[1:] != slots.shape[1:] or not host.is_contiguous():
+        raise ValueError(f"a host stack must be contiguous and match the slots' dtype and expert shape, got "
+                         f"{tuple(host.shape)} {host.dtype} against {tuple(slots.shape)} {slots.dtype}")
+    return (host.data_ptr() - slots.data_ptr()) // host.element_size()
+
+
 def _tile(tile: TokenTile, K: int) -> TokenTile:
     """The tile kept within the problem: K steps no deeper than K's next power of two."""
     return TokenTile(tile.block_n, min(tile.block_k, triton.next_power_of_2(K)), tile.num_warps)
@@ -167,13 +186,18 @@ def _tile(tile: TokenTile, K: int) -> TokenTile:
 def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, activation_code: int,
               intermediate: int, slot_map: Tensor | None = None, biases: tuple[Tensor, Tensor] | None = None,
               alpha: float = 1.0, limit: float = 0.0, reduce: bool = True,
-              config: TokenConfig | None = None) -> Tensor:
+              config: TokenConfig | None = None, host: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """hidden (1, H), slots gate_up (S, 2I, H) and down (S, H, I), ids and weights (1, k) →
     (1, H) in hidden's dtype (`reduce`), or the (1, k, H) fp32 pair rows, zero where unrouted.
+    `host`: stacks (E, 2I, H) and (E, H, I) in pinned memory, which sources S + e read in place.
     Inputs are validated by the caller (`fused_moe_with_config`)."""
     cfg = config or DEFAULT_TOKEN_CONFIG
     k = ids.shape[1]
     S, H, I = gate_up.shape[0], hidden.shape[1], intermediate
+    num_host, gu_host, down_host = 0, 0, 0
+    if host is not None:
+        num_host = host[0].shape[0]
+        gu_host, down_host = host_offset(host[0], gate_up), host_offset(host[1], down)
     ids1, w1 = ids.reshape(k), weights.reshape(k)
     has_map = slot_map is not None
     smap = slot_map if has_map else ids1
@@ -183,7 +207,7 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
     gu = _tile(cfg.gate_up, H)
     _token_gate_up_kernel[(k, triton.cdiv(I, gu.block_n))](
         hidden, gate_up, inter, ids1, smap, gu_bias,
-        I, H, S, k, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        I, H, S, num_host, gu_host, k, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
         HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
         BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,
@@ -195,7 +219,7 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
     dn = _tile(cfg.down, I)
     _token_down_kernel[(triton.cdiv(H, dn.block_n),)](
         inter, down, out, ids1, smap, w1, down_bias,
-        H, I, S, k, ids1.stride(0), w1.stride(0), inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        H, I, S, num_host, down_host, k, ids1.stride(0), w1.stride(0), inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         down_bias.stride(0) if has_bias else 0,
         HAS_MAP=has_map, HAS_BIAS=has_bias, REDUCE=reduce, K_PAD=triton.next_power_of_2(k),
         BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,

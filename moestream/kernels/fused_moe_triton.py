@@ -278,7 +278,7 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                           config: MoeConfig | DecodeConfig | TokenConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
                           down_bias: Tensor | None = None, reduce: bool = True,
-                          slot_map: Tensor | None = None) -> Tensor:
+                          slot_map: Tensor | None = None, host: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
@@ -307,10 +307,13 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
     biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
     if slot_map is not None and slot_map.device != hidden.device:
         raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
+    if host is not None and (path != "token" or biases is not None):
+        raise ValueError("experts read from a host stack take the one-token path, without biases; "
+                         f"this call takes the {path} path{' with biases' if biases is not None else ''}")
     if path == "token":
         return token_moe(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], I,
                          slot_map=slot_map, biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce,
-                         config=config)
+                         config=config, host=host)
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
@@ -419,7 +422,8 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation: str | Activation = "swiglu", gate_up_bias: Tensor | None = None,
-              down_bias: Tensor | None = None, slot_map: Tensor | None = None) -> Tensor:
+              down_bias: Tensor | None = None, slot_map: Tensor | None = None,
+              host: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Routed-expert FFN over bank slots in Triton; contract of `moe_reference`.
 
     One token takes the one-token path (2 launches), T*k <= DECODE_MAX_PAIRS the decode path
@@ -435,10 +439,12 @@ def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         gate_up_bias, down_bias: optional (S, 2*I) and (S, H) per-slot biases, same dtype.
         slot_map: optional (E + 1,) int32 expert → slot table (its last entry -1); then slot_ids
             holds expert ids (-1: none) and each is looked up in it (in the kernels at T = 1).
+        host: optional (E, 2*I, H) and (E, H, I) stacks of every expert in pinned host memory;
+            slot S + e reads expert e from them in place, over PCIe (one token, no biases).
 
     Returns:
         (T, H) in hidden's dtype, accumulated in fp32, deterministic (no atomics). No host
         sync; safe to capture in a CUDA graph (all shapes depend only on T, k, S, H, I).
     """
     return fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
-                                 gate_up_bias=gate_up_bias, down_bias=down_bias, slot_map=slot_map)
+                                 gate_up_bias=gate_up_bias, down_bias=down_bias, slot_map=slot_map, host=host)

@@ -160,7 +160,8 @@ def check_expert_biases(gate_up_bias: Tensor | None, down_bias: Tensor | None, S
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                   weights: Tensor, activation: str | Activation = "swiglu",
                   gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
-                  reduce: bool = True, slot_map: Tensor | None = None) -> Tensor:
+                  reduce: bool = True, slot_map: Tensor | None = None,
+                  host: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
 
     Args:
@@ -179,12 +180,23 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
             rows of several calls added up, then `sum_pairs_reference`, equal one call's result.
         slot_map: optional (E + 1,) expert → slot table (its last entry -1); then slot_ids holds
             expert ids (-1: none), each looked up in it first.
+        host: optional stacks (E, 2*I, H) and (E, H, I) of every expert (host memory); a slot id
+            S + e then means expert e read from them (no biases).
 
     Returns:
         (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
     """
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
+    if host is not None:
+        if gate_up_bias is not None:
+            raise ValueError("experts read from a host stack take no biases")
+        S, ids = gate_up.shape[0], slot_ids.long()
+        host_gate_up, host_down = (t.to(hidden.device) for t in host)   # a reference: the whole stack, plainly
+        pairs = (moe_reference(hidden, gate_up, down, torch.where(ids < S, ids, -1), weights, activation, reduce=False)
+                 + moe_reference(hidden, host_gate_up, host_down, torch.where(ids >= S, ids - S, -1), weights,
+                                 activation, reduce=False))
+        return sum_pairs_reference(pairs, hidden.dtype) if reduce else pairs
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)
     act = get_activation(activation)

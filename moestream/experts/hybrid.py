@@ -1,0 +1,170 @@
+"""The hybrid miss policy: exact misses served by the CPU and the PCIe link at once, with no host
+work inside a decode step.
+
+Every routed pair of a decode call is served by one of three:
+
+* the bank: the expert sits in a slot (a hit);
+* the GPU reading the expert in place from the pinned host tier, over PCIe, inside the same
+  one-token MoE launches as the hits (the one-token map gives such an expert the source S + e);
+* the CPU: a C worker thread (`kernels/cpu_moe.StreamWorker`) computes the expert from host RAM,
+  from the routing and hidden rows the layer posted into its mailbox (`kernels/handoff.py`), and
+  the layer's last launch adds its rows once they are there.
+
+Nothing here reads the device back, so decode steps run as whole CUDA graphs. Which missing
+experts go to which side is decided between steps, per layer, from the residency policy's ranking:
+a share `cpu_share` of the non-resident experts (interleaved down the ranking, so both sides get
+hot and cold ones alike) is the CPU's, the rest the GPU reads. Calls of more than one token (a
+batch of streams) leave every miss to the CPU: the decode kernels of larger calls read slots only.
+Calls larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the
+bank as it is. Every `refresh_every` tokens the bank takes in the most-missed experts where they
+clearly beat the coldest resident ones (device-side counters, one read-back per refresh), and the
+maps follow at the next step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from moestream.errors import InputError
+from moestream.experts.format import DenseFormat, Dispatch, ExpertFormat, ExpertShape
+from moestream.experts.residency import ResidencyPolicy
+from moestream.experts.skip import promote_missed
+from moestream.experts.slots import SlotTable
+from moestream.experts.stats import BankStats
+from moestream.experts.transfer import Transfers
+from moestream.kernels import cpu_moe, handoff
+from moestream.kernels.cpu_moe import Mailbox, StreamWorker
+from moestream.kernels.handoff import LayerHandoff
+
+HYBRID_MAX_TOKENS = 16       # decode batches up to this many streams; larger calls take the fetch policy
+DEFAULT_CPU_SHARE = 0.6      # of the non-resident experts, the CPU's share in one-token calls
+PROMOTE_MARGIN = 1.5         # a missed expert replaces a resident one only when clearly hotter
+PROMOTE_MOST = 2             # experts copied into a layer per refresh, at most
+
+
+def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stacks) -> None:
+    """What the hybrid policy needs, refused with what to do instead."""
+    if host_stacks is None:
+        raise InputError("--miss-policy hybrid computes missed experts from host RAM, but the experts are read "
+                         "from disk here; add --host-tier pinned (and the host memory it needs) or use "
+                         "--miss-policy fetch.")
+    dense = all(isinstance(fmt, DenseFormat) for fmt in formats.values())
+    dtypes = {fmt.dtype for fmt in formats.values()}
+    if not dense or not all(cpu_moe.supports(dt, shape.activation) for dt in dtypes):
+        raise InputError("--miss-policy hybrid takes bf16 or fp32 experts for now (quantized experts are not yet "
+                         "computed on its CPU worker); use --miss-policy fetch with --cpu-misses instead.")
+    if cpu_moe.load() is None:
+        raise InputError(f"--miss-policy hybrid needs the CPU expert kernel, which cannot be built here "
+                         f"({cpu_moe.unavailable_reason()}); use --miss-policy fetch.")
+
+
+class HybridMisses:
+    def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
+                 dispatch: dict[int, Dispatch], host_stacks: dict[int, dict[str, Tensor]], shape: ExpertShape,
+                 top_k: int, cpu_share: float = DEFAULT_CPU_SHARE, threads: int | None = None,
+                 refresh_every: int = 64, max_tokens: int = HYBRID_MAX_TOKENS):
+        check_hybrid(slots.formats, shape, host_stacks)
+        self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
+        self.dispatch, self.host_stacks, self.shape = dispatch, host_stacks, shape
+        self.cpu_share, self.refresh_every, self.max_tokens = float(cpu_share), refresh_every, max_tokens
+        device = slots.device
+        E = slots.num_experts
+        # The GPU reads experts in place only through the one-token launches, which take no biases.
+        self.gpu_reads = not shape.bias and (
+            device.type == "cpu" or all(fmt.uses_kernels(device, shape) for fmt in slots.formats.values()))
+        self.expert_bytes = {layer: fmt.nbytes(shape) for layer, fmt in slots.formats.items()}
+        dtype = next(iter(slots.formats.values())).dtype
+        self.mailboxes = {layer: Mailbox(E, top_k, shape.hidden, max_tokens, dtype, pin=device.type == "cuda")
+                          for layer in slots}
+        self.handoffs = {layer: LayerHandoff.create(box, E, device) for layer, box in self.mailboxes.items()}
+        self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
+        self.error = torch.zeros(1, dtype=torch.int32, device=device)
+        self._version = -1
+        self._since_refresh = 0
+        self._folded = {layer: (0.0, 0, 0, 0) for layer in slots}
+        self.sync_maps()
+        self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # ---- a call --------------------------------------------------------------------------
+    def takes(self, tokens: int) -> bool:
+        return tokens <= self.max_tokens
+
+    def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """Post the call to the CPU worker, run the bank's and the GPU-read experts, add the CPU's rows."""
+        ls, h = self.slots[layer], self.handoffs[layer]
+        one = hidden.shape[0] == 1 and self.gpu_reads
+        source = self.one_token_maps[layer] if one else ls.slot_map
+        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity)
+        extra = {"host": self.host_stacks[layer]} if one else {}
+        out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
+        return handoff.collect(h, out, self.error)
+
+    # ---- between steps ------------------------------------------------------------------
+    def sync_maps(self) -> None:
+        """Rebuild each layer's one-token map and the worker's shares after the bank changed (the
+        worker is idle between steps: the last step's launches waited for every answer)."""
+        if self.slots.version == self._version:
+            return
+        S, E = self.slots.capacity, self.slots.num_experts
+        for layer in self.slots:
+            ls, box = self.slots[layer], self.mailboxes[layer]
+            outside = np.array([e for e in range(E) if e not in ls.where], dtype=np.int64)
+            ranked = outside[np.argsort(-self.policy.priority(layer, outside), kind="stable")] if len(outside) else outside
+            share = self.cpu_share if self.gpu_reads else 1.0
+            # Interleaved down the ranking: the CPU's i-th expert whenever its share of the first i falls short.
+            on_cpu = np.floor(share * np.arange(1, len(ranked) + 1)) > np.floor(share * np.arange(len(ranked)))
+            one_map = ls.slot_map.cpu().clone()
+            one_map[torch.from_numpy(ranked[~on_cpu])] = torch.from_numpy(S + ranked[~on_cpu]).to(torch.int32)
+            self.one_token_maps[layer].copy_(one_map)
+            serve_one = np.zeros(E, dtype=np.uint8)
+            serve_one[ranked[on_cpu]] = 1
+            serve_many = np.zeros(E, dtype=np.uint8)
+            serve_many[outside] = 1
+            box.serve_one.copy_(torch.from_numpy(serve_one))
+            box.serve_many.copy_(torch.from_numpy(serve_many))
+        self._version = self.slots.version
+
+    def after_step(self, tokens: int) -> None:
+        self._since_refresh += tokens
+        if self._since_refresh >= self.refresh_every:
+            self._since_refresh = 0
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Fold the counters into the statistics and take the clearly hotter missed experts in."""
+        self.check()
+        for layer in self.slots:
+            h = self.handoffs[layer]
+            misses, uses = h.miss.cpu().numpy().copy(), h.use.cpu().numpy().copy()
+            h.miss.zero_()
+            h.use.zero_()
+            self._fold(layer)
+            promote_missed(self.slots, self.policy, self.transfers, self.stats, layer, misses, uses,
+                           margin=PROMOTE_MARGIN, most=PROMOTE_MOST, wait="device")
+
+    def check(self) -> None:
+        if int(self.error[0]):
+            raise RuntimeError("the CPU expert worker stopped answering; the engine cannot continue exactly "
+                               "(restart it, or use --miss-policy fetch)")
+
+    def _fold(self, layer: int) -> None:
+        h = self.handoffs[layer]
+        bank, gpu_read, on_cpu = h.pairs.tolist()
+        h.pairs.zero_()
+        busy, calls, pairs, experts = self.mailboxes[layer].served()
+        b0, _, _, e0 = self._folded[layer]
+        self._folded[layer] = (busy, calls, pairs, experts)
+        nbytes = self.expert_bytes[layer]
+        self.stats.record(layer, hits=bank, misses=gpu_read + on_cpu, cpu_served=on_cpu,
+                          cpu_bytes=(experts - e0) * nbytes, cpu_s=busy - b0, host_read=gpu_read,
+                          host_read_bytes=gpu_read * nbytes)
+
+    def sync_stats(self) -> None:
+        self.check()
+        for layer in self.slots:
+            self._fold(layer)

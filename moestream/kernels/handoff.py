@@ -1,0 +1,190 @@
+"""The device's side of the stream worker: post a layer's routing to the CPU, collect its answer.
+
+Hybrid misses run a decode step as one CUDA graph while the CPU computes its share of each layer's
+missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the hand-off:
+
+* `post` (one program): bumps the layer's sequence number (a device counter: graph replays need
+  no host), writes the hidden rows, expert ids and routing weights into the layer's pinned
+  `Mailbox`, counts the routed pairs by where they are served (bank, read from host memory by the
+  GPU, computed by the CPU) and per expert (used, missed: the bank's refresh reads them), then,
+  after a system-scope fence, publishes the sequence number. The worker polls for it.
+* `collect` (one program per block of the output): waits on the device until the worker's answer
+  carries the sequence number (volatile loads of pinned memory, a bounded number of polls: a
+  worker that never answers sets the error flag instead of hanging the GPU), then adds the CPU's
+  fp32 rows to the layer's output in place.
+
+Mailboxes live in pinned host memory, which shares the device's virtual address space; the
+kernels get CUDA aliases of those tensors (`device_alias`). On the CPU (tests, CPU-only runs) the
+same protocol runs eagerly in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from moestream.kernels import cpu_moe
+from moestream.kernels.cpu_moe import Mailbox
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs: the torch path below serves them
+    triton = None
+
+# ~1 µs per poll of host memory: about 30 s before a device-side wait gives up.
+MAX_POLLS = 30_000_000
+POST_BLOCK = 1024
+COLLECT_BLOCK = 1024
+
+
+class _CudaArray:
+    """A pinned host tensor presented as device memory (`__cuda_array_interface__`), so torch makes
+    a CUDA tensor that aliases it: the Triton kernels then read and write the host memory in place."""
+
+    TYPESTR: ClassVar[dict[torch.dtype, str]] = {torch.int32: "<i4", torch.float32: "<f4", torch.int64: "<i8", torch.uint8: "|u1",
+                                                 torch.int16: "<i2", torch.float16: "<f2"}
+
+    def __init__(self, t: Tensor):
+        self.__cuda_array_interface__ = {"shape": (t.numel(),), "typestr": self.TYPESTR[t.dtype],
+                                         "data": (t.data_ptr(), False), "version": 3}
+
+
+def device_alias(t: Tensor, device: torch.device) -> Tensor:
+    """A CUDA tensor over the same (pinned, contiguous) host memory as `t`."""
+    if not t.is_pinned() or not t.is_contiguous():
+        raise ValueError("only contiguous pinned host tensors can be aliased on the device")
+    if t.dtype == torch.bfloat16:   # no bf16 typestr: alias the 16-bit words, then view them as bf16
+        return device_alias(t.view(torch.int16), device).view(torch.bfloat16)
+    with torch.cuda.device(device):
+        return torch.as_tensor(_CudaArray(t), device=device)
+
+
+@dataclass
+class LayerHandoff:
+    """One MoE layer's mailbox, its device aliases and its device-side counters."""
+
+    box: Mailbox
+    seq: Tensor          # (1,) int32 on the device: the layer's sequence number
+    use: Tensor          # (E,) int32: routed pairs per expert since the last refresh
+    miss: Tensor         # (E,) int32: of those, pairs not served by the bank
+    pairs: Tensor        # (3,) int64: pairs served by the bank, read from host memory, computed by the CPU
+    alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
+
+    @classmethod
+    def create(cls, box: Mailbox, num_experts: int, device: torch.device) -> LayerHandoff:
+        alias = None
+        if device.type == "cuda":
+            alias = {name: device_alias(getattr(box, name), device)
+                     for name in ("post", "ids", "weights", "hidden", "result", "rows")}
+        return cls(box, torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.zeros(num_experts, dtype=torch.int32, device=device),
+                   torch.zeros(num_experts, dtype=torch.int32, device=device),
+                   torch.zeros(3, dtype=torch.int64, device=device), alias)
+
+
+if triton is not None:
+    @triton.jit
+    def _fence_sys(x):
+        """A system-scope fence in every thread (orders host-memory writes and reads around it)."""
+        return tl.inline_asm_elementwise("fence.acq_rel.sys;\nmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, use_ptr, miss_ptr, pairs_ptr,
+                     hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr,
+                     T, n_hidden, n_pairs, num_slots, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+        seq = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, seq)
+        for i in range(0, n_hidden, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            m = offs < n_hidden
+            tl.store(box_hidden_ptr + offs, tl.load(hidden_ptr + offs, mask=m), mask=m)
+        p = tl.arange(0, PAIRS)
+        pm = p < n_pairs
+        e = tl.load(ids_ptr + p, mask=pm, other=-1).to(tl.int32)
+        tl.store(box_ids_ptr + p, e, mask=pm)
+        tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
+        tl.store(hdr_ptr + 1, T)
+        valid = pm & (e >= 0)
+        src = tl.load(map_ptr + tl.maximum(e, 0), mask=valid, other=-1)
+        in_bank = valid & (src >= 0) & (src < num_slots)
+        tl.atomic_add(use_ptr + e, 1, mask=valid)
+        tl.atomic_add(miss_ptr + e, 1, mask=valid & ~in_bank)
+        tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
+        tl.atomic_add(pairs_ptr + 1, tl.sum((valid & (src >= num_slots)).to(tl.int64)))
+        tl.atomic_add(pairs_ptr + 2, tl.sum((valid & (src < 0)).to(tl.int64)))
+        seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
+        tl.debug_barrier()
+        tl.store(hdr_ptr, seq)
+
+    @triton.jit
+    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, n, max_polls, BLOCK: tl.constexpr):
+        seq = tl.load(seq_ptr)
+        flag = tl.load(hdr_ptr, volatile=True)
+        polls = 0
+        while (flag != seq) & (polls < max_polls):
+            flag = tl.load(hdr_ptr, volatile=True)
+            polls += 1
+        flag = _fence_sys(flag)          # the answer's rows after its flag
+        if flag != seq:
+            tl.atomic_max(error_ptr, 1)
+        else:
+            if tl.load(hdr_ptr + 1, volatile=True) > 0:
+                offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+                m = offs < n
+                y = tl.load(out_ptr + offs, mask=m).to(tl.float32) + tl.load(rows_ptr + offs, mask=m, volatile=True)
+                tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_map: Tensor, num_slots: int) -> None:
+    """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights;
+    `source_map` is the map the GPU's dispatch reads (slot, num_slots + e read from host memory,
+    -1 computed by the CPU), which sorts the pairs for the counters."""
+    T = hidden.shape[0]
+    n_pairs = ids.numel()
+    if T * hidden.shape[1] > h.box.hidden.numel() or n_pairs > h.box.ids.numel():
+        raise ValueError(f"a call of {T} tokens is larger than the mailbox was made for")
+    if h.alias is not None:
+        a = h.alias
+        _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
+                           source_map, h.use, h.miss, h.pairs, a["post"], a["ids"], a["weights"], a["hidden"],
+                           T, hidden.numel(), n_pairs, num_slots, BLOCK=POST_BLOCK,
+                           PAIRS=max(16, triton.next_power_of_2(n_pairs)), num_warps=4)
+        return
+    box = h.box
+    seq = int(h.seq[0]) + 1
+    h.seq[0] = seq
+    flat = ids.reshape(-1).to(torch.int32)
+    box.ids[:n_pairs].copy_(flat)
+    box.weights[:n_pairs].copy_(weights.reshape(-1).float())
+    box.hidden[:hidden.numel()].copy_(hidden.reshape(-1))
+    box.post[1] = T
+    valid = flat >= 0
+    e = flat[valid].long()
+    src = source_map[e]
+    in_bank = (src >= 0) & (src < num_slots)
+    h.use.index_add_(0, e, torch.ones_like(e, dtype=torch.int32))
+    h.miss.index_add_(0, e, (~in_bank).to(torch.int32))
+    h.pairs += torch.stack((in_bank.sum(), (src >= num_slots).sum(), (src < 0).sum()))
+    cpu_moe.publish(box.post, seq)
+
+
+def collect(h: LayerHandoff, out: Tensor, error: Tensor) -> Tensor:
+    """Add the worker's rows for this layer's last post to `out` (T, H), in place; returns `out`.
+    On the device a worker that never answers sets `error` (the step's output is then wrong: the
+    caller checks it after the step); on the CPU it raises."""
+    n = out.numel()
+    if h.alias is not None:
+        _collect_kernel[(triton.cdiv(n, COLLECT_BLOCK),)](h.seq, h.alias["result"], h.alias["rows"], out, error, n,
+                                                          MAX_POLLS, BLOCK=COLLECT_BLOCK, num_warps=4)
+        return out
+    seq = int(h.seq[0])
+    if not cpu_moe.wait_answer(h.box.result, seq):
+        raise RuntimeError("the CPU expert worker did not answer within 30 s; it may have stopped")
+    if int(h.box.result[1]) > 0:
+        out.copy_((out.float() + h.box.rows[:n].view_as(out)).to(out.dtype))
+    return out
