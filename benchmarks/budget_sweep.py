@@ -49,16 +49,21 @@ def budgets(args) -> dict:
             config = probe.config
             del probe
             torch.cuda.empty_cache()
-        cap = max(config.top_k, round(config.num_experts * frac))
-        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context).total_bytes
+        least = 1 if policy == "hybrid" else config.top_k   # hybrid serves any miss off the device
+        cap = max(least, round(config.num_experts * frac))
+        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context,
+                             min_capacity=least if policy == "hybrid" else 0).total_bytes
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         pinned = _pins_from_profile(args.pin_profile, args.pin_top_k, config) if args.pin_top_k else None
-        engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", gpu_memory=budget, max_context=args.max_context,
+        # Below top-k slots (hybrid only) the capacity is given: the budget's slack is smaller than a slot there.
+        sized = {"gpu_memory": budget} if cap >= config.top_k else {"capacity": cap}
+        engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", **sized, max_context=args.max_context,
                                 pinned=pinned,
                                 host_tier=tier if cap < config.num_experts else "auto", residency=args.residency,
                                 prefetch=prefetch, cpu_misses=cpu_misses if cap < config.num_experts else None,
-                                miss_policy=policy if cap < config.num_experts else "fetch")
+                                miss_policy=policy if cap < config.num_experts else "fetch",
+                                cpu_threads=args.cpu_threads if cap < config.num_experts else None)
         load_s = time.perf_counter() - t0
         routing = apply_routing(engine, args.routing, args.trace)
         if isinstance(routing, TraceRouting) and args.trace_prediction_accuracy is not None:
@@ -128,6 +133,8 @@ def main() -> None:
                          "with --miss-policy hybrid the CPU's share of the experts outside the bank")
     ap.add_argument("--miss-policy", nargs="+", default=["fetch"], choices=["fetch", "hybrid"],
                     help="exact miss policies to run at each bounded budget")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="threads of the CPU's share of the misses (default: three of every four cores)")
     ap.add_argument("--hf-offload", action="store_true")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay with --routing trace")

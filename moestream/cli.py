@@ -125,11 +125,12 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     _add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
-    p.add_argument("--miss-policy", default="fetch", choices=["fetch", "hybrid", "skip"],
-                   help="fetch = copy missing experts into the bank (exact, default); hybrid = the GPU reads some "
-                        "missing experts from host RAM in place while a CPU thread computes the others, decode steps "
-                        "as whole CUDA graphs (exact; needs the pinned host tier); skip = drop non-resident experts "
-                        "and renormalise (approximate)")
+    p.add_argument("--miss-policy", default="auto", choices=["auto", "fetch", "hybrid", "skip"],
+                   help="hybrid = the GPU reads some missing experts from host RAM in place while a CPU thread "
+                        "computes the others, decode steps as whole CUDA graphs (exact; needs a GPU, the pinned host "
+                        "tier and bf16/fp32 experts); fetch = copy missing experts into the bank (exact); skip = drop "
+                        "non-resident experts and renormalise (approximate); auto (default) = hybrid where it can "
+                        "run, else fetch")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
     p.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
                    help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
@@ -272,7 +273,7 @@ def engine_config(args):
                             kv_block_size=args.kv_block_size, kv_cache_memory=args.kv_cache_memory)
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
-                      host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "fetch"),
+                      host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "auto"),
                       residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False),
                       cpu_misses=getattr(args, "cpu_misses", None), cpu_threads=getattr(args, "cpu_threads", None))
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
@@ -714,12 +715,12 @@ def cmd_perplexity(args) -> int:
                                        reference.logits if reference is not None else None)
         ppl, n, kl = scores.perplexity, scores.tokens, scores.kl
     result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0,
-              "mode": "decode" if args.decode else "prefill", "miss_policy": args.miss_policy,
+              "mode": "decode" if args.decode else "prefill", "miss_policy": engine.bank.miss_policy,
               "capacity": engine.bank.capacity, "experts": engine.bank.formats[next(iter(engine.bank.formats))].name
               if engine.bank.formats else None, "kl_to_reference": kl}
     extra = f", KL to the reference {kl:.5f} nats/token" if kl is not None else ""
     print(json.dumps(result) if args.json else
-          f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {args.miss_policy}, "
+          f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {engine.bank.miss_policy}, "
           f"capacity {engine.bank.capacity}/{engine.config.num_experts}{extra})")
     return 0
 

@@ -25,6 +25,7 @@ from moestream.errors import CheckpointError, InputError
 from moestream.experts.bank import ExpertBank
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
+from moestream.experts.hybrid import check_hybrid
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
 from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
@@ -105,7 +106,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
-def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: dict[int, list[int]] | None) -> ExpertBank:
+def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: dict[int, list[int]] | None,
+               sharded: bool = False) -> ExpertBank:
     memory = plan.memory
     formats = plan.expert_formats
     if store.native is not None:   # pre-quantized: the slots hold the stored format exactly
@@ -117,13 +119,31 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
             torch.set_num_threads(cfg.bank.cpu_threads)
         if cpu_moe.load() is not None:
             cpu_moe.set_threads(cfg.bank.cpu_threads)
-    if (cfg.bank.cpu_misses and cfg.bank.miss_policy == "fetch" and not memory.fully_resident
+    if (cfg.bank.cpu_misses and cfg.bank.miss_policy in ("fetch", "auto") and not memory.fully_resident
             and getattr(tier, "layers", None) is None):
         raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
                          "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")
-    return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=cfg.bank.miss_policy,
+    policy = cfg.bank.miss_policy
+    if policy == "auto":
+        policy = "hybrid" if hybrid_fits(plan, cfg, store, formats, tier, sharded) else "fetch"
+    return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
                       prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads)
+
+
+def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> bool:
+    """Whether `--miss-policy auto` takes the hybrid policy: a bounded bank on a GPU, every expert in
+    pinned host RAM, experts the CPU worker computes (bf16/fp32, its C kernel built), one device,
+    and no fetch-only option asked for (prefetch). Elsewhere auto is the fetch policy."""
+    if plan.memory.fully_resident or plan.device.type != "cuda" or sharded or cfg.bank.prefetch:
+        return False
+    if getattr(tier, "layers", None) is None:
+        return False
+    try:
+        check_hybrid(formats, store.shape, tier.layers)
+    except InputError:
+        return False
+    return True
 
 
 def discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:
@@ -191,6 +211,7 @@ def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
     """What expert parallel cannot do (or not yet), refused by name before any process starts."""
     check_world(len(cfg.runtime.devices), num_experts)
     unsupported = [(cfg.runtime.prefix_cache_bytes > 0, "a prefix cache"), (cfg.bank.miss_policy == "skip", "--miss-policy skip"),
+                   (cfg.bank.miss_policy == "hybrid", "--miss-policy hybrid"),
                    (cfg.runtime.kv_layout == "paged", "--kv-layout paged"),
                    (cfg.bank.prefetch, "--prefetch"), (cfg.warm_start.prepack is not None, "--prepack")]
     for present, what in unsupported:
@@ -224,7 +245,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
                          f"glm4_moe_lite); this one is {plan.spec.name}. Leave the option out.")
     if sharded:
         store, pinned = ShardStore(store, placement), placement.local_pins(pinned)
-    bank = build_bank(plan, cfg, store, pinned)
+    bank = build_bank(plan, cfg, store, pinned, sharded)
     prepack = _try_prepack(bank, plan.folder, warm.prepack) if warm.prepack else None
     restored = prepack is not None and prepack.loaded
     discovery: Discovery | None = None

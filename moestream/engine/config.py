@@ -146,7 +146,8 @@ class BankConfig:
     capacity: int | None = None           # slots per layer; instead of a budget
     host_memory: int | str | None = None  # pinned host RAM for experts off the device; beyond it, disk
     host_tier: Any = "auto"               # auto | pinned | disk, or a host tier of this checkpoint to share
-    miss_policy: str = "fetch"            # fetch (exact) | hybrid (exact, CPU and PCIe at once) | skip (approximate)
+    miss_policy: str = "auto"             # auto (hybrid where it runs, else fetch) | fetch (exact) |
+    #                                       hybrid (exact, CPU and PCIe at once) | skip (approximate)
     residency: str = "lcp"                # lcp | lru
     prefetch: bool = False                # next-layer prediction copies ahead (fetch); see BENCHMARKS.md
     pinned: dict[int, list[int]] | None = None   # experts kept resident for good, per MoE layer
@@ -166,12 +167,13 @@ class BankConfig:
             raise InputError("cpu_misses computes exact misses on the CPU; it needs --miss-policy fetch or hybrid.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
-        if self.cpu_threads is not None and not self.cpu_misses and self.miss_policy != "hybrid":
+        if self.cpu_threads is not None and not self.cpu_misses and self.miss_policy not in ("hybrid", "auto"):
             raise InputError("cpu_threads sets the threads of CPU-computed misses; give --cpu-misses or "
                              "--miss-policy hybrid too, or leave it out.")
         if self.capacity is not None and self.capacity < 1:
             raise InputError(f"capacity must be at least 1, got {self.capacity}.")
-        checks = [("miss policy", self.miss_policy, MISS_POLICIES), ("residency policy", self.residency, tuple(POLICIES))]
+        checks = [("miss policy", self.miss_policy, ("auto", *MISS_POLICIES)),
+                  ("residency policy", self.residency, tuple(POLICIES))]
         if isinstance(self.host_tier, str):
             checks.append(("host tier", self.host_tier, HOST_TIERS))
         for name, value, valid in checks:

@@ -87,6 +87,8 @@ class MemoryPlan:
                                         # scratch row padded decode graphs write to)
     kv_blocks: int = 0                  # a paged cache's blocks, the null block included (0: one row per sequence)
     kv_block_size: int = 0              # positions per block
+    min_capacity: int = 0               # the fewest slots a layer may have (0: top_k; the hybrid miss
+                                        # policy serves any miss off the device, so it needs only one)
 
     @property
     def paged(self) -> bool:
@@ -119,9 +121,13 @@ class MemoryPlan:
         return self.fixed_bytes + self.bank_bytes + self.staging_bytes
 
     @property
+    def least_capacity(self) -> int:
+        return self.min_capacity or self.top_k
+
+    @property
     def minimum_bytes(self) -> int:
-        staging = staging_slots_for(self.top_k, self.num_experts, self.top_k)
-        return (self.fixed_bytes + self.top_k * sum(self.layer_slot_bytes)
+        staging = staging_slots_for(self.least_capacity, self.num_experts, self.top_k)
+        return (self.fixed_bytes + self.least_capacity * sum(self.layer_slot_bytes)
                 + staging * self.slot_bytes * self.staging_formats)
 
     @property
@@ -145,7 +151,7 @@ class MemoryPlan:
                  f"staging           {format_bytes(self.staging_bytes)} ({self.staging_slots} slots)",
                  f"total             {format_bytes(self.total_bytes)}",
                  f"capacity          {self.capacity}/{self.num_experts} experts per layer ({self.expert_fraction:.0%})",
-                 f"minimum budget    {format_bytes(self.minimum_bytes)} (top-{self.top_k} slots per layer)"]
+                 f"minimum budget    {format_bytes(self.minimum_bytes)} ({self.least_capacity} slots per layer)"]
         return "\n".join(lines)
 
 
@@ -184,8 +190,9 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
                 precision: Precision | None = None, prefix_cache_bytes: int = 0, kv_blocks: int = 0,
-                kv_block_size: int = 16) -> MemoryPlan:
+                kv_block_size: int = 16, min_capacity: int = 0) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
+    `min_capacity`: the fewest slots per layer (0: top_k, which a fetching bank needs at once).
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
     `precision` the always-resident tensors. `kv_blocks` > 0: the cache is paged, that many blocks
@@ -198,9 +205,12 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     else:
         kv_bytes = cache_bytes(config, spec, batch + (batch > 1), max_context, dtype)
     budget_bytes = parse_bytes(budget) if budget is not None else None
-    if capacity is not None and not k <= capacity <= E:
-        raise BudgetError(f"capacity {capacity} is outside {k}..{E}: a layer needs at least its top-{k} experts "
-                          f"and has only {E}; pick a capacity in that range.")
+    least = min(min_capacity or k, E)
+    if capacity is not None and not least <= capacity <= E:
+        why = (f"a layer needs at least its top-{k} experts" if least == k
+               else f"a layer needs at least {least} slot{'s' if least > 1 else ''}")
+        raise BudgetError(f"capacity {capacity} is outside {least}..{E}: {why} and has only {E}; pick a capacity "
+                          f"in that range{' (or --miss-policy hybrid, which takes any capacity from 1)' if least == k else ''}.")
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     shape = ExpertShape.of(config)   # with the experts' biases (GPT-OSS) and activation
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
@@ -209,23 +219,24 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context)
                 + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
-                staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k)
+                staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k,
+                min_capacity=min_capacity)
     if capacity is None and budget_bytes is None:
         capacity = E
     if capacity is None:
         capacity = E
-        for cap in range(E, k - 1, -1):
+        for cap in range(E, least - 1, -1):
             plan = MemoryPlan(**base, capacity=cap, staging_slots=staging_slots_for(cap, E, k))
             if plan.total_bytes <= budget_bytes:
                 capacity = cap
                 break
         else:
-            capacity = k
+            capacity = least
     plan = MemoryPlan(**base, capacity=capacity, staging_slots=staging_slots_for(capacity, E, k))
     if budget_bytes is not None and plan.total_bytes > budget_bytes:
         if plan.minimum_bytes > budget_bytes:
             raise BudgetError(f"a budget of {format_bytes(budget_bytes)} is below the minimum of "
-                              f"{format_bytes(plan.minimum_bytes)} this model needs (top-{k} slots per layer plus "
+                              f"{format_bytes(plan.minimum_bytes)} this model needs ({least} slots per layer plus "
                               f"{format_bytes(plan.fixed_bytes)} of weights, KV cache and workspace); raise the budget "
                               "or lower --max-context.")
         raise BudgetError(f"capacity {capacity} needs {format_bytes(plan.total_bytes)}, more than the budget of "
@@ -355,7 +366,8 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     memory = plan_memory(planned, dtype, budget, capacity, max_context=context,
                          prefill_chunk=runtime.prefill_chunk, expert_formats=formats, spec=spec,
                          precision=precision, prefix_cache_bytes=runtime.prefix_cache_bytes,
-                         batch=runtime.kv_rows, kv_blocks=kv_blocks, kv_block_size=runtime.kv_block_size)
+                         batch=runtime.kv_rows, kv_blocks=kv_blocks, kv_block_size=runtime.kv_block_size,
+                         min_capacity=1 if bank.miss_policy == "hybrid" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx)

@@ -203,8 +203,8 @@ class DenseFormat(ExpertFormat):
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None,
-                     host: Mapping[str, Tensor] | None = None) -> Tensor:
-            extra = {} if host is None else {"host": (host["gate_up"], host["down"])}
+                     host=None) -> Tensor:
+            extra = {} if host is None else {"host": host}
             return run(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
                        slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, slot_map=slot_map, **extra)
         return dispatch

@@ -10,15 +10,16 @@ Every routed pair of a decode call is served by one of three:
   from the routing and hidden rows the layer posted into its mailbox (`kernels/handoff.py`), and
   the layer's last launch adds its rows once they are there.
 
-Nothing here reads the device back, so decode steps run as whole CUDA graphs. Which missing
-experts go to which side is decided between steps, per layer, from the residency policy's ranking:
-a share `cpu_share` of the non-resident experts (interleaved down the ranking, so both sides get
-hot and cold ones alike) is the CPU's, the rest the GPU reads. Calls of more than one token (a
-batch of streams) leave every miss to the CPU: the decode kernels of larger calls read slots only.
-Calls larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the
-bank as it is. Every `refresh_every` tokens the bank takes in the most-missed experts where they
-clearly beat the coldest resident ones (device-side counters, one read-back per refresh), and the
-maps follow at the next step.
+Nothing here reads the device back, so decode steps run as whole CUDA graphs. In a one-token call
+the split is per call: of its m missing pairs the CPU computes the first take[m] in routing order
+(take[m] = round(cpu_share × m)) and the GPU reads the others; the kernels, the counters and the
+worker apply the same rule to the same routing, so every pair is served once, and the two sides'
+work stays balanced however many of a token's experts miss. Calls of more than one token (a batch of
+streams) leave every miss to the CPU: the decode kernels of larger calls read slots only. Calls
+larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
+is. Every `refresh_every` tokens the bank takes in the most-missed experts where they clearly beat
+the coldest resident ones (device-side counters, one read-back per refresh); the maps follow at the
+next step.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from moestream.experts.transfer import Transfers
 from moestream.kernels import cpu_moe, handoff
 from moestream.kernels.cpu_moe import Mailbox, StreamWorker
 from moestream.kernels.handoff import LayerHandoff
+from moestream.kernels.moe_reference import HostReads
 
 HYBRID_MAX_TOKENS = 16       # decode batches up to this many streams; larger calls take the fetch policy
-DEFAULT_CPU_SHARE = 0.6      # of the non-resident experts, the CPU's share in one-token calls
+DEFAULT_CPU_SHARE = 0.6      # of a one-token call's missing pairs, the CPU's share
 PROMOTE_MARGIN = 1.5         # a missed expert replaces a resident one only when clearly hotter
-PROMOTE_MOST = 2             # experts copied into a layer per refresh, at most
+PROMOTE_MOST = 4             # experts copied into a layer per refresh, at most
+REFRESH_EVERY = 8            # tokens between refreshes
 
 
 def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stacks) -> None:
@@ -64,7 +67,7 @@ class HybridMisses:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], host_stacks: dict[int, dict[str, Tensor]], shape: ExpertShape,
                  top_k: int, cpu_share: float = DEFAULT_CPU_SHARE, threads: int | None = None,
-                 refresh_every: int = 64, max_tokens: int = HYBRID_MAX_TOKENS):
+                 refresh_every: int = REFRESH_EVERY, max_tokens: int = HYBRID_MAX_TOKENS):
         check_hybrid(slots.formats, shape, host_stacks)
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.host_stacks, self.shape = dispatch, host_stacks, shape
@@ -78,14 +81,29 @@ class HybridMisses:
         dtype = next(iter(slots.formats.values())).dtype
         self.mailboxes = {layer: Mailbox(E, top_k, shape.hidden, max_tokens, dtype, pin=device.type == "cuda")
                           for layer in slots}
-        self.handoffs = {layer: LayerHandoff.create(box, E, device) for layer, box in self.mailboxes.items()}
+        # Device-side counters of every layer in two tensors, read in one copy each per refresh:
+        # per expert (use, miss) since the last refresh, per layer pairs (bank, read in place, CPU).
+        self.layer_index = {layer: i for i, layer in enumerate(slots)}
+        self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
+        self.pair_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int64, device=device)
+        self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
+        self.handoffs = {layer: LayerHandoff.create(box, *self.expert_counts[self.layer_index[layer]],
+                                                    self.pair_counts[self.layer_index[layer]])
+                         for layer, box in self.mailboxes.items()}
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
+        # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing order).
+        self.take_host = torch.tensor([round(self.cpu_share * m) if self.gpu_reads else m for m in range(top_k + 1)],
+                                      dtype=torch.int32)
+        self.take = self.take_host.to(device)
+        self.host_reads = {layer: HostReads(stack["gate_up"], stack["down"], self.take)
+                           for layer, stack in host_stacks.items()} if self.gpu_reads else {}
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self._version = -1
         self._since_refresh = 0
         self._folded = {layer: (0.0, 0, 0, 0) for layer in slots}
         self.sync_maps()
-        self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads)
+        self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
+                                   threads)
 
     def close(self) -> None:
         self.worker.close()
@@ -99,34 +117,27 @@ class HybridMisses:
         ls, h = self.slots[layer], self.handoffs[layer]
         one = hidden.shape[0] == 1 and self.gpu_reads
         source = self.one_token_maps[layer] if one else ls.slot_map
-        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity)
-        extra = {"host": self.host_stacks[layer]} if one else {}
+        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.take if one else None)
+        extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
         return handoff.collect(h, out, self.error)
 
     # ---- between steps ------------------------------------------------------------------
     def sync_maps(self) -> None:
-        """Rebuild each layer's one-token map and the worker's shares after the bank changed (the
-        worker is idle between steps: the last step's launches waited for every answer)."""
+        """Rebuild each layer's one-token map (experts outside the bank: S + e) and the worker's view
+        of what is outside, after the bank changed (the worker is idle between steps: the last step's
+        launches waited for every answer)."""
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts
         for layer in self.slots:
             ls, box = self.slots[layer], self.mailboxes[layer]
-            outside = np.array([e for e in range(E) if e not in ls.where], dtype=np.int64)
-            ranked = outside[np.argsort(-self.policy.priority(layer, outside), kind="stable")] if len(outside) else outside
-            share = self.cpu_share if self.gpu_reads else 1.0
-            # Interleaved down the ranking: the CPU's i-th expert whenever its share of the first i falls short.
-            on_cpu = np.floor(share * np.arange(1, len(ranked) + 1)) > np.floor(share * np.arange(len(ranked)))
+            outside = torch.ones(E, dtype=torch.bool)
+            outside[list(ls.where)] = False
             one_map = ls.slot_map.cpu().clone()
-            one_map[torch.from_numpy(ranked[~on_cpu])] = torch.from_numpy(S + ranked[~on_cpu]).to(torch.int32)
+            one_map[:E][outside] = S + torch.arange(E, dtype=torch.int32)[outside]
             self.one_token_maps[layer].copy_(one_map)
-            serve_one = np.zeros(E, dtype=np.uint8)
-            serve_one[ranked[on_cpu]] = 1
-            serve_many = np.zeros(E, dtype=np.uint8)
-            serve_many[outside] = 1
-            box.serve_one.copy_(torch.from_numpy(serve_one))
-            box.serve_many.copy_(torch.from_numpy(serve_many))
+            box.outside.copy_(outside.to(torch.uint8))
         self._version = self.slots.version
 
     def after_step(self, tokens: int) -> None:
@@ -136,26 +147,22 @@ class HybridMisses:
             self.refresh()
 
     def refresh(self) -> None:
-        """Fold the counters into the statistics and take the clearly hotter missed experts in."""
-        self.check()
-        for layer in self.slots:
-            h = self.handoffs[layer]
-            misses, uses = h.miss.cpu().numpy().copy(), h.use.cpu().numpy().copy()
-            h.miss.zero_()
-            h.use.zero_()
-            self._fold(layer)
+        """Fold the counters into the statistics and take the clearly hotter missed experts in (their
+        copies run on the copy stream; the next step waits for them on the device)."""
+        self.sync_stats()
+        counts, self._window = self._window, np.zeros_like(self._window)
+        for layer, i in self.layer_index.items():
+            uses, misses = counts[i]
             promote_missed(self.slots, self.policy, self.transfers, self.stats, layer, misses, uses,
                            margin=PROMOTE_MARGIN, most=PROMOTE_MOST, wait="device")
 
-    def check(self) -> None:
-        if int(self.error[0]):
+    def check(self, error: int) -> None:
+        if error:
             raise RuntimeError("the CPU expert worker stopped answering; the engine cannot continue exactly "
                                "(restart it, or use --miss-policy fetch)")
 
-    def _fold(self, layer: int) -> None:
-        h = self.handoffs[layer]
-        bank, gpu_read, on_cpu = h.pairs.tolist()
-        h.pairs.zero_()
+    def _fold(self, layer: int, pair_counts: list[int]) -> None:
+        bank, gpu_read, on_cpu = pair_counts
         busy, calls, pairs, experts = self.mailboxes[layer].served()
         b0, _, _, e0 = self._folded[layer]
         self._folded[layer] = (busy, calls, pairs, experts)
@@ -165,6 +172,13 @@ class HybridMisses:
                           host_read_bytes=gpu_read * nbytes)
 
     def sync_stats(self) -> None:
-        self.check()
-        for layer in self.slots:
-            self._fold(layer)
+        """Fold the device counters into the statistics and the refresh window (one read-back of each
+        counter tensor), and start them again."""
+        error = int(self.error[0])
+        self._window += self.expert_counts.cpu().numpy()
+        pair_counts = self.pair_counts.cpu().tolist()
+        self.expert_counts.zero_()
+        self.pair_counts.zero_()
+        self.check(error)
+        for layer, i in self.layer_index.items():
+            self._fold(layer, pair_counts[i])

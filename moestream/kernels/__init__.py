@@ -38,11 +38,11 @@ def _triton_module(name: str):
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
               weights: Tensor, activation="swiglu", gate_up_bias: Tensor | None = None,
               down_bias: Tensor | None = None, reduce: bool = True, slot_map: Tensor | None = None,
-              host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              host=None) -> Tensor:
     """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`
     (optional expert biases, an `Activation` with parameters, `reduce`), plus `slot_map`: with it,
-    `slot_ids` are expert ids, looked up in that expert → slot table inside the kernels; and `host`:
-    pinned stacks of every expert, which slot S + e reads in place (one token).
+    `slot_ids` are expert ids, looked up in that expert → slot table inside the kernels; and `host`
+    (a `HostReads`): pinned stacks of every expert, which slot S + e reads in place (one token).
 
     Loads Triton on first call; raises ImportError when it is not installed.
     """

@@ -253,10 +253,21 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
  * `rows_dot` takes them; `scratch`: (n_pairs, 2I) fp32; `act_buf`: (n_pairs, I) activations, stored
  * as the down projection takes them (dense bf16: bf16 bits; quantized: phase-ordered fp32, rounded
  * to bf16 values when `round_act`); `out`: (T, H) fp32, added to. Dense experts may have biases. */
-static void run_experts(int threads, const Weights *W, const void *gate_up_bias, const void *down_bias, int H, int I,
-                        int act, float alpha, float limit, int round_act, int n_used, const int32_t *experts,
-                        const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const void *x,
-                        float *scratch, void *act_buf, float *out) {
+/* The three phases as thread `tid` of `nth` does its share of each (contiguous ranges of tasks,
+ * as OpenMP's static schedule), `bar(bar_arg)` between phases: an OpenMP team or the stream
+ * worker's own spinning team. Which thread computes a row never changes a result: each row is one
+ * thread's, and the down rows add the experts in a fixed order. */
+typedef void (*Barrier)(void *);
+
+static inline void share_of(long n, int tid, int nth, long *lo, long *hi) {
+    *lo = n * tid / nth;
+    *hi = n * (tid + 1) / nth;
+}
+
+static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const Weights *W, const void *gate_up_bias,
+                             const void *down_bias, int H, int I, int act, float alpha, float limit, int round_act,
+                             int n_used, const int32_t *experts, const int32_t *pair_off, const int32_t *pair_tok,
+                             const float *pair_w, const void *x, float *scratch, void *act_buf, float *out) {
     const int two_i = 2 * I;
     const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -264,59 +275,74 @@ static void run_experts(int threads, const Weights *W, const void *gate_up_bias,
     const int dense_bf16 = !W->quantized && W->dtype == W_BF16;
     const int v = W->quantized ? 8 / W->bits : 1;
     const size_t esize = dense_bf16 ? 2 : 4;
-#pragma omp parallel num_threads(threads)
-    {
-        /* 1. gate_up rows of every used expert, for all its tokens at once */
-#pragma omp for schedule(static)
-        for (long task = 0; task < (long)n_used * up_tasks; task++) {
-            int u = (int)(task / up_tasks), r0 = (int)(task % up_tasks) * ROWS_PER_TASK;
-            int r1 = r0 + ROWS_PER_TASK < two_i ? r0 + ROWS_PER_TASK : two_i;
-            int p0 = pair_off[u], np = pair_off[u + 1] - p0;
-            size_t base = (size_t)experts[u] * two_i;
-            for (int r = r0; r < r1; r++)
-                rows_dot(W, 0, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
-        }
-        /* 2. the activation in fp32, stored as the down product takes it */
-#pragma omp for schedule(static)
-        for (int p = 0; p < n_pairs; p++) {
-            int u = 0;
-            while (pair_off[u + 1] <= p) u++;
-            const float *h = scratch + (size_t)p * two_i;
-            size_t b = (size_t)experts[u] * two_i;
-            for (int i = 0; i < I; i++) {
-                float g = h[i], up = h[I + i];
-                if (gate_up_bias) {
-                    g += widen(gate_up_bias, W->dtype, b + i);
-                    up += widen(gate_up_bias, W->dtype, b + I + i);
-                }
-                float a = activate(g, up, act, alpha, limit);
-                if (dense_bf16)
-                    ((uint16_t *)act_buf)[(size_t)p * I + i] = (uint16_t)(f32_bits(round_bf16(a)) >> 16);
-                else
-                    ((float *)act_buf)[(size_t)p * I + (size_t)(i % v) * (I / v) + i / v] = round_act ? round_bf16(a) : a;
+    long lo, hi;
+    /* 1. gate_up rows of every used expert, for all its tokens at once */
+    share_of((long)n_used * up_tasks, tid, nth, &lo, &hi);
+    for (long task = lo; task < hi; task++) {
+        int u = (int)(task / up_tasks), r0 = (int)(task % up_tasks) * ROWS_PER_TASK;
+        int r1 = r0 + ROWS_PER_TASK < two_i ? r0 + ROWS_PER_TASK : two_i;
+        int p0 = pair_off[u], np = pair_off[u + 1] - p0;
+        size_t base = (size_t)experts[u] * two_i;
+        for (int r = r0; r < r1; r++)
+            rows_dot(W, 0, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+    }
+    bar(bar_arg);
+    /* 2. the activation in fp32, stored as the down product takes it */
+    share_of(n_pairs, tid, nth, &lo, &hi);
+    for (long p = lo; p < hi; p++) {
+        int u = 0;
+        while (pair_off[u + 1] <= p) u++;
+        const float *h = scratch + (size_t)p * two_i;
+        size_t b = (size_t)experts[u] * two_i;
+        for (int i = 0; i < I; i++) {
+            float g = h[i], up = h[I + i];
+            if (gate_up_bias) {
+                g += widen(gate_up_bias, W->dtype, b + i);
+                up += widen(gate_up_bias, W->dtype, b + I + i);
             }
+            float a = activate(g, up, act, alpha, limit);
+            if (dense_bf16)
+                ((uint16_t *)act_buf)[(size_t)p * I + i] = (uint16_t)(f32_bits(round_bf16(a)) >> 16);
+            else
+                ((float *)act_buf)[(size_t)p * I + (size_t)(i % v) * (I / v) + i / v] = round_act ? round_bf16(a) : a;
         }
-        /* 3. down rows: each thread owns output rows, experts in a fixed order (deterministic sums) */
-#pragma omp for schedule(static)
-        for (int task = 0; task < down_tasks; task++) {
-            int r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
-            float y[64];
-            for (int u = 0; u < n_used; u++) {
-                int p0 = pair_off[u], np = pair_off[u + 1] - p0;
-                size_t base = (size_t)experts[u] * H;
-                for (int r = r0; r < r1; r++) {
-                    for (int c = 0; c < np; c += 64) {
-                        int n = np - c < 64 ? np - c : 64;
-                        rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
-                                 NULL, n, y, 1);
-                        float bias = down_bias ? widen(down_bias, W->dtype, base + r) : 0.f;
-                        for (int j = 0; j < n; j++)
-                            out[(size_t)pair_tok[p0 + c + j] * H + r] += pair_w[p0 + c + j] * (y[j] + bias);
-                    }
+    }
+    bar(bar_arg);
+    /* 3. down rows: each thread owns output rows, experts in a fixed order (deterministic sums) */
+    share_of(down_tasks, tid, nth, &lo, &hi);
+    for (long task = lo; task < hi; task++) {
+        int r0 = (int)task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
+        float y[64];
+        for (int u = 0; u < n_used; u++) {
+            int p0 = pair_off[u], np = pair_off[u + 1] - p0;
+            size_t base = (size_t)experts[u] * H;
+            for (int r = r0; r < r1; r++) {
+                for (int c = 0; c < np; c += 64) {
+                    int n = np - c < 64 ? np - c : 64;
+                    rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
+                             NULL, n, y, 1);
+                    float bias = down_bias ? widen(down_bias, W->dtype, base + r) : 0.f;
+                    for (int j = 0; j < n; j++)
+                        out[(size_t)pair_tok[p0 + c + j] * H + r] += pair_w[p0 + c + j] * (y[j] + bias);
                 }
             }
         }
     }
+}
+
+static void omp_team_barrier(void *unused) {
+    (void)unused;
+#pragma omp barrier
+}
+
+static void run_experts(int threads, const Weights *W, const void *gate_up_bias, const void *down_bias, int H, int I,
+                        int act, float alpha, float limit, int round_act, int n_used, const int32_t *experts,
+                        const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const void *x,
+                        float *scratch, void *act_buf, float *out) {
+#pragma omp parallel num_threads(threads)
+    run_experts_part(omp_get_thread_num(), omp_get_num_threads(), omp_team_barrier, NULL, W, gate_up_bias, down_bias,
+                     H, I, act, alpha, limit, round_act, n_used, experts, pair_off, pair_tok, pair_w, x, scratch,
+                     act_buf, out);
 }
 
 /* Dense experts: gate_up (E, 2I, H), down (E, H, I) and optional biases (E, 2I) / (E, H) in one dtype;
@@ -357,19 +383,25 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
                 x, scratch, act_buf, out);
 }
 
-/* ---- the stream worker: a thread that serves the CPU's share of every decode step's misses ------
+/* ---- the stream worker: a thread team that serves the CPU's share of every decode step's misses --
  *
  * With the hybrid miss policy a decode step runs on the device as one CUDA graph and never waits
  * for the Python thread. Each MoE layer posts its routing and hidden rows into pinned host memory
  * (`post`: header [seq, tokens], then ids, weights, hidden), the GPU computes its own pairs, and a
- * device-side wait reads back what this thread wrote (`result`: header [seq, pairs], then fp32 rows).
- * The thread polls every layer's post for a new sequence number, computes the pairs whose expert
- * `serve_one` (one-token calls) or `serve_many` (larger calls) marks as the CPU's, writes the rows,
- * and publishes the sequence number last. Sequence numbers are counted per layer on the device. */
+ * device-side wait reads back what this team wrote (`result`: header [seq, pairs], then fp32 rows).
+ * Thread 0 polls every layer's post for a new sequence number and groups the CPU's pairs; the team
+ * computes them; thread 0 publishes the sequence number last. Sequence numbers are counted per
+ * layer on the device.
+ *
+ * Which pairs are the CPU's: those whose expert `outside[e]` marks as not in the bank; in a
+ * one-token call only the first `take[m]` of them in routing order (m: how many there are), the
+ * device reading the others from host memory by the same rule. The team stays inside one parallel
+ * region and spins between layers (a sleeping OpenMP team costs a wake-up per layer); after 2 ms
+ * without a post it naps 20 µs between polls. */
 
 typedef struct {
     const void *gate_up, *down, *gate_up_bias, *down_bias;   /* host stacks (E, 2I, H), (E, H, I) */
-    const uint8_t *serve_one, *serve_many;                    /* (E) 1 where the CPU computes the expert */
+    const uint8_t *outside;                                   /* (E) 1 where the expert is not in the bank */
     volatile int32_t *post;                                   /* [0] seq, [1] tokens */
     const int32_t *ids;                                       /* (max_tokens, k) */
     const float *weights;                                     /* (max_tokens, k) */
@@ -381,14 +413,46 @@ typedef struct {
 } StreamLayer;
 
 typedef struct {
+    volatile int count, sense;
+    int n;
+} SpinBarrier;
+
+typedef struct {
+    SpinBarrier *bar;
+    int sense;
+} SpinArrival;
+
+static void spin_barrier(void *arg) {
+    SpinArrival *a = (SpinArrival *)arg;
+    a->sense = !a->sense;
+    if (__atomic_add_fetch((int *)&a->bar->count, 1, __ATOMIC_ACQ_REL) == a->bar->n) {
+        a->bar->count = 0;
+        __atomic_store_n((int *)&a->bar->sense, a->sense, __ATOMIC_RELEASE);
+    } else {
+        while (__atomic_load_n((int *)&a->bar->sense, __ATOMIC_ACQUIRE) != a->sense) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
+typedef struct {
     StreamLayer *layers;
     int n_layers, dtype, H, I, k, E, max_tokens, act, threads, ncpus;
     float alpha, limit;
+    const int32_t *take;                                      /* (k + 1): the CPU's pairs of a one-token call */
     int32_t *cpus;
     int32_t *last;                                            /* per layer: the last sequence served */
     int32_t *experts, *pair_off, *pair_tok;
     float *pair_w, *scratch;
     void *act_buf;
+    /* the job thread 0 hands the team */
+    volatile int gen;
+    int job_layer, job_used, job_pairs, job_tokens;
+    int32_t job_seq;
+    double job_t0;
+    SpinBarrier bar;
     volatile int stop;
     pthread_t thread;
 } StreamWorker;
@@ -407,17 +471,27 @@ static double now_s(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void serve_layer(StreamWorker *w, StreamLayer *L, int32_t seq) {
-    double t0 = now_s();
-    int T = L->post[1];
-    if (T < 0) T = 0;
-    if (T > w->max_tokens) T = w->max_tokens;
-    const uint8_t *serve = T == 1 ? L->serve_one : L->serve_many;
-    int n = 0;
+static void nap(void) {
+    struct timespec t = {0, 20000};
+    nanosleep(&t, NULL);
+}
+
+/* Thread 0: the CPU's pairs of layer L's post, grouped by expert into the worker's arrays. */
+static void group_pairs(StreamWorker *w, StreamLayer *L, int T) {
+    int take = T, m = 0;
+    if (T == 1) {
+        for (int j = 0; j < w->k; j++) {
+            int32_t e = L->ids[j];
+            m += e >= 0 && e < w->E && L->outside[e];
+        }
+        take = w->take[m];
+    }
+    int n = 0, taken = 0;
     for (int t = 0; t < T; t++)
         for (int j = 0; j < w->k; j++) {
             int32_t e = L->ids[t * w->k + j];
-            if (e < 0 || e >= w->E || !serve[e]) continue;
+            if (e < 0 || e >= w->E || !L->outside[e]) continue;
+            if (T == 1 && taken++ >= take) continue;
             /* insertion by expert, tokens in order within one: the pairs grouped as run_experts takes them */
             int p = n++;
             while (p > 0 && w->experts[p - 1] > e) {
@@ -430,86 +504,123 @@ static void serve_layer(StreamWorker *w, StreamLayer *L, int32_t seq) {
             w->pair_tok[p] = t;
             w->pair_w[p] = L->weights[t * w->k + j];
         }
-    memset(L->out, 0, (size_t)T * w->H * sizeof(float));
     int used = 0;
-    if (n) {
-        /* compact the sorted expert column into distinct experts and their pair offsets */
-        for (int p = 0; p < n; p++)
-            if (p == 0 || w->experts[p] != w->experts[p - 1]) {
-                w->pair_off[used] = p;
-                w->experts[used++] = w->experts[p];
-            }
-        w->pair_off[used] = n;
-        Weights W = {0};
-        W.dtype = w->dtype;
-        W.w[0] = L->gate_up;
-        W.w[1] = L->down;
-        run_experts(w->threads, &W, L->gate_up_bias, L->down_bias, w->H, w->I, w->act, w->alpha, w->limit, 0, used,
-                    w->experts, w->pair_off, w->pair_tok, w->pair_w, L->hidden, w->scratch, w->act_buf, L->out);
-    }
-    L->result[1] = n;
-    __atomic_store_n((int32_t *)&L->result[0], seq, __ATOMIC_RELEASE);
-    L->busy_s[0] += now_s() - t0;
-    L->counts[0] += 1;
-    L->counts[1] += n;
-    L->counts[2] += used;
+    for (int p = 0; p < n; p++)   /* the sorted expert column → distinct experts and their pair offsets */
+        if (p == 0 || w->experts[p] != w->experts[p - 1]) {
+            w->pair_off[used] = p;
+            w->experts[used++] = w->experts[p];
+        }
+    w->pair_off[used] = n;
+    w->job_used = used;
+    w->job_pairs = n;
 }
 
-static void *stream_main(void *arg) {
-    StreamWorker *w = (StreamWorker *)arg;
-    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-    if (w->ncpus > 0) {   /* this thread on the first CPU given, its team's other threads on the rest */
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(w->cpus[0], &set);
-        sched_setaffinity(0, sizeof(set), &set);
-#pragma omp parallel num_threads(w->threads)
-        {
-            int t = omp_get_thread_num();
-            if (t > 0) {
-                cpu_set_t s;
-                CPU_ZERO(&s);
-                CPU_SET(w->cpus[t % w->ncpus], &s);
-                sched_setaffinity(0, sizeof(s), &s);
-            }
-        }
-    }
-    double idle_since = now_s();
+/* Thread 0: wait for the next post (or stop) and set up its job; returns 0 on stop. */
+static int next_job(StreamWorker *w) {
+    double idle_since = -1.0;
     long polls = 0;
     while (!w->stop) {
-        int served = 0;
         for (int l = 0; l < w->n_layers; l++) {
             StreamLayer *L = &w->layers[l];
             int32_t seq = __atomic_load_n((int32_t *)&L->post[0], __ATOMIC_ACQUIRE);
-            if (seq != w->last[l]) {
-                w->last[l] = seq;
-                serve_layer(w, L, seq);
-                served = 1;
-            }
-        }
-        if (served) {
-            idle_since = -1.0;
-            polls = 0;
-            continue;
+            if (seq == w->last[l]) continue;
+            w->last[l] = seq;
+            int T = L->post[1];
+            T = T < 0 ? 0 : T > w->max_tokens ? w->max_tokens : T;
+            w->job_t0 = now_s();
+            group_pairs(w, L, T);
+            memset(L->out, 0, (size_t)T * w->H * sizeof(float));
+            w->job_layer = l;
+            w->job_seq = seq;
+            w->job_tokens = T;
+            return 1;
         }
         cpu_relax();
         if ((++polls & 1023) == 0) {   /* spin through a step's gaps; nap once the engine is idle */
             double t = now_s();
             if (idle_since < 0) idle_since = t;
-            else if (t - idle_since > 0.002) {
-                struct timespec nap = {0, 20000};
-                nanosleep(&nap, NULL);
+            else if (t - idle_since > 0.002) nap();
+        }
+    }
+    return 0;
+}
+
+static void *stream_main(void *arg) {
+    StreamWorker *w = (StreamWorker *)arg;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    if (w->ncpus > 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(w->cpus[0], &set);
+        sched_setaffinity(0, sizeof(set), &set);
+    }
+#pragma omp parallel num_threads(w->threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        if (tid > 0 && w->ncpus > 0) {   /* thread 0 on the first CPU given, the others on the rest */
+            cpu_set_t s;
+            CPU_ZERO(&s);
+            CPU_SET(w->cpus[tid % w->ncpus], &s);
+            sched_setaffinity(0, sizeof(s), &s);
+        }
+        if (tid == 0) w->bar.n = nth;
+#pragma omp barrier
+        SpinArrival arrival = {&w->bar, 0};
+        int seen = 0;
+        for (;;) {
+            if (tid == 0) {
+                int more = next_job(w);
+                if (!more) w->job_layer = -1;
+                __atomic_store_n((int *)&w->gen, seen + 1, __ATOMIC_RELEASE);
+            } else {
+                double idle_since = -1.0;
+                long polls = 0;
+                while (__atomic_load_n((int *)&w->gen, __ATOMIC_ACQUIRE) == seen) {
+                    cpu_relax();
+                    if ((++polls & 1023) == 0) {
+                        double t = now_s();
+                        if (idle_since < 0) idle_since = t;
+                        else if (t - idle_since > 0.002) nap();
+                    }
+                }
+            }
+            seen++;
+            if (w->job_layer < 0) break;
+            StreamLayer *L = &w->layers[w->job_layer];
+            if (w->job_used) {
+                Weights W = {0};
+                W.dtype = w->dtype;
+                W.w[0] = L->gate_up;
+                W.w[1] = L->down;
+                run_experts_part(tid, nth, spin_barrier, &arrival, &W, L->gate_up_bias, L->down_bias, w->H, w->I,
+                                 w->act, w->alpha, w->limit, 0, w->job_used, w->experts, w->pair_off, w->pair_tok,
+                                 w->pair_w, L->hidden, w->scratch, w->act_buf, L->out);
+                spin_barrier(&arrival);
+            }
+            if (tid == 0) {
+                L->result[1] = w->job_pairs;
+                __atomic_store_n((int32_t *)&L->result[0], w->job_seq, __ATOMIC_RELEASE);
+                L->busy_s[0] += now_s() - w->job_t0;
+                L->counts[0] += 1;
+                L->counts[1] += w->job_pairs;
+                L->counts[2] += w->job_used;
             }
         }
     }
     return NULL;
 }
 
+static void free_worker(StreamWorker *w) {
+    free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
+    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
+}
+
 /* Start a worker over `layers` (copied); `last_seq` gives each layer's sequence number already
- * served (the posts' current values). Returns the handle, or NULL when no thread could start. */
-void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n_layers, int dtype, int H, int I, int k,
-                       int E, int max_tokens, int act, float alpha, float limit, int threads, const int32_t *cpus,
-                       int ncpus) {
+ * served (the posts' current values); `take` (k + 1) stays the caller's, read at every one-token
+ * call. Returns the handle, or NULL when no thread could start. */
+void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, const int32_t *take, int n_layers,
+                       int dtype, int H, int I, int k, int E, int max_tokens, int act, float alpha, float limit,
+                       int threads, const int32_t *cpus, int ncpus) {
     StreamWorker *w = calloc(1, sizeof(StreamWorker));
     if (!w) return NULL;
     size_t pairs = (size_t)max_tokens * k;
@@ -523,11 +634,14 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n
     w->scratch = malloc(sizeof(float) * pairs * 2 * I);
     w->act_buf = malloc(sizeof(float) * pairs * I);
     if (!w->layers || !w->last || !w->cpus || !w->experts || !w->pair_off || !w->pair_tok || !w->pair_w ||
-        !w->scratch || !w->act_buf)
-        goto fail;
+        !w->scratch || !w->act_buf) {
+        free_worker(w);
+        return NULL;
+    }
     memcpy(w->layers, layers, sizeof(StreamLayer) * n_layers);
     memcpy(w->last, last_seq, sizeof(int32_t) * n_layers);
     if (ncpus > 0) memcpy(w->cpus, cpus, sizeof(int32_t) * ncpus);
+    w->take = take;
     w->n_layers = n_layers;
     w->dtype = dtype;
     w->H = H;
@@ -540,12 +654,11 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n
     w->limit = limit;
     w->threads = threads > 0 ? threads : 1;
     w->ncpus = ncpus;
-    if (pthread_create(&w->thread, NULL, stream_main, w) != 0) goto fail;
+    if (pthread_create(&w->thread, NULL, stream_main, w) != 0) {
+        free_worker(w);
+        return NULL;
+    }
     return w;
-fail:
-    free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
-    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
-    return NULL;
 }
 
 void moe_stream_stop(void *handle) {
@@ -553,8 +666,7 @@ void moe_stream_stop(void *handle) {
     if (!w) return;
     w->stop = 1;
     pthread_join(w->thread, NULL);
-    free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
-    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
+    free_worker(w);
 }
 
 /* Wait until layer `l`'s result carries `seq` (the CPU side of a device-side wait: eager calls on

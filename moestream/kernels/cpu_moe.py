@@ -114,7 +114,7 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
                                               p, p, p, p, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
-        lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
+        lib.moe_stream_start.argtypes = [p, p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
         lib.moe_stream_start.restype = p
         lib.moe_stream_stop.argtypes = [p]
         lib.moe_stream_stop.restype = None
@@ -284,15 +284,16 @@ class _StreamLayer(ctypes.Structure):
     """One layer as the worker sees it (`StreamLayer` in cpu_moe.c)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "gate_up", "down", "gate_up_bias", "down_bias", "serve_one", "serve_many", "post", "ids", "weights",
+        "gate_up", "down", "gate_up_bias", "down_bias", "outside", "post", "ids", "weights",
         "hidden", "result", "out", "busy_s", "counts")]
 
 
 class Mailbox:
     """One MoE layer's exchange with the worker, in pinned host memory: what the device posts (header
     [seq, tokens], the routing, the routing weights, the hidden rows) and what the worker answers
-    (header [seq, pairs computed], fp32 rows). Which experts the CPU computes: `serve_one` (one-token
-    calls) and `serve_many` (larger ones), 1 per expert; the bank rewrites them between steps."""
+    (header [seq, pairs computed], fp32 rows). `outside` marks the experts not in the bank (1 per
+    expert), which the bank rewrites between steps: the CPU computes their pairs, in one-token calls
+    only the worker's `take` of them."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
         def empty(n: int, dt: torch.dtype) -> Tensor:
@@ -300,7 +301,7 @@ class Mailbox:
         self.post, self.result = empty(16, torch.int32), empty(16, torch.int32)   # a 64-byte line each
         self.ids, self.weights = empty(max_tokens * top_k, torch.int32), empty(max_tokens * top_k, torch.float32)
         self.hidden, self.rows = empty(max_tokens * hidden, dtype), empty(max_tokens * hidden, torch.float32)
-        self.serve_one, self.serve_many = empty(num_experts, torch.uint8), empty(num_experts, torch.uint8)
+        self.outside = empty(num_experts, torch.uint8)
         self.busy_s, self.counts = torch.zeros(1, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)
 
     def served(self) -> tuple[float, int, int, int]:
@@ -312,10 +313,13 @@ class Mailbox:
 class StreamWorker:
     """A C thread that serves the CPU's share of every layer's misses as the device posts them (see
     cpu_moe.c): no Python between a layer's post and its answer, so a whole decode step can run as
-    one CUDA graph while the CPU computes. One OpenMP team of its own, pinned off the first CPU."""
+    one CUDA graph while the CPU computes. One OpenMP team of its own, pinned off the first CPU,
+    spinning while posts come. `take` (top_k + 1,) int32: of a one-token call's m pairs outside the
+    bank, the CPU computes the first take[m] in routing order (the device reads the others); the
+    caller may rewrite it between steps."""
 
-    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int,
-                 max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None):
+    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], take: Tensor,
+                 top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None):
         lib = _ready()
         act = Activation.of(activation)
         first = next(iter(stacks.values()))
@@ -325,14 +329,16 @@ class StreamWorker:
                              f"got {gate_up.dtype} and {act.name}")
         E, two_i, H = gate_up.shape
         self.layers = list(mailboxes)
-        self._keep = (stacks, mailboxes)
+        if take.dtype != torch.int32 or take.device.type != "cpu" or take.numel() != top_k + 1:
+            raise ValueError(f"take must be a ({top_k + 1},) int32 CPU tensor")
+        self._keep = (stacks, mailboxes, take)
         structs = (_StreamLayer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             stack, box = stacks[layer], mailboxes[layer]
             _check_once(stack, {name: gate_up.dtype for name in stack})
             structs[i] = _StreamLayer(
                 _ptr(stack["gate_up"]), _ptr(stack["down"]), _ptr(stack.get("gate_up_bias")),
-                _ptr(stack.get("down_bias")), _ptr(box.serve_one), _ptr(box.serve_many), _ptr(box.post),
+                _ptr(stack.get("down_bias")), _ptr(box.outside), _ptr(box.post),
                 _ptr(box.ids), _ptr(box.weights), _ptr(box.hidden), _ptr(box.result), _ptr(box.rows),
                 _ptr(box.busy_s), _ptr(box.counts))
         last = (ctypes.c_int32 * len(self.layers))(*[int(mailboxes[layer].post[0]) for layer in self.layers])
@@ -340,7 +346,8 @@ class StreamWorker:
         workers = cpus[1:] or cpus
         self.threads = max(1, threads or default_threads(len(cpus)))
         arr = (ctypes.c_int32 * len(workers))(*workers)
-        self._handle = lib.moe_stream_start(structs, last, len(self.layers), DTYPES[gate_up.dtype], H, two_i // 2,
+        self._handle = lib.moe_stream_start(structs, last, _ptr(take), len(self.layers), DTYPES[gate_up.dtype], H,
+                                            two_i // 2,
                                             top_k, E, max_tokens, ACTIVATION_CODES[act.name], act.alpha, act.limit,
                                             self.threads, arr, len(workers))
         if not self._handle:

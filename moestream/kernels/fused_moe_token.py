@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
+from .moe_reference import HostReads
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
 
@@ -67,6 +68,21 @@ def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP
 
 
 @triton.jit
+def _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr,
+             SPLIT: tl.constexpr, K_PAD: tl.constexpr):
+    """Sources of all K_PAD pairs (`_slot_of`); with SPLIT, of the m pairs whose source is the host
+    stack, the first take[m] in routing order are the CPU's (-1 here), as `split_outside` says."""
+    offs = tl.arange(0, K_PAD)
+    src = _slot_of(ids_ptr, map_ptr, offs, top_k, stride_id, num_slots, num_host, HAS_MAP)
+    if SPLIT:
+        outside = src >= num_slots
+        take = tl.load(take_ptr + tl.sum(outside.to(tl.int32), axis=0))
+        rank = tl.sum((outside[None, :] & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+        src = tl.where(outside & (rank < take), -1, src)
+    return src
+
+
+@triton.jit
 def _expert_offset(src, num_slots, host_off, stride_e):
     """Element offset of a source's expert from the slot tensor's base: a slot, or (src >= num_slots)
     the host stack's expert, `host_off` elements away (pinned memory the GPU reads over PCIe)."""
@@ -75,14 +91,18 @@ def _expert_offset(src, num_slots, host_off, stride_e):
 
 
 @triton.jit
-def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
+def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_ptr,
                           I, H, num_slots, num_host, host_off, top_k, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
                           HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          SPLIT: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
-    slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
+    if SPLIT:
+        src = _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT, K_PAD)
+        slot = tl.sum(tl.where(tl.arange(0, K_PAD) == j, src, 0), axis=0)
+    else:
+        slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
     if slot < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,12 +140,12 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr,
 
 
 @triton.jit
-def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
+def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr, take_ptr,
                        H, I, num_slots, num_host, host_off, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
                        stride_bias,
                        HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, K_PAD: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     """BLOCK_N output columns of every pair at once: the k experts' tiles are one [K_PAD, BLOCK_N,
     BLOCK_K] load per step, so a program has all its pairs' bytes in flight, not one at a time."""
     wait_for_producer(USE_PDL)
@@ -133,7 +153,7 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    slot = _slot_of(ids_ptr, map_ptr, offs_j, top_k, stride_id, num_slots, num_host, HAS_MAP)
+    slot = _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT, K_PAD)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0).to(tl.int64)
     b_ptrs = (b_ptr + _expert_offset(slot, num_slots, host_off, stride_be)[:, None, None]
@@ -186,42 +206,44 @@ def _tile(tile: TokenTile, K: int) -> TokenTile:
 def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor, activation_code: int,
               intermediate: int, slot_map: Tensor | None = None, biases: tuple[Tensor, Tensor] | None = None,
               alpha: float = 1.0, limit: float = 0.0, reduce: bool = True,
-              config: TokenConfig | None = None, host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              config: TokenConfig | None = None, host: HostReads | None = None) -> Tensor:
     """hidden (1, H), slots gate_up (S, 2I, H) and down (S, H, I), ids and weights (1, k) →
     (1, H) in hidden's dtype (`reduce`), or the (1, k, H) fp32 pair rows, zero where unrouted.
-    `host`: stacks (E, 2I, H) and (E, H, I) in pinned memory, which sources S + e read in place.
+    `host`: stacks in pinned memory, which sources S + e read in place, less its `cpu_take`.
     Inputs are validated by the caller (`fused_moe_with_config`)."""
     cfg = config or DEFAULT_TOKEN_CONFIG
     k = ids.shape[1]
     S, H, I = gate_up.shape[0], hidden.shape[1], intermediate
-    num_host, gu_host, down_host = 0, 0, 0
+    num_host, gu_host, down_host, take = 0, 0, 0, None
     if host is not None:
-        num_host = host[0].shape[0]
-        gu_host, down_host = host_offset(host[0], gate_up), host_offset(host[1], down)
+        num_host, take = host.gate_up.shape[0], host.cpu_take
+        gu_host, down_host = host_offset(host.gate_up, gate_up), host_offset(host.down, down)
+    split = take is not None
     ids1, w1 = ids.reshape(k), weights.reshape(k)
     has_map = slot_map is not None
     smap = slot_map if has_map else ids1
+    take = take if split else ids1          # an unread placeholder pointer
     has_bias = biases is not None
     gu_bias, down_bias = biases if has_bias else (gate_up, down)
     inter = torch.empty((k, I), dtype=hidden.dtype, device=hidden.device)
     gu = _tile(cfg.gate_up, H)
     _token_gate_up_kernel[(k, triton.cdiv(I, gu.block_n))](
-        hidden, gate_up, inter, ids1, smap, gu_bias,
+        hidden, gate_up, inter, ids1, smap, gu_bias, take,
         I, H, S, num_host, gu_host, k, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
         HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
-        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,
-        **pdl_args(hidden))
+        BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, SPLIT=split,
+        K_PAD=triton.next_power_of_2(k), num_warps=gu.num_warps, **pdl_args(hidden))
     if reduce:
         out = torch.empty((1, H), dtype=hidden.dtype, device=hidden.device)
     else:
         out = torch.zeros((k, H), dtype=torch.float32, device=hidden.device)
     dn = _tile(cfg.down, I)
     _token_down_kernel[(triton.cdiv(H, dn.block_n),)](
-        inter, down, out, ids1, smap, w1, down_bias,
+        inter, down, out, ids1, smap, w1, down_bias, take,
         H, I, S, num_host, down_host, k, ids1.stride(0), w1.stride(0), inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         down_bias.stride(0) if has_bias else 0,
         HAS_MAP=has_map, HAS_BIAS=has_bias, REDUCE=reduce, K_PAD=triton.next_power_of_2(k),
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,
+        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, SPLIT=split, num_warps=dn.num_warps,
         enable_fp_fusion=False, **pdl_args(hidden))
     return out if reduce else out.view(1, k, H)

@@ -65,7 +65,7 @@ from .pdl import pdl_args, release_consumer, wait_for_producer
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
 from .moe_align import moe_align_block_size, moe_align_block_size_torch
-from .moe_reference import Activation, check_expert_biases, check_moe_inputs, get_activation
+from .moe_reference import Activation, HostReads, check_expert_biases, check_moe_inputs, get_activation
 from .moe_tiles import fit_tile, gated_dot
 
 __all__ = [
@@ -278,7 +278,7 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                           config: MoeConfig | DecodeConfig | TokenConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
                           down_bias: Tensor | None = None, reduce: bool = True,
-                          slot_map: Tensor | None = None, host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                          slot_map: Tensor | None = None, host: HostReads | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
 
     Args:
@@ -423,7 +423,7 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,
               activation: str | Activation = "swiglu", gate_up_bias: Tensor | None = None,
               down_bias: Tensor | None = None, slot_map: Tensor | None = None,
-              host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              host: HostReads | None = None) -> Tensor:
     """Routed-expert FFN over bank slots in Triton; contract of `moe_reference`.
 
     One token takes the one-token path (2 launches), T*k <= DECODE_MAX_PAIRS the decode path
@@ -439,8 +439,9 @@ def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         gate_up_bias, down_bias: optional (S, 2*I) and (S, H) per-slot biases, same dtype.
         slot_map: optional (E + 1,) int32 expert → slot table (its last entry -1); then slot_ids
             holds expert ids (-1: none) and each is looked up in it (in the kernels at T = 1).
-        host: optional (E, 2*I, H) and (E, H, I) stacks of every expert in pinned host memory;
-            slot S + e reads expert e from them in place, over PCIe (one token, no biases).
+        host: optional `HostReads`: stacks of every expert in pinned host memory, which slot
+            S + e reads in place over PCIe (one token, no biases), less the pairs its `cpu_take`
+            leaves to a CPU worker.
 
     Returns:
         (T, H) in hidden's dtype, accumulated in fp32, deterministic (no atomics). No host

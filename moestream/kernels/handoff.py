@@ -28,6 +28,7 @@ from torch import Tensor
 
 from moestream.kernels import cpu_moe
 from moestream.kernels.cpu_moe import Mailbox
+from moestream.kernels.moe_reference import split_outside
 
 try:
     import triton
@@ -75,15 +76,14 @@ class LayerHandoff:
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
 
     @classmethod
-    def create(cls, box: Mailbox, num_experts: int, device: torch.device) -> LayerHandoff:
+    def create(cls, box: Mailbox, use: Tensor, miss: Tensor, pairs: Tensor) -> LayerHandoff:
+        """Counters given by the caller (views of one tensor per kind: a refresh reads them in one copy)."""
+        device = use.device
         alias = None
         if device.type == "cuda":
             alias = {name: device_alias(getattr(box, name), device)
                      for name in ("post", "ids", "weights", "hidden", "result", "rows")}
-        return cls(box, torch.zeros(1, dtype=torch.int32, device=device),
-                   torch.zeros(num_experts, dtype=torch.int32, device=device),
-                   torch.zeros(num_experts, dtype=torch.int32, device=device),
-                   torch.zeros(3, dtype=torch.int64, device=device), alias)
+        return cls(box, torch.zeros(1, dtype=torch.int32, device=device), use, miss, pairs, alias)
 
 
 if triton is not None:
@@ -94,9 +94,10 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, use_ptr, miss_ptr, pairs_ptr,
+    def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, use_ptr, miss_ptr, pairs_ptr,
                      hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr,
-                     T, n_hidden, n_pairs, num_slots, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+                     T, n_hidden, n_pairs, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                     PAIRS: tl.constexpr):
         seq = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, seq)
         for i in range(0, n_hidden, BLOCK):
@@ -115,8 +116,13 @@ if triton is not None:
         tl.atomic_add(use_ptr + e, 1, mask=valid)
         tl.atomic_add(miss_ptr + e, 1, mask=valid & ~in_bank)
         tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
-        tl.atomic_add(pairs_ptr + 1, tl.sum((valid & (src >= num_slots)).to(tl.int64)))
-        tl.atomic_add(pairs_ptr + 2, tl.sum((valid & (src < 0)).to(tl.int64)))
+        read = valid & (src >= num_slots)
+        if SPLIT:   # one token: the first take[m] of its m pairs outside the bank are the CPU's
+            take = tl.load(take_ptr + tl.sum(read.to(tl.int32), axis=0))
+            rank = tl.sum((read[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
+            read = read & (rank >= take)
+        tl.atomic_add(pairs_ptr + 1, tl.sum(read.to(tl.int64)))
+        tl.atomic_add(pairs_ptr + 2, tl.sum((valid & ~in_bank & ~read).to(tl.int64)))
         seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
         tl.debug_barrier()
         tl.store(hdr_ptr, seq)
@@ -140,20 +146,22 @@ if triton is not None:
                 tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_map: Tensor, num_slots: int) -> None:
+def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_map: Tensor, num_slots: int,
+         cpu_take: Tensor | None = None) -> None:
     """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights;
-    `source_map` is the map the GPU's dispatch reads (slot, num_slots + e read from host memory,
-    -1 computed by the CPU), which sorts the pairs for the counters."""
+    `source_map` is the map the GPU's dispatch reads (a slot, or num_slots + e: outside the bank)
+    and `cpu_take` the one-token split (`HostReads`), which sort the pairs for the counters."""
     T = hidden.shape[0]
     n_pairs = ids.numel()
     if T * hidden.shape[1] > h.box.hidden.numel() or n_pairs > h.box.ids.numel():
         raise ValueError(f"a call of {T} tokens is larger than the mailbox was made for")
     if h.alias is not None:
         a = h.alias
+        split = cpu_take is not None
         _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
-                           source_map, h.use, h.miss, h.pairs, a["post"], a["ids"], a["weights"], a["hidden"],
-                           T, hidden.numel(), n_pairs, num_slots, BLOCK=POST_BLOCK,
-                           PAIRS=max(16, triton.next_power_of_2(n_pairs)), num_warps=4)
+                           source_map, cpu_take if split else source_map, h.use, h.miss, h.pairs, a["post"], a["ids"],
+                           a["weights"], a["hidden"], T, hidden.numel(), n_pairs, num_slots, SPLIT=split,
+                           BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(n_pairs)), num_warps=4)
         return
     box = h.box
     seq = int(h.seq[0]) + 1
@@ -163,13 +171,15 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     box.weights[:n_pairs].copy_(weights.reshape(-1).float())
     box.hidden[:hidden.numel()].copy_(hidden.reshape(-1))
     box.post[1] = T
+    src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
+    read = split_outside(src, num_slots, cpu_take if T == 1 else None) >= num_slots
     valid = flat >= 0
     e = flat[valid].long()
-    src = source_map[e]
-    in_bank = (src >= 0) & (src < num_slots)
+    in_bank = ((src >= 0) & (src < num_slots)).reshape(-1)[valid]
     h.use.index_add_(0, e, torch.ones_like(e, dtype=torch.int32))
     h.miss.index_add_(0, e, (~in_bank).to(torch.int32))
-    h.pairs += torch.stack((in_bank.sum(), (src >= num_slots).sum(), (src < 0).sum()))
+    n_read = read.sum()
+    h.pairs += torch.stack((in_bank.sum(), n_read, valid.sum() - in_bank.sum() - n_read))
     cpu_moe.publish(box.post, seq)
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["moe_reference", "Activation", "ACTIVATIONS", "FUSED_ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
+__all__ = ["moe_reference", "HostReads", "split_outside", "Activation", "ACTIVATIONS", "FUSED_ACTIVATIONS", "PLANNED_ACTIVATIONS", "check_moe_inputs",
            "get_activation"]
 
 
@@ -157,11 +157,34 @@ def check_expert_biases(gate_up_bias: Tensor | None, down_bias: Tensor | None, S
                          f"{gate_up_bias.dtype}, {down_bias.dtype}")
 
 
+@dataclass(frozen=True)
+class HostReads:
+    """Every expert of a layer in (pinned) host memory, which slot id S + e reads in place (stacks
+    (E, 2*I, H) and (E, H, I), the slots' dtype, no biases). With `cpu_take` ((k + 1,) int32), a
+    one-token call's pairs outside the slots are split: of its m such pairs, the first cpu_take[m]
+    in routing order are computed elsewhere (a CPU worker) and contribute nothing here."""
+
+    gate_up: Tensor
+    down: Tensor
+    cpu_take: Tensor | None = None
+
+
+def split_outside(ids: Tensor, num_slots: int, cpu_take: Tensor | None) -> Tensor:
+    """(T, k) sources with `HostReads.cpu_take`'s pairs set to -1: per row, of the m sources at or past
+    num_slots, the first cpu_take[m] in order."""
+    if cpu_take is None:
+        return ids
+    outside = (ids >= num_slots).long()
+    take = cpu_take.to(ids.device).long()[outside.sum(1)]
+    rank = outside.cumsum(1) - outside
+    return torch.where((outside > 0) & (rank < take[:, None]), -1, ids)
+
+
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
                   weights: Tensor, activation: str | Activation = "swiglu",
                   gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                   reduce: bool = True, slot_map: Tensor | None = None,
-                  host: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  host: HostReads | None = None) -> Tensor:
     """Routed-expert FFN over bank slots, in plain torch (the spec of `fused_moe`).
 
     Args:
@@ -180,8 +203,8 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
             rows of several calls added up, then `sum_pairs_reference`, equal one call's result.
         slot_map: optional (E + 1,) expert → slot table (its last entry -1); then slot_ids holds
             expert ids (-1: none), each looked up in it first.
-        host: optional stacks (E, 2*I, H) and (E, H, I) of every expert (host memory); a slot id
-            S + e then means expert e read from them (no biases).
+        host: optional `HostReads`: a slot id S + e then means expert e read from its stacks (no
+            biases), less the pairs its `cpu_take` leaves to the CPU.
 
     Returns:
         (T, H) in hidden's dtype; the sum over the k experts is accumulated in fp32.
@@ -191,8 +214,9 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
     if host is not None:
         if gate_up_bias is not None:
             raise ValueError("experts read from a host stack take no biases")
-        S, ids = gate_up.shape[0], slot_ids.long()
-        host_gate_up, host_down = (t.to(hidden.device) for t in host)   # a reference: the whole stack, plainly
+        S = gate_up.shape[0]
+        ids = split_outside(slot_ids.long().reshape(hidden.shape[0], -1), S, host.cpu_take)
+        host_gate_up, host_down = host.gate_up.to(hidden.device), host.down.to(hidden.device)   # plainly: a reference
         pairs = (moe_reference(hidden, gate_up, down, torch.where(ids < S, ids, -1), weights, activation, reduce=False)
                  + moe_reference(hidden, host_gate_up, host_down, torch.where(ids >= S, ids - S, -1), weights,
                                  activation, reduce=False))

@@ -33,13 +33,16 @@ def test_bf16_logits_close_to_fp32_reference(arch, tiny_checkpoints):
     assert agree >= min(0.9, ref_agree - 0.05)
 
 
-def test_fetch_is_exact_at_every_capacity_on_gpu(tiny_qwen3):
+@pytest.mark.parametrize("policy", ["fetch", "hybrid"])
+def test_misses_are_exact_at_every_capacity_on_gpu(tiny_qwen3, policy):
     full = moestream.load(tiny_qwen3, device="cuda", dtype="float32")
     prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 6)]
     expected = full.generate(prompts, max_tokens=24, ignore_eos=True)
-    for cap in range(2, 9):
-        engine = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=cap)
+    for cap in range(1 if policy == "hybrid" else 2, 9):
+        engine = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=cap, miss_policy=policy,
+                                host_tier="pinned")
         assert engine.generate(prompts, max_tokens=24, ignore_eos=True) == expected, f"capacity {cap}"
+        engine.bank.close()
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])

@@ -44,7 +44,7 @@ def test_without_hybrid_nothing_is_served_on_the_cpu(tiny_qwen3, resident):
     (dict(cpu_misses=1.5), "from 0 to 1"),
     (dict(cpu_misses=0.5, miss_policy="skip"), "needs --miss-policy fetch"),
     (dict(cpu_misses=0.5, capacity=2), "host RAM"),                     # the disk tier holds nothing in RAM
-    (dict(cpu_threads=2), "give --cpu-misses or --miss-policy hybrid too"),
+    (dict(cpu_threads=2, miss_policy="fetch"), "give --cpu-misses or --miss-policy hybrid too"),
     (dict(cpu_misses=0.5, cpu_threads=0), "at least 1"),
 ])
 def test_bad_hybrid_settings_are_refused(tiny_qwen3, kwargs, match):
@@ -130,7 +130,7 @@ def test_hybrid_misses_on_the_gpu_give_the_resident_tokens(tiny_qwen3, share):
     want = resident.generate(PROMPTS, max_tokens=16, ignore_eos=True)
     k = resident.config.top_k
     hybrid = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=k, host_tier="pinned",
-                            cpu_misses=share, discovery=False)
+                            cpu_misses=share, discovery=False, miss_policy="fetch")
     assert hybrid.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
     assert [hybrid.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
     stats = hybrid.stats()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moestream
-from moestream.errors import InputError
+from moestream.errors import BudgetError, InputError
 
 PROMPTS = [[5, 6, 7, 8, 9], [12, 13, 14, 15, 16, 17, 18]]
 
@@ -48,24 +48,31 @@ def _prompt_misses(engine) -> int:
     return 0
 
 
-def test_the_worker_computes_only_its_share(tiny_qwen3):
+def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
+    """The one-token map sends every expert outside the bank to the host stack (S + e), the worker
+    sees the same experts as outside, and take[m] is the CPU's rounded share of m misses."""
     engine = _hybrid(tiny_qwen3, cpu_misses=0.5)
     try:
         engine.generate(PROMPTS[0], max_tokens=2)                           # the maps follow the filled bank
         hybrid = engine.bank.hybrid_misses
-        E = engine.config.num_experts
+        E, S, k = engine.config.num_experts, engine.bank.capacity, engine.config.top_k
+        assert hybrid.take_host.tolist() == [round(0.5 * m) for m in range(k + 1)]
         for layer, box in hybrid.mailboxes.items():
             ls = engine.bank.slots[layer]
-            one_map = hybrid.one_token_maps[layer]
-            outside = [e for e in range(E) if e not in ls.where]
-            on_cpu = [e for e in outside if box.serve_one[e]]
-            read = [e for e in outside if int(one_map[e]) >= engine.bank.capacity]
-            assert sorted(on_cpu + read) == outside and not set(on_cpu) & set(read)
-            assert abs(len(on_cpu) - len(outside) / 2) <= 1                # the share, interleaved
-            assert all(int(one_map[e]) == engine.bank.capacity + e for e in read)
-            assert [int(box.serve_many[e]) for e in range(E)] == [int(e not in ls.where) for e in range(E)]
+            one_map = hybrid.one_token_maps[layer].tolist()
+            assert one_map[:E] == [ls.where.get(e, S + e) for e in range(E)] and one_map[E] == -1
+            assert box.outside.tolist() == [int(e not in ls.where) for e in range(E)]
     finally:
         engine.bank.close()
+
+
+def test_split_outside_leaves_the_first_misses_to_the_cpu():
+    from moestream.kernels.moe_reference import split_outside
+
+    ids = torch.tensor([[0, 9, 1, 8, 7], [9, 9, 0, 1, 2]])           # slots 0..3; 4 and past: outside
+    take = torch.tensor([0, 1, 1, 2, 2, 3], dtype=torch.int32)
+    assert split_outside(ids, 4, take).tolist() == [[0, -1, 1, -1, 7], [-1, 9, 0, 1, 2]]
+    assert torch.equal(split_outside(ids, 4, None), ids)
 
 
 def test_maps_follow_the_bank_after_a_refresh(tiny_qwen3, resident):
@@ -74,13 +81,28 @@ def test_maps_follow_the_bank_after_a_refresh(tiny_qwen3, resident):
     try:
         engine.bank.hybrid_misses.refresh_every = 4
         assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert engine.stats()["evictions"] > 0                              # the bank took missed experts in
         bank = engine.bank
         for layer in bank.slots:
             ls, box = bank.slots[layer], bank.hybrid_misses.mailboxes[layer]
-            assert all(int(box.serve_many[e]) == 0 for e in ls.where)        # the worker never takes a resident one
+            assert all(int(box.outside[e]) == 0 for e in ls.where)           # the worker never takes a resident one
             assert all(int(bank.hybrid_misses.one_token_maps[layer][e]) == s for e, s in ls.where.items())
     finally:
         engine.bank.close()
+
+
+def test_hybrid_policy_takes_a_bank_smaller_than_top_k(tiny_qwen3, resident):
+    """One slot per layer: nearly every pair misses, every one is served off the bank, and a prompt
+    streams through staging; the fetch policy refuses that capacity."""
+    _, want = resident
+    engine = _hybrid(tiny_qwen3, capacity=1, cpu_misses=0.5)
+    try:
+        assert engine.memory_plan.capacity == 1
+        assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+    finally:
+        engine.bank.close()
+    with pytest.raises(BudgetError, match="--miss-policy hybrid"):
+        moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=1, discovery=False)
 
 
 def test_hybrid_policy_refuses_what_it_cannot_serve(tiny_qwen3):

@@ -89,25 +89,46 @@ def test_gemv_kernel_compiles(bias):
 @pytest.mark.parametrize("has_map", [False, True])
 @pytest.mark.parametrize("activation,bias", EPILOGUES)
 @pytest.mark.parametrize("reduce", [True, False])
-def test_token_kernels_compile(has_map, activation, bias, reduce):
+@pytest.mark.parametrize("split", [False, True])
+def test_token_kernels_compile(has_map, activation, bias, reduce, split):
     from moestream.kernels.fused_moe_token import _token_down_kernel, _token_gate_up_kernel
 
     ids = {"ids_ptr": "*i32", "map_ptr": "*i32"}
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "ACTIVATION": activation, "BLOCK_N": 2, "BLOCK_K": 2048,
-              "EVEN_K": True, "USE_PDL": True}
-    sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16"},
-               ["I", "H", "num_slots", "top_k", "stride_id", "stride_be", "stride_bn", "stride_cm", "stride_bias"],
-               FLOATS, consts)
+              "EVEN_K": True, "SPLIT": split, "K_PAD": 8, "USE_PDL": True}
+    sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16", "take_ptr": "*i32"},
+               ["I", "H", "num_slots", "num_host", "host_off", "top_k", "stride_id", "stride_be", "stride_bn",
+                "stride_cm", "stride_bias"], FLOATS, consts)
+    sig["host_off"] = "i64"   # host stacks sit far from the slots in the address space
     triton.compile(ASTSource(fn=_token_gate_up_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "REDUCE": reduce, "K_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128,
-              "EVEN_K": False, "USE_PDL": True}
+              "EVEN_K": False, "SPLIT": split, "USE_PDL": True}
     sig = _sig({"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16" if reduce else "*fp32", **ids,
-                "w_ptr": "*fp32", "bias_ptr": "*bf16"},
-               ["H", "I", "num_slots", "top_k", "stride_id", "stride_w", "stride_am", "stride_be", "stride_bn",
-                "stride_om", "stride_bias"], [], consts)
+                "w_ptr": "*fp32", "bias_ptr": "*bf16", "take_ptr": "*i32"},
+               ["H", "I", "num_slots", "num_host", "host_off", "top_k", "stride_id", "stride_w", "stride_am",
+                "stride_be", "stride_bn", "stride_om", "stride_bias"], [], consts)
+    sig["host_off"] = "i64"
     triton.compile(ASTSource(fn=_token_down_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4, "enable_fp_fusion": False})
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_handoff_kernels_compile(split):
+    """The post (system-scope fence, then the flag) and the bounded device-side wait of hybrid misses."""
+    from moestream.kernels.handoff import _collect_kernel, _post_kernel
+
+    consts = {"SPLIT": split, "BLOCK": 1024, "PAIRS": 16}
+    sig = _sig({"seq_ptr": "*i32", "hidden_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "map_ptr": "*i32",
+                "take_ptr": "*i32", "use_ptr": "*i32", "miss_ptr": "*i32", "pairs_ptr": "*i64", "hdr_ptr": "*i32",
+                "box_ids_ptr": "*i32", "box_w_ptr": "*fp32", "box_hidden_ptr": "*bf16"},
+               ["T", "n_hidden", "n_pairs", "num_slots"], [], consts)
+    triton.compile(ASTSource(fn=_post_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
+    consts = {"BLOCK": 1024}
+    sig = _sig({"seq_ptr": "*i32", "hdr_ptr": "*i32", "rows_ptr": "*fp32", "out_ptr": "*bf16", "error_ptr": "*i32"},
+               ["n", "max_polls"], [], consts)
+    triton.compile(ASTSource(fn=_collect_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
 
 
 @pytest.mark.parametrize("scale", [0, 1, 2])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moestream.kernels import moe_reference
-from moestream.kernels.moe_reference import Activation
+from moestream.kernels.moe_reference import Activation, HostReads
 
 ACTIVATIONS = [("swiglu", False), (Activation("swiglu_clamped", alpha=1.702, limit=7.0), True), ("geglu_tanh", False)]
 
@@ -85,17 +85,30 @@ def check_host_reads(device: str, dtype: torch.dtype) -> None:
     source[resident] = torch.arange(S, dtype=torch.int32)
     source[2], source[5] = S + 2, S + 5                        # read from the host stack; 11: no source
     source = source.to(device)
-    out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=(host_gu, host_down))
+    host = HostReads(host_gu, host_down)
+    out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
     # The same experts all in slots: identity map over a full device copy.
     full_gu, full_down = host_gu.to(device), host_down.to(device)
     full_ids = ids.clone()
     full_ids[0, 4] = -1
     full = fused_moe_with_config(hidden, full_gu, full_down, full_ids, weights)
     assert torch.equal(out, full), "an expert read from the host stack gives the bits of one in a slot"
-    ref = moe_reference(hidden, gate_up, down, ids, weights, slot_map=source, host=(host_gu, host_down))
+    ref = moe_reference(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol
     assert torch.equal(ref, moe_reference(hidden, full_gu, full_down, full_ids, weights))
+    # The split: pairs 1 and 3 (experts 2 and 5) are outside the slots; take[2] = 1 leaves the first
+    # of them (pair 1) to the CPU, so only pair 3 is read here; take[2] = 2 leaves both.
+    for take2, skipped in ((1, [1]), (2, [1, 3]), (0, [])):
+        take = torch.tensor([0, 1, take2, 2, 2, 2, 2], dtype=torch.int32, device=device)
+        split = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source,
+                                      host=HostReads(host_gu, host_down, take))
+        kept = full_ids.clone()
+        kept[0, skipped] = -1
+        assert torch.equal(split, fused_moe_with_config(hidden, full_gu, full_down, kept, weights)), take2
+        assert torch.equal(moe_reference(hidden, gate_up, down, ids, weights, slot_map=source,
+                                         host=HostReads(host_gu, host_down, take)),
+                           moe_reference(hidden, full_gu, full_down, kept, weights))
 
 
 def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:

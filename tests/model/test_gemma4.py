@@ -133,18 +133,21 @@ def test_gemma4_decode_never_splits_at_routers(tiny_checkpoints):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("capacity", [None, 4])
-def test_gpu_decode_matches_transformers(tiny_checkpoints, capacity):
-    """On the GPU in fp32: the fused GeGLU kernel; resident, decode as whole-step CUDA graphs (rings,
-    proportional rope, the layer scalar inside them); with a fetch bank, eager decode. Greedy tokens
-    equal transformers' for a prompt longer than the window and a short one, batched."""
+@pytest.mark.parametrize("capacity, policy", [(None, "auto"), (4, "fetch"), (4, "hybrid")])
+def test_gpu_decode_matches_transformers(tiny_checkpoints, capacity, policy):
+    """On the GPU in fp32: the fused GeGLU kernel; resident or with hybrid misses, decode as whole-step
+    CUDA graphs (rings, proportional rope, the layer scalar inside them); with a fetch bank, eager
+    decode. Greedy tokens equal transformers' for a prompt longer than the window and a short one,
+    batched."""
     folder, ref = tiny_checkpoints["gemma4"]
     prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 5)]
     want = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
                          min_new_tokens=16, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    engine = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, prefill_chunk=5)
-    assert not engine.bank.dispatch_syncs and engine.bank.graph_safe == (capacity is None)
+    engine = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, prefill_chunk=5,
+                            miss_policy=policy, host_tier="pinned" if capacity else "auto")
+    assert not engine.bank.dispatch_syncs and engine.bank.graph_safe == (policy != "fetch")
     assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == want
+    engine.bank.close()
 
 
 def test_long_prompt_in_chunks_shorter_than_the_window_equals_transformers(tiny_checkpoints):

@@ -309,16 +309,19 @@ def test_config_defaults_follow_transformers():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("capacity", [None, 4])   # 4 of 8: a batch of two (top-2) still segments
-def test_cuda_graph_decode_matches_transformers(gpt_oss, capacity):
-    """On the GPU in fp32: decode as CUDA graphs (whole steps when resident, segments with a bounded
-    bank), the ring and sinks inside them, the Triton kernels with biases and the clamped SwiGLU."""
+@pytest.mark.parametrize("capacity, policy", [(None, "auto"), (4, "fetch"), (4, "hybrid")])   # 4 of 8: a batch of
+def test_cuda_graph_decode_matches_transformers(gpt_oss, capacity, policy):                     # two still segments
+    """On the GPU in fp32: decode as CUDA graphs (whole steps when resident or with hybrid misses, whose
+    CPU worker computes biased, clamped experts; segments with a fetch bank), the ring and sinks inside
+    them, the Triton kernels with biases and the clamped SwiGLU."""
     folder, ref_model = gpt_oss
     prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (19, 8)]
     expected = [_reference_tokens(ref_model, p, 24) for p in prompts]
-    engine = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, prefill_chunk=5)
+    engine = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, prefill_chunk=5,
+                            miss_policy=policy, host_tier="pinned" if capacity else "auto")
     assert engine.bank.graph_safe or engine.bank.can_segment(2)
     assert engine.generate(prompts, max_tokens=24, ignore_eos=True) == expected
+    engine.bank.close()
 
 
 def test_dense_format_holds_the_biases_and_says_when_its_dispatch_syncs(monkeypatch):

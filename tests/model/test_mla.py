@@ -239,7 +239,11 @@ def test_mla_decode_under_cuda_graphs_equals_eager_decode(tiny_checkpoints, arch
     eager = moestream.load(folder, device="cuda", dtype="float32", cuda_graphs=False)
     set_absorbed(eager.model, absorbed)
     want = eager.generate(prompts, max_tokens=12, ignore_eos=True)
-    for capacity in (None, 4):   # 4 of 8 at top-2: a batch of two can be made resident, so it segments
-        graphs = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, mla_absorbed=absorbed)
-        assert graphs.bank.graph_safe if capacity is None else graphs.bank.can_segment(2)
-        assert graphs.generate(prompts, max_tokens=12, ignore_eos=True) == want, f"capacity {capacity}"
+    # 4 of 8 at top-2: a batch of two can be made resident, so a fetch bank segments; hybrid misses
+    # keep whole-step graphs.
+    for capacity, policy in ((None, "auto"), (4, "fetch"), (4, "hybrid")):
+        graphs = moestream.load(folder, device="cuda", dtype="float32", capacity=capacity, mla_absorbed=absorbed,
+                                miss_policy=policy, host_tier="pinned" if capacity else "auto")
+        assert graphs.bank.graph_safe if policy != "fetch" else graphs.bank.can_segment(2)
+        assert graphs.generate(prompts, max_tokens=12, ignore_eos=True) == want, f"capacity {capacity}, {policy}"
+        graphs.bank.close()

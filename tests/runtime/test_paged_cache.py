@@ -226,7 +226,8 @@ def test_gpu_paged_decode_equals_the_rows_layout(tiny_qwen3, capacity):
     a second turn through the prefix cache, and preemption in a pool of 1.5 contexts."""
     from moestream.kernels import fused_moe_available
 
-    kw = dict(device="cuda", dtype="float32", max_context=160, max_batch=4, kv_rows=4, capacity=capacity)
+    kw = dict(device="cuda", dtype="float32", max_context=160, max_batch=4, kv_rows=4, capacity=capacity,
+              miss_policy="fetch")
     rows = moestream.load(tiny_qwen3, kv_layout="rows", **kw)
     paged = moestream.load(tiny_qwen3, kv_layout="paged", kv_block_size=16, prefix_cache_memory="1MiB", **kw)
     prompts = [FIRST, FIRST[:7], FIRST[3:33]]
