@@ -86,11 +86,12 @@ class Engine:
         return self.plan.memory
 
     def close(self) -> None:
-        """Stop the other ranks of an expert-parallel group (nothing to do for one device)."""
-        if self.group is not None:
-            with self._lock:
+        """Stop the other ranks of an expert-parallel group and the bank's CPU worker (hybrid misses)."""
+        with self._lock:
+            if self.group is not None:
                 self.group.close()
                 self.group = None
+            self.bank.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -180,12 +180,14 @@ class ExpertBank:
         if self.prefetcher is not None:
             self.stats.record(layer, prefetched=self.prefetcher.issue(layer, predicted))
 
-    def begin_step(self, decoding: bool) -> None:
+    def begin_step(self, decoding: bool, live_rows: int | None = None) -> None:
         """Called before each forward: one token per sequence lets the skip policy apply (prompts stay
-        exact); the hybrid policy's maps follow any change of the bank since the last step."""
+        exact); the hybrid policy's maps follow any change of the bank since the last step, and it
+        computes nothing for rows past `live_rows` (the padding of a captured batch; None: all live)."""
         self.decoding = decoding
         if self.hybrid_misses is not None:
             self.hybrid_misses.sync_maps()
+            self.hybrid_misses.set_live_rows(live_rows)
 
     def after_step(self, tokens: int) -> None:
         """Advance the residency clock; in skip mode, refresh the bank from miss counters now and then."""

@@ -15,7 +15,9 @@ the split is per call: of its m missing pairs the CPU computes the first take[m]
 (take[m] = round(cpu_share × m)) and the GPU reads the others; the kernels, the counters and the
 worker apply the same rule to the same routing, so every pair is served once, and the two sides'
 work stays balanced however many of a token's experts miss. Calls of more than one token (a batch of
-streams) leave every miss to the CPU: the decode kernels of larger calls read slots only. Calls
+streams), and quantized or biased experts, leave every miss to the CPU: the decode kernels of larger
+calls and the quantized kernels read slots only (the worker unpacks 8/4/2-bit and NF4 experts).
+Rows past the live ones of a captured batch (its padding) get no experts computed. Calls
 larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
 is. Every `refresh_every` tokens the bank takes in the most-missed experts where they clearly beat
 the coldest resident ones (device-side counters, one read-back per refresh); the maps follow at the
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from moestream.errors import InputError
-from moestream.experts.format import DenseFormat, Dispatch, ExpertFormat, ExpertShape
+from moestream.experts.format import DenseFormat, Dispatch, ExpertFormat, ExpertShape, QuantizedFormat
 from moestream.experts.residency import ResidencyPolicy
 from moestream.experts.skip import promote_missed
 from moestream.experts.slots import SlotTable
@@ -45,6 +47,7 @@ DEFAULT_CPU_SHARE = 0.6      # of a one-token call's missing pairs, the CPU's sh
 PROMOTE_MARGIN = 1.5         # a missed expert replaces a resident one only when clearly hotter
 PROMOTE_MOST = 4             # experts copied into a layer per refresh, at most
 REFRESH_EVERY = 8            # tokens between refreshes
+ALL_ROWS = 1 << 30           # live rows of a call when none are padding
 
 
 def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stacks) -> None:
@@ -53,11 +56,15 @@ def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stac
         raise InputError("--miss-policy hybrid computes missed experts from host RAM, but the experts are read "
                          "from disk here; add --host-tier pinned (and the host memory it needs) or use "
                          "--miss-policy fetch.")
-    dense = all(isinstance(fmt, DenseFormat) for fmt in formats.values())
-    dtypes = {fmt.dtype for fmt in formats.values()}
-    if not dense or not all(cpu_moe.supports(dt, shape.activation) for dt in dtypes):
-        raise InputError("--miss-policy hybrid takes bf16 or fp32 experts for now (quantized experts are not yet "
-                         "computed on its CPU worker); use --miss-policy fetch with --cpu-misses instead.")
+    for fmt in formats.values():
+        if isinstance(fmt, DenseFormat):
+            ok = cpu_moe.supports(fmt.dtype, shape.activation)
+        else:
+            ok = isinstance(fmt, QuantizedFormat) and cpu_moe.supports_quant(fmt.spec) and shape.plain
+        if not ok:
+            raise InputError(f"--miss-policy hybrid's CPU worker does not compute {fmt.name} experts with a "
+                             f"{shape.activation.name} activation (it takes bf16/fp32, and 8/4/2-bit or NF4 SwiGLU "
+                             "experts); use --miss-policy fetch.")
     if cpu_moe.load() is None:
         raise InputError(f"--miss-policy hybrid needs the CPU expert kernel, which cannot be built here "
                          f"({cpu_moe.unavailable_reason()}); use --miss-policy fetch.")
@@ -74,8 +81,10 @@ class HybridMisses:
         self.cpu_share, self.refresh_every, self.max_tokens = float(cpu_share), refresh_every, max_tokens
         device = slots.device
         E = slots.num_experts
-        # The GPU reads experts in place only through the one-token launches, which take no biases.
-        self.gpu_reads = not shape.bias and (
+        # The GPU reads experts in place only through the one-token launches: dense experts, no biases.
+        # Elsewhere the CPU computes every miss.
+        dense = all(isinstance(fmt, DenseFormat) for fmt in slots.formats.values())
+        self.gpu_reads = dense and not shape.bias and (
             device.type == "cpu" or all(fmt.uses_kernels(device, shape) for fmt in slots.formats.values()))
         self.expert_bytes = {layer: fmt.nbytes(shape) for layer, fmt in slots.formats.items()}
         dtype = next(iter(slots.formats.values())).dtype
@@ -98,15 +107,20 @@ class HybridMisses:
         self.host_reads = {layer: HostReads(stack["gate_up"], stack["down"], self.take)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
+        self.live = torch.full((1,), ALL_ROWS, dtype=torch.int32, device=device)
+        self._live_value = ALL_ROWS
         self._version = -1
+        self.closed = False
         self._since_refresh = 0
         self._folded = {layer: (0.0, 0, 0, 0) for layer in slots}
         self.sync_maps()
+        specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
-                                   threads)
+                                   threads, specs)
 
     def close(self) -> None:
         self.worker.close()
+        self.closed = True
 
     # ---- a call --------------------------------------------------------------------------
     def takes(self, tokens: int) -> bool:
@@ -117,16 +131,27 @@ class HybridMisses:
         ls, h = self.slots[layer], self.handoffs[layer]
         one = hidden.shape[0] == 1 and self.gpu_reads
         source = self.one_token_maps[layer] if one else ls.slot_map
-        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.take if one else None)
+        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.live,
+                     self.take if one else None)
         extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
-        return handoff.collect(h, out, self.error)
+        return handoff.collect(h, out, self.error, self.live)
+
+    def set_live_rows(self, rows: int | None) -> None:
+        """How many rows of the next calls are real (None: all): a decode step replayed through a
+        graph of a larger batch pads its rows, whose experts nobody needs computed."""
+        value = ALL_ROWS if rows is None else rows
+        if value != self._live_value:
+            self.live.fill_(value)
+            self._live_value = value
 
     # ---- between steps ------------------------------------------------------------------
     def sync_maps(self) -> None:
         """Rebuild each layer's one-token map (experts outside the bank: S + e) and the worker's view
         of what is outside, after the bank changed (the worker is idle between steps: the last step's
         launches waited for every answer)."""
+        if self.closed:
+            raise RuntimeError("this engine was closed: its CPU expert worker has stopped; load it again")
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts

@@ -410,6 +410,11 @@ typedef struct {
     float *out;                                               /* (max_tokens, H) fp32 */
     double *busy_s;                                           /* statistics, added to: compute time */
     int64_t *counts;                                          /* [calls, pairs, experts] */
+    /* quantized experts: gate_up / down above are the packed values; per projection scales and
+     * (affine) biases, the value of each code, bits, values per group, scales 0 = bf16, 1 = fp32 */
+    const void *gate_up_scales, *gate_up_qbias, *down_scales, *down_qbias;
+    const float *table;
+    int32_t quantized, bits, group, sdtype;
 } StreamLayer;
 
 typedef struct {
@@ -445,7 +450,7 @@ typedef struct {
     int32_t *cpus;
     int32_t *last;                                            /* per layer: the last sequence served */
     int32_t *experts, *pair_off, *pair_tok;
-    float *pair_w, *scratch;
+    float *pair_w, *scratch, *xq;                             /* xq: quantized layers' phase-ordered inputs */
     void *act_buf;
     /* the job thread 0 hands the team */
     volatile int gen;
@@ -530,6 +535,13 @@ static int next_job(StreamWorker *w) {
             w->job_t0 = now_s();
             group_pairs(w, L, T);
             memset(L->out, 0, (size_t)T * w->H * sizeof(float));
+            if (L->quantized && w->job_used) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
+                const int v = 8 / L->bits, per = w->H / v;
+                for (int t = 0; t < T; t++)
+                    for (int i = 0; i < w->H; i++)
+                        w->xq[(size_t)t * w->H + (size_t)(i % v) * per + i / v] =
+                            widen(L->hidden, w->dtype, (size_t)t * w->H + i);
+            }
             w->job_layer = l;
             w->job_seq = seq;
             w->job_tokens = T;
@@ -592,9 +604,22 @@ static void *stream_main(void *arg) {
                 W.dtype = w->dtype;
                 W.w[0] = L->gate_up;
                 W.w[1] = L->down;
+                if (L->quantized) {
+                    W.quantized = 1;
+                    W.scales[0] = L->gate_up_scales;
+                    W.scales[1] = L->down_scales;
+                    W.qbias[0] = L->gate_up_qbias;
+                    W.qbias[1] = L->down_qbias;
+                    W.bits = L->bits;
+                    W.group = L->group;
+                    W.sdtype = L->sdtype;
+                    for (int i = 0; i < 16; i++) W.table[i] = L->table[i];
+                }
                 run_experts_part(tid, nth, spin_barrier, &arrival, &W, L->gate_up_bias, L->down_bias, w->H, w->I,
-                                 w->act, w->alpha, w->limit, 0, w->job_used, w->experts, w->pair_off, w->pair_tok,
-                                 w->pair_w, L->hidden, w->scratch, w->act_buf, L->out);
+                                 L->quantized ? ACT_SWIGLU : w->act, w->alpha, w->limit,
+                                 L->quantized && w->dtype == W_BF16, w->job_used, w->experts, w->pair_off,
+                                 w->pair_tok, w->pair_w, L->quantized ? (const void *)w->xq : L->hidden, w->scratch,
+                                 w->act_buf, L->out);
                 spin_barrier(&arrival);
             }
             if (tid == 0) {
@@ -612,7 +637,7 @@ static void *stream_main(void *arg) {
 
 static void free_worker(StreamWorker *w) {
     free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
-    free(w->pair_w); free(w->scratch); free(w->act_buf); free(w);
+    free(w->pair_w); free(w->scratch); free(w->xq); free(w->act_buf); free(w);
 }
 
 /* Start a worker over `layers` (copied); `last_seq` gives each layer's sequence number already
@@ -633,8 +658,9 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, const
     w->pair_w = malloc(sizeof(float) * pairs);
     w->scratch = malloc(sizeof(float) * pairs * 2 * I);
     w->act_buf = malloc(sizeof(float) * pairs * I);
+    w->xq = malloc(sizeof(float) * (size_t)max_tokens * H);
     if (!w->layers || !w->last || !w->cpus || !w->experts || !w->pair_off || !w->pair_tok || !w->pair_w ||
-        !w->scratch || !w->act_buf) {
+        !w->scratch || !w->act_buf || !w->xq) {
         free_worker(w);
         return NULL;
     }

@@ -261,11 +261,7 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
     grouped = _pairs(slot_ids, weights, S)
     if grouped is not None:
         experts, pair_off, pair_tok, pair_w = grouped
-        table = torch.zeros(16)
-        if spec.kind == "nf":
-            table[:1 << spec.bits] = codebook(spec.bits)
-        else:
-            table[:min(16, 1 << spec.bits)] = torch.arange(min(16, 1 << spec.bits), dtype=torch.float32)
+        table = code_table(spec)
         x = _phase_ordered(hidden, spec.bits)
         scratch = torch.empty(len(pair_tok), two_i, dtype=torch.float32)
         act_buf = torch.empty(len(pair_tok), I, dtype=torch.float32)
@@ -283,9 +279,20 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
 class _StreamLayer(ctypes.Structure):
     """One layer as the worker sees it (`StreamLayer` in cpu_moe.c)."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "gate_up", "down", "gate_up_bias", "down_bias", "outside", "post", "ids", "weights",
-        "hidden", "result", "out", "busy_s", "counts")]
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+        "gate_up", "down", "gate_up_bias", "down_bias", "outside", "post", "ids", "weights", "hidden", "result", "out",
+        "busy_s", "counts", "gate_up_scales", "gate_up_qbias", "down_scales", "down_qbias", "table")),
+        *((name, ctypes.c_int32) for name in ("quantized", "bits", "group", "sdtype"))]
+
+
+def code_table(spec: QuantSpec) -> Tensor:
+    """The value of each code of a quantized spec, as the kernel reads it (16 floats)."""
+    table = torch.zeros(16)
+    if spec.kind == "nf":
+        table[:1 << spec.bits] = codebook(spec.bits)
+    else:
+        table[:min(16, 1 << spec.bits)] = torch.arange(min(16, 1 << spec.bits), dtype=torch.float32)
+    return table
 
 
 class Mailbox:
@@ -319,37 +326,59 @@ class StreamWorker:
     caller may rewrite it between steps."""
 
     def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], take: Tensor,
-                 top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None):
+                 top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
+                 specs: Mapping[int, QuantSpec | None] | None = None):
+        """`stacks`: every expert of each layer in host RAM, dense (`gate_up`, `down`, optional
+        biases) or, where `specs` gives the layer a quantization spec, packed (`<proj>.qweight`,
+        `.scales`, `.biases`: plain SwiGLU experts, the specs `supports_quant` names)."""
         lib = _ready()
         act = Activation.of(activation)
-        first = next(iter(stacks.values()))
-        gate_up = first["gate_up"]
-        if not supports(gate_up.dtype, act):
-            raise ValueError(f"the CPU expert kernel takes bf16 or fp32 experts with {', '.join(ACTIVATION_CODES)}; "
-                             f"got {gate_up.dtype} and {act.name}")
-        E, two_i, H = gate_up.shape
+        specs = specs or {}
         self.layers = list(mailboxes)
         if take.dtype != torch.int32 or take.device.type != "cpu" or take.numel() != top_k + 1:
             raise ValueError(f"take must be a ({top_k + 1},) int32 CPU tensor")
-        self._keep = (stacks, mailboxes, take)
+        hidden_dtype = next(iter(mailboxes.values())).hidden.dtype
+        if hidden_dtype not in DTYPES:
+            raise ValueError(f"the CPU expert kernel takes bf16 or fp32 hidden rows, got {hidden_dtype}")
+        tables = {}
         structs = (_StreamLayer * len(self.layers))()
         for i, layer in enumerate(self.layers):
-            stack, box = stacks[layer], mailboxes[layer]
-            _check_once(stack, {name: gate_up.dtype for name in stack})
+            stack, box, spec = stacks[layer], mailboxes[layer], specs.get(layer)
+            if spec is None:
+                gate_up, down = stack["gate_up"], stack["down"]
+                if not supports(gate_up.dtype, act) or gate_up.dtype != hidden_dtype:
+                    raise ValueError(f"the CPU expert kernel takes bf16 or fp32 experts in the hidden rows' dtype with "
+                                     f"{', '.join(ACTIVATION_CODES)}; got {gate_up.dtype} and {act.name}")
+                _check_once(stack, {name: gate_up.dtype for name in stack})
+                E, two_i, H = gate_up.shape
+                quant = dict(quantized=0, bits=0, group=0, sdtype=0)
+            else:
+                if not supports_quant(spec) or act.name != "swiglu":
+                    raise ValueError(f"the CPU expert kernel does not read {spec.name} experts with {act.name}")
+                _check_once(stack, {n: torch.uint8 for n in stack if n.endswith(".qweight")}
+                            | {n: spec.scale_dtype for n in stack if not n.endswith(".qweight")})
+                gate_up, down = stack["gate_up.qweight"], stack["down.qweight"]
+                E, two_i, H = gate_up.shape[0], gate_up.shape[1], down.shape[1]
+                tables[layer] = code_table(spec)
+                quant = dict(quantized=1, bits=spec.bits, group=spec.group,
+                             sdtype=0 if spec.scale_dtype == torch.bfloat16 else 1,
+                             gate_up_scales=_ptr(stack["gate_up.scales"]), gate_up_qbias=_ptr(stack.get("gate_up.biases")),
+                             down_scales=_ptr(stack["down.scales"]), down_qbias=_ptr(stack.get("down.biases")),
+                             table=_ptr(tables[layer]))
             structs[i] = _StreamLayer(
-                _ptr(stack["gate_up"]), _ptr(stack["down"]), _ptr(stack.get("gate_up_bias")),
-                _ptr(stack.get("down_bias")), _ptr(box.outside), _ptr(box.post),
-                _ptr(box.ids), _ptr(box.weights), _ptr(box.hidden), _ptr(box.result), _ptr(box.rows),
-                _ptr(box.busy_s), _ptr(box.counts))
+                gate_up=_ptr(gate_up), down=_ptr(down), gate_up_bias=_ptr(stack.get("gate_up_bias")),
+                down_bias=_ptr(stack.get("down_bias")), outside=_ptr(box.outside), post=_ptr(box.post),
+                ids=_ptr(box.ids), weights=_ptr(box.weights), hidden=_ptr(box.hidden), result=_ptr(box.result),
+                out=_ptr(box.rows), busy_s=_ptr(box.busy_s), counts=_ptr(box.counts), **quant)
+        self._keep = (stacks, mailboxes, take, tables)
         last = (ctypes.c_int32 * len(self.layers))(*[int(mailboxes[layer].post[0]) for layer in self.layers])
         cpus = usable_cpus()
         workers = cpus[1:] or cpus
         self.threads = max(1, threads or default_threads(len(cpus)))
         arr = (ctypes.c_int32 * len(workers))(*workers)
-        self._handle = lib.moe_stream_start(structs, last, _ptr(take), len(self.layers), DTYPES[gate_up.dtype], H,
-                                            two_i // 2,
-                                            top_k, E, max_tokens, ACTIVATION_CODES[act.name], act.alpha, act.limit,
-                                            self.threads, arr, len(workers))
+        self._handle = lib.moe_stream_start(structs, last, _ptr(take), len(self.layers), DTYPES[hidden_dtype], H,
+                                            two_i // 2, top_k, E, max_tokens, ACTIVATION_CODES[act.name], act.alpha,
+                                            act.limit, self.threads, arr, len(workers))
         if not self._handle:
             raise RuntimeError("the CPU expert worker thread could not start")
         self._lib = lib

@@ -36,8 +36,9 @@ try:
 except ImportError:   # CPU-only installs: the torch path below serves them
     triton = None
 
-# ~1 µs per poll of host memory: about 30 s before a device-side wait gives up.
-MAX_POLLS = 30_000_000
+# 1-2 µs per poll of host memory: 5-10 s before a device-side wait gives up (an answer takes
+# well under 10 ms, even for a batch of 16 on a busy host).
+MAX_POLLS = 5_000_000
 POST_BLOCK = 1024
 COLLECT_BLOCK = 1024
 
@@ -95,9 +96,11 @@ if triton is not None:
 
     @triton.jit
     def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, use_ptr, miss_ptr, pairs_ptr,
-                     hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr,
-                     T, n_hidden, n_pairs, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                     PAIRS: tl.constexpr):
+                     hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
+                     T, H, top_k, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
+        T = tl.minimum(T, tl.load(live_ptr))   # rows past the live ones pad a captured batch: nobody's
+        n_hidden = T * H
+        n_pairs = T * top_k
         seq = tl.load(seq_ptr) + 1
         tl.store(seq_ptr, seq)
         for i in range(0, n_hidden, BLOCK):
@@ -128,7 +131,9 @@ if triton is not None:
         tl.store(hdr_ptr, seq)
 
     @triton.jit
-    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, n, max_polls, BLOCK: tl.constexpr):
+    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, live_ptr, T, H, max_polls,
+                        BLOCK: tl.constexpr):
+        n = tl.minimum(T, tl.load(live_ptr)) * H   # padding rows get nothing added
         seq = tl.load(seq_ptr)
         flag = tl.load(hdr_ptr, volatile=True)
         polls = 0
@@ -147,29 +152,32 @@ if triton is not None:
 
 
 def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_map: Tensor, num_slots: int,
-         cpu_take: Tensor | None = None) -> None:
-    """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights;
+         live: Tensor, cpu_take: Tensor | None = None) -> None:
+    """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights, of which
+    the first `live` ((1,) int32 on the device) rows are real (a captured batch pads the rest);
     `source_map` is the map the GPU's dispatch reads (a slot, or num_slots + e: outside the bank)
     and `cpu_take` the one-token split (`HostReads`), which sort the pairs for the counters."""
-    T = hidden.shape[0]
-    n_pairs = ids.numel()
-    if T * hidden.shape[1] > h.box.hidden.numel() or n_pairs > h.box.ids.numel():
+    T, H = hidden.shape
+    k = ids.shape[-1]
+    if T * H > h.box.hidden.numel() or T * k > h.box.ids.numel():
         raise ValueError(f"a call of {T} tokens is larger than the mailbox was made for")
     if h.alias is not None:
         a = h.alias
         split = cpu_take is not None
         _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
                            source_map, cpu_take if split else source_map, h.use, h.miss, h.pairs, a["post"], a["ids"],
-                           a["weights"], a["hidden"], T, hidden.numel(), n_pairs, num_slots, SPLIT=split,
-                           BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(n_pairs)), num_warps=4)
+                           a["weights"], a["hidden"], live, T, H, k, num_slots, SPLIT=split,
+                           BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(T * k)), num_warps=4)
         return
     box = h.box
+    T = min(T, int(live[0]))
+    n_pairs = T * k
     seq = int(h.seq[0]) + 1
     h.seq[0] = seq
-    flat = ids.reshape(-1).to(torch.int32)
+    flat = ids[:T].reshape(-1).to(torch.int32)
     box.ids[:n_pairs].copy_(flat)
-    box.weights[:n_pairs].copy_(weights.reshape(-1).float())
-    box.hidden[:hidden.numel()].copy_(hidden.reshape(-1))
+    box.weights[:n_pairs].copy_(weights[:T].reshape(-1).float())
+    box.hidden[:T * H].copy_(hidden[:T].reshape(-1))
     box.post[1] = T
     src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
     read = split_outside(src, num_slots, cpu_take if T == 1 else None) >= num_slots
@@ -183,18 +191,19 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     cpu_moe.publish(box.post, seq)
 
 
-def collect(h: LayerHandoff, out: Tensor, error: Tensor) -> Tensor:
-    """Add the worker's rows for this layer's last post to `out` (T, H), in place; returns `out`.
-    On the device a worker that never answers sets `error` (the step's output is then wrong: the
-    caller checks it after the step); on the CPU it raises."""
-    n = out.numel()
+def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor:
+    """Add the worker's rows for this layer's last post to the first `live` rows of `out` (T, H), in
+    place; returns `out`. On the device a worker that never answers sets `error` (the step's output
+    is then wrong: the caller checks it after the step); on the CPU it raises."""
+    T, H = out.shape
     if h.alias is not None:
-        _collect_kernel[(triton.cdiv(n, COLLECT_BLOCK),)](h.seq, h.alias["result"], h.alias["rows"], out, error, n,
-                                                          MAX_POLLS, BLOCK=COLLECT_BLOCK, num_warps=4)
+        _collect_kernel[(triton.cdiv(T * H, COLLECT_BLOCK),)](h.seq, h.alias["result"], h.alias["rows"], out, error,
+                                                              live, T, H, MAX_POLLS, BLOCK=COLLECT_BLOCK, num_warps=4)
         return out
     seq = int(h.seq[0])
-    if not cpu_moe.wait_answer(h.box.result, seq):
-        raise RuntimeError("the CPU expert worker did not answer within 30 s; it may have stopped")
+    if not cpu_moe.wait_answer(h.box.result, seq, timeout_s=10.0):
+        raise RuntimeError("the CPU expert worker did not answer within 10 s; it may have stopped")
+    T = min(T, int(live[0]))
     if int(h.box.result[1]) > 0:
-        out.copy_((out.float() + h.box.rows[:n].view_as(out)).to(out.dtype))
+        out[:T].copy_((out[:T].float() + h.box.rows[:T * H].view(T, H)).to(out.dtype))
     return out

@@ -148,7 +148,7 @@ class ModelRunner:
         if runner is None:
             ctx = decode_context(self.rotary_table(), self.cache, positions, kv_len, self.dtype)
             return self.forward(tokens[:, None], ctx, decoding=True)[:, -1]
-        self.bank.begin_step(True)
+        self.bank.begin_step(True, live_rows=B)   # a padded graph's extra rows need no experts
         logits = runner(tokens, positions, kv_len)
         self.bank.after_step(B)
         if self.after_replay is not None and isinstance(runner, DecodeGraphs):

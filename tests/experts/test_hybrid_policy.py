@@ -40,7 +40,7 @@ def test_hybrid_policy_gives_the_resident_tokens(tiny_qwen3, resident, share):
         assert stats["cpu_served"] + stats["host_read"] == stats["misses"] - _prompt_misses(engine)
         assert stats["cpu_bytes"] > 0 and (stats["host_read_bytes"] > 0) == (share < 1.0)
     finally:
-        engine.bank.close()
+        engine.close()
 
 
 def _prompt_misses(engine) -> int:
@@ -63,7 +63,7 @@ def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
             assert one_map[:E] == [ls.where.get(e, S + e) for e in range(E)] and one_map[E] == -1
             assert box.outside.tolist() == [int(e not in ls.where) for e in range(E)]
     finally:
-        engine.bank.close()
+        engine.close()
 
 
 def test_split_outside_leaves_the_first_misses_to_the_cpu():
@@ -88,7 +88,7 @@ def test_maps_follow_the_bank_after_a_refresh(tiny_qwen3, resident):
             assert all(int(box.outside[e]) == 0 for e in ls.where)           # the worker never takes a resident one
             assert all(int(bank.hybrid_misses.one_token_maps[layer][e]) == s for e, s in ls.where.items())
     finally:
-        engine.bank.close()
+        engine.close()
 
 
 def test_hybrid_policy_takes_a_bank_smaller_than_top_k(tiny_qwen3, resident):
@@ -100,9 +100,44 @@ def test_hybrid_policy_takes_a_bank_smaller_than_top_k(tiny_qwen3, resident):
         assert engine.memory_plan.capacity == 1
         assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
     finally:
-        engine.bank.close()
+        engine.close()
     with pytest.raises(BudgetError, match="--miss-policy hybrid"):
         moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=1, discovery=False)
+
+
+def test_padding_rows_of_a_captured_batch_get_no_cpu_work(tiny_qwen3):
+    """A step replayed through a larger batch's graph pads its rows: the worker computes the live
+    rows' misses only, and the live rows' outputs are those of a call without padding."""
+    engine = _hybrid(tiny_qwen3, capacity=2, cpu_misses=1.0)
+    try:
+        bank, config = engine.bank, engine.config
+        layer = next(iter(bank.slots))
+        g = torch.Generator().manual_seed(3)
+        hidden = torch.randn(3, config.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:config.top_k] for _ in range(3)])
+        weights = torch.rand(3, config.top_k, generator=g).softmax(-1)
+        bank.begin_step(True)
+        bank.sync_stats()
+        full = bank.forward(layer, hidden, ids, weights)
+        bank.sync_stats()
+        before = bank.stats.layer(layer).cpu_served
+        bank.begin_step(True, live_rows=2)
+        padded = bank.forward(layer, hidden, ids, weights)
+        bank.sync_stats()
+        served_live = bank.stats.layer(layer).cpu_served - before
+        assert torch.equal(padded[:2], full[:2])
+        outside = sum(int(e) not in bank.slots[layer].where for e in ids[:2].reshape(-1))
+        assert served_live == outside                                       # row 2's misses: nobody's
+    finally:
+        engine.close()
+
+
+def test_a_closed_engine_says_so(tiny_qwen3):
+    engine = _hybrid(tiny_qwen3)
+    engine.generate(PROMPTS[0], max_tokens=2)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(PROMPTS[0], max_tokens=2)
 
 
 def test_hybrid_policy_refuses_what_it_cannot_serve(tiny_qwen3):
@@ -125,4 +160,4 @@ def test_hybrid_policy_on_the_gpu_gives_the_resident_tokens(tiny_qwen3, share):
         stats = engine.stats()
         assert (stats["host_read"] > 0) == (share < 1.0) and stats["cpu_served"] > 0
     finally:
-        engine.bank.close()
+        engine.close()

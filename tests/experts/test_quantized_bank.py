@@ -96,3 +96,28 @@ def test_hybrid_misses_of_quantized_experts_give_the_resident_tokens(tiny_quant,
     assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == expected             # batched decode
     assert [engine.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == expected   # alone
     assert engine.stats()["cpu_served"] > 0
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "nf4", "int2"])
+def test_hybrid_policy_computes_quantized_misses_on_its_worker(tiny_quant, fmt):
+    """The hybrid policy's CPU worker unpacks quantized experts from the pinned tier (inputs phase-
+    ordered per call, as the kernel reads them) and serves every miss: the tokens of the fully
+    resident quantized model, at a bank of one slot too."""
+    full = _load(tiny_quant, experts=fmt)
+    expected = full.generate(PROMPTS, max_tokens=12, ignore_eos=True)
+    for capacity in (2, 1):
+        engine = _load(tiny_quant, experts=fmt, capacity=capacity, host_tier="pinned", miss_policy="hybrid",
+                       discovery=False)
+        try:
+            assert not engine.bank.hybrid_misses.gpu_reads      # the one-token host reads take dense experts
+            assert [engine.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == expected
+            assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == expected
+            stats = engine.stats()
+            assert stats["cpu_served"] > 0 and stats["host_read"] == 0   # (the 19-token prompt: fetch staging)
+        finally:
+            engine.close()
+
+
+def test_hybrid_policy_refuses_formats_its_worker_cannot_read(tiny_quant):
+    with pytest.raises(InputError, match="does not compute int3"):
+        _load(tiny_quant, experts="int3", capacity=2, host_tier="pinned", miss_policy="hybrid", discovery=False)
