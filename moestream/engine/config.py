@@ -165,6 +165,9 @@ class BankConfig:
             raise InputError(f"cpu_misses is a share of the misses, from 0 to 1; got {self.cpu_misses}.")
         if self.cpu_misses and self.miss_policy == "skip":
             raise InputError("cpu_misses computes exact misses on the CPU; it needs --miss-policy fetch or hybrid.")
+        if self.prefetch and self.miss_policy == "hybrid":
+            raise InputError("--prefetch copies predicted experts ahead for the fetch policy; the hybrid policy "
+                             "serves misses where they are. Leave --prefetch out or use --miss-policy fetch.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
         if self.cpu_threads is not None and not self.cpu_misses and self.miss_policy not in ("hybrid", "auto"):

@@ -143,6 +143,14 @@ def test_a_closed_engine_says_so(tiny_qwen3):
 def test_hybrid_policy_refuses_what_it_cannot_serve(tiny_qwen3):
     with pytest.raises(InputError, match="host-tier pinned"):
         moestream.load(tiny_qwen3, device="cpu", dtype="float32", miss_policy="hybrid", capacity=2, discovery=False)
+    with pytest.raises(InputError, match="Leave --prefetch out"):
+        moestream.load(tiny_qwen3, device="cpu", dtype="float32", miss_policy="hybrid", capacity=2, prefetch=True)
+
+
+def test_auto_takes_fetch_where_hybrid_cannot_run(tiny_qwen3):
+    """On the CPU (no device to read host memory in place) auto is the fetch policy."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=2, host_tier="pinned", discovery=False)
+    assert engine.bank.miss_policy == "fetch" and engine.bank.hybrid_misses is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
