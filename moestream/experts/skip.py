@@ -73,10 +73,10 @@ class SkipPolicy:
 
 def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfers, stats: BankStats, layer: int,
                    misses: np.ndarray, uses: np.ndarray, margin: float = 1.0, most: int | None = None,
-                   wait: str = "host") -> int:
+                   wait: str = "host") -> list[int]:
     """Fold a refresh period's per-expert use counts into the policy, then copy the most-missed
     experts over the coldest resident ones wherever the missed one's priority beats the victim's
-    by more than `margin` times (at most `most` per layer). Returns how many were swapped."""
+    by more than `margin` times (at most `most` per layer). Returns the experts copied in."""
     ls = slots[layer]
     used = np.nonzero(uses)[0]
     if len(used):
@@ -85,12 +85,12 @@ def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfe
     if most is not None:
         hot = hot[:most]
     if not hot:
-        return 0
+        return []
     resident = ls.resident()
     pinned = policy.pinned.get(layer, set())
     n = min(len(hot), len([e for e in resident if e not in pinned]))
     if not n:
-        return 0
+        return []
     victims = policy.victims(layer, resident, n, set())
     cold = policy.priority(layer, np.array(victims, dtype=np.int64))
     warm = policy.priority(layer, np.array(hot[:n], dtype=np.int64))
@@ -98,4 +98,4 @@ def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfe
     if pairs:
         done = slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], transfers, wait=wait)
         stats.record(layer, bytes_copied=done.bytes_copied, evictions=done.evictions, copy_wait_s=done.wait_s)
-    return len(pairs)
+    return [h for h, _ in pairs]

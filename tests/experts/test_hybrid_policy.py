@@ -66,6 +66,28 @@ def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
         engine.close()
 
 
+def test_promotions_turn_wary_where_they_do_not_pay():
+    """A promoted expert used once in its next 16 tokens (routing without locality) makes the gauge
+    ask three times the victim's priority; one used on most tokens keeps it eager."""
+    import numpy as np
+
+    from moestream.experts.hybrid import PromotionGauge
+
+    for uses_in_16, margin in ((0, 3.0), (1, 3.0), (12, 1.0)):
+        gauge = PromotionGauge(follow=16)
+        assert gauge.margin == 1.0                                          # eager to start
+        for expert in range(12):                                            # a promotion, then two periods
+            gauge.promoted([expert])
+            first = np.zeros(16, dtype=np.int64)
+            first[expert] = uses_in_16 - uses_in_16 // 2
+            gauge.observe(first, 8)
+            second = np.zeros(16, dtype=np.int64)
+            second[expert] = uses_in_16 // 2
+            gauge.observe(second, 8)
+            assert expert not in gauge.watched                              # watched for 16 tokens only
+        assert gauge.margin == margin, uses_in_16
+
+
 def test_split_outside_leaves_the_first_misses_to_the_cpu():
     from moestream.kernels.moe_reference import split_outside
 
