@@ -2,7 +2,7 @@
 reference), or copied over PCIe into a device slot.
 
     python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
-        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4]
+        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4] [--int4-path fp32]
 
 The experts live in one stacked host tensor of `--pool` experts (default 256: several hundred MB,
 far beyond the last-level cache, so every call reads DRAM, as a real miss does) and each timed
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--formats", nargs="+", default=["bf16"],
                     help="expert formats: bf16, or quantized ones (int4-g64, nf4, ...: the bf16 pool quantized)")
+    ap.add_argument("--int4-path", choices=["bf16", "fp32"], default="bf16",
+                    help="affine 4-bit experts with bf16 inputs: the bf16 dot products (default) or the fp32 path")
     ap.add_argument("--memory", nargs="+", choices=["pinned", "huge"], default=["pinned"],
                     help="host memory of the pool: pinned by cudaHostAlloc (4 KiB pages), or anonymous memory "
                          "advised into transparent huge pages, then registered with CUDA")
@@ -57,6 +59,8 @@ def main() -> None:
     source = {"gate_up": torch.randn(P, 2 * I, H, generator=gen).to(torch.bfloat16),
               "down": torch.randn(P, H, I, generator=gen).to(torch.bfloat16)}
     result = {}
+    if args.int4_path == "fp32":   # the kernel's fp32 path for every quantized call (before the bf16 one)
+        cpu_moe._q4_bf16 = lambda *a: False
     for fmt in args.formats:
         pool = source if fmt == "bf16" else _quantized(source, parse_quant(fmt), cuda)
         kernel, reference = _paths(fmt)

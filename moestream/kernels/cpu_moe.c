@@ -176,6 +176,13 @@ typedef struct {
     const void *scales[2], *qbias[2];
     int bits, group, sdtype;      /* quantized: bits 8/4/2, values per group, scales 0 = bf16, 1 = fp32 */
     float table[16];              /* quantized, 4 and 2 bits: the value of each code (affine: the code) */
+    /* Affine 4-bit rows meeting bf16-valued inputs (`fast`): each projection's inputs also as bf16
+     * (phase-ordered rows of K) with their per-group sums (rows of K / group), so a row is
+     * s * (codes . x) + b * sum(x) per group, the codes . x in bf16 dot products (exact products,
+     * fp32 sums). [0]: the hidden rows (given), [1]: the activations (written in phase 2). */
+    int fast;
+    uint16_t *in_bf16[2];
+    float *in_sum[2];
 } Weights;
 
 /* Inputs of one projection for T tokens: the hidden rows (phase 1) or the pairs' activations (phase
@@ -237,13 +244,73 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
     return acc;
 }
 
-/* y[t * ldy] = row · x_t for T inputs (tok: which inputs; NULL: the first T). */
-static void rows_dot(const Weights *W, int which, size_t row, int K, const void *x, int ldx,
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* One affine 4-bit row (whole groups of a multiple of 64 values) times bf16 inputs `xb`
+ * (phase-ordered: the low nibbles' values first, then the high nibbles') with group sums `xs`. */
+static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, const uint16_t *xb, const float *xs) {
+    const int per = K / 2, G = K / W->group, gbytes = W->group / 2;
+    const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)per;
+    const void *sc = W->scales[which], *bi = W->qbias[which];
+    /* bf16 bits of 0..15: the codes' values, looked up 32 words at a time */
+    static const uint16_t codes16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+    const __m512i table = _mm512_loadu_si512(codes16);
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    __m512 tot = _mm512_setzero_ps();
+    float bias = 0.f;
+    for (int g = 0; g < G; g++) {
+        __m512 gacc = _mm512_setzero_ps();
+        for (int j = g * gbytes; j < (g + 1) * gbytes; j += 32) {
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
+            const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
+            const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xb + j));
+            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xb + per + j));
+        }
+        tot = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g)), gacc, tot);
+        if (bi) bias += scale_at(bi, W->sdtype, row * G + g) * xs[g];
+    }
+    return _mm512_reduce_add_ps(tot) + bias;
+}
+#define HAVE_Q4_BF16 1
+#endif
+
+/* Whether the codes' values are the codes themselves (affine formats; not NF4's codebook). */
+static int affine_codes(const float *table) {
+    for (int i = 0; i < 16; i++)
+        if (table[i] != (float)i) return 0;
+    return 1;
+}
+
+/* Whether a projection of K inputs takes `q4_row_dot_bf16`. */
+static inline int q4_fast(const Weights *W, int K) {
+#if defined(HAVE_Q4_BF16)
+    return W->fast && W->bits == 4 && W->group % 64 == 0 && K % W->group == 0;
+#else
+    (void)W;
+    (void)K;
+    return 0;
+#endif
+}
+
+/* y[t * ldy] = row · x_t for T inputs (tok: which inputs; NULL: the first T). `first`: the index of
+ * x's first row among the projection's inputs (where `W->in_bf16` and `W->in_sum` hold them too). */
+static void rows_dot(const Weights *W, int which, size_t row, int K, const void *x, int ldx, long first,
                      const int32_t *tok, int T, float *y, int ldy) {
     if (!W->quantized) {
         row_dots(W->w[which], W->dtype, row, K, x, ldx, tok, T, y, ldy);
         return;
     }
+#if defined(HAVE_Q4_BF16)
+    if (q4_fast(W, K)) {
+        const int G = K / W->group;
+        for (int t = 0; t < T; t++) {
+            const size_t i = (size_t)(first + (tok ? tok[t] : t));
+            y[(size_t)t * ldy] = q4_row_dot_bf16(W, which, row, K, W->in_bf16[which] + i * K, W->in_sum[which] + i * G);
+        }
+        return;
+    }
+#endif
     for (int t = 0; t < T; t++)
         y[(size_t)t * ldy] = qrow_dot(W, which, row, K, (const float *)x + (size_t)(tok ? tok[t] : t) * ldx);
 }
@@ -284,16 +351,19 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
         int p0 = pair_off[u], np = pair_off[u + 1] - p0;
         size_t base = (size_t)experts[u] * two_i;
         for (int r = r0; r < r1; r++)
-            rows_dot(W, 0, base + r, H, x, H, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+            rows_dot(W, 0, base + r, H, x, H, 0, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
     }
     bar(bar_arg);
     /* 2. the activation in fp32, stored as the down product takes it */
+    const int fast_down = q4_fast(W, I) && round_act;
     share_of(n_pairs, tid, nth, &lo, &hi);
     for (long p = lo; p < hi; p++) {
         int u = 0;
         while (pair_off[u + 1] <= p) u++;
         const float *h = scratch + (size_t)p * two_i;
         size_t b = (size_t)experts[u] * two_i;
+        float *sums = fast_down ? W->in_sum[1] + (size_t)p * (I / W->group) : NULL;
+        if (sums) memset(sums, 0, sizeof(float) * (I / W->group));
         for (int i = 0; i < I; i++) {
             float g = h[i], up = h[I + i];
             if (gate_up_bias) {
@@ -305,6 +375,11 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
                 ((uint16_t *)act_buf)[(size_t)p * I + i] = (uint16_t)(f32_bits(round_bf16(a)) >> 16);
             else
                 ((float *)act_buf)[(size_t)p * I + (size_t)(i % v) * (I / v) + i / v] = round_act ? round_bf16(a) : a;
+            if (sums) {   /* the same rounded value as bf16, and its group's sum */
+                const float r = round_bf16(a);
+                W->in_bf16[1][(size_t)p * I + (size_t)(i % v) * (I / v) + i / v] = (uint16_t)(f32_bits(r) >> 16);
+                sums[i / W->group] += r;
+            }
         }
     }
     bar(bar_arg);
@@ -319,7 +394,7 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
             for (int r = r0; r < r1; r++) {
                 for (int c = 0; c < np; c += 64) {
                     int n = np - c < 64 ? np - c : 64;
-                    rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I,
+                    rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I, p0 + c,
                              NULL, n, y, 1);
                     float bias = down_bias ? widen(down_bias, W->dtype, base + r) : 0.f;
                     for (int j = 0; j < n; j++)
@@ -366,9 +441,15 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
                            const void *dn_s, const void *dn_b, int bits, int group, int sdtype,
                            const float *table, int round_act, int H, int I, int n_used, const int32_t *experts,
                            const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const float *x,
-                           float *scratch, float *act_buf, float *out) {
+                           float *scratch, float *act_buf, float *out, int fast, uint16_t *x_bf16, float *x_sum,
+                           uint16_t *act_bf16, float *act_sum) {
     Weights W = {0};
     W.quantized = 1;
+    W.fast = fast && round_act;   /* bf16-valued inputs only: their bf16 form is exact */
+    W.in_bf16[0] = x_bf16;
+    W.in_sum[0] = x_sum;
+    W.in_bf16[1] = act_bf16;
+    W.in_sum[1] = act_sum;
     W.w[0] = gu_q;
     W.w[1] = dn_q;
     W.scales[0] = gu_s;
@@ -379,6 +460,7 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
     W.group = group;
     W.sdtype = sdtype;
     for (int i = 0; i < 16; i++) W.table[i] = table ? table[i] : (float)i;
+    W.fast = W.fast && affine_codes(W.table);
     run_experts(team, &W, NULL, NULL, H, I, ACT_SWIGLU, 0.f, 0.f, round_act, n_used, experts, pair_off, pair_tok, pair_w,
                 x, scratch, act_buf, out);
 }
@@ -451,6 +533,8 @@ typedef struct {
     int32_t *last;                                            /* per layer: the last sequence served */
     int32_t *experts, *pair_off, *pair_tok;
     float *pair_w, *scratch, *xq;                             /* xq: quantized layers' phase-ordered inputs */
+    uint16_t *xb, *actb;                                      /* affine 4-bit layers: the inputs as bf16 */
+    float *xsum, *actsum;                                     /* and their group sums */
     void *act_buf;
     /* the job thread 0 hands the team */
     volatile int gen;
@@ -536,11 +620,23 @@ static int next_job(StreamWorker *w) {
             group_pairs(w, L, T);
             memset(L->out, 0, (size_t)T * w->H * sizeof(float));
             if (L->quantized && w->job_used) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
-                const int v = 8 / L->bits, per = w->H / v;
-                for (int t = 0; t < T; t++)
-                    for (int i = 0; i < w->H; i++)
-                        w->xq[(size_t)t * w->H + (size_t)(i % v) * per + i / v] =
-                            widen(L->hidden, w->dtype, (size_t)t * w->H + i);
+                const int v = 8 / L->bits, per = w->H / v, G = w->H / L->group;
+                const int fast = w->dtype == W_BF16 && L->bits == 4 && L->group % 64 == 0 && w->H % L->group == 0 &&
+                                 affine_codes(L->table);
+                for (int t = 0; t < T; t++) {
+                    for (int i = 0; i < w->H; i++) {
+                        const size_t at = (size_t)t * w->H + (size_t)(i % v) * per + i / v;
+                        w->xq[at] = widen(L->hidden, w->dtype, (size_t)t * w->H + i);
+                        if (fast) w->xb[at] = ((const uint16_t *)L->hidden)[(size_t)t * w->H + i];
+                    }
+                    if (fast)
+                        for (int g = 0; g < G; g++) {
+                            float s = 0.f;
+                            for (int i = g * L->group; i < (g + 1) * L->group; i++)
+                                s += widen(L->hidden, w->dtype, (size_t)t * w->H + i);
+                            w->xsum[(size_t)t * G + g] = s;
+                        }
+                }
             }
             w->job_layer = l;
             w->job_seq = seq;
@@ -614,6 +710,11 @@ static void *stream_main(void *arg) {
                     W.group = L->group;
                     W.sdtype = L->sdtype;
                     for (int i = 0; i < 16; i++) W.table[i] = L->table[i];
+                    W.fast = w->dtype == W_BF16 && affine_codes(W.table);   /* rows the 4-bit path takes: q4_fast */
+                    W.in_bf16[0] = w->xb;
+                    W.in_sum[0] = w->xsum;
+                    W.in_bf16[1] = w->actb;
+                    W.in_sum[1] = w->actsum;
                 }
                 run_experts_part(tid, nth, spin_barrier, &arrival, &W, L->gate_up_bias, L->down_bias, w->H, w->I,
                                  L->quantized ? ACT_SWIGLU : w->act, w->alpha, w->limit,
@@ -637,7 +738,8 @@ static void *stream_main(void *arg) {
 
 static void free_worker(StreamWorker *w) {
     free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
-    free(w->pair_w); free(w->scratch); free(w->xq); free(w->act_buf); free(w);
+    free(w->pair_w); free(w->scratch); free(w->xq); free(w->xb); free(w->xsum); free(w->actb); free(w->actsum);
+    free(w->act_buf); free(w);
 }
 
 /* Start a worker over `layers` (copied); `last_seq` gives each layer's sequence number already
@@ -659,8 +761,12 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, const
     w->scratch = malloc(sizeof(float) * pairs * 2 * I);
     w->act_buf = malloc(sizeof(float) * pairs * I);
     w->xq = malloc(sizeof(float) * (size_t)max_tokens * H);
+    w->xb = malloc(sizeof(uint16_t) * (size_t)max_tokens * H);
+    w->xsum = malloc(sizeof(float) * (size_t)max_tokens * H);
+    w->actb = malloc(sizeof(uint16_t) * pairs * I);
+    w->actsum = malloc(sizeof(float) * pairs * I);
     if (!w->layers || !w->last || !w->cpus || !w->experts || !w->pair_off || !w->pair_tok || !w->pair_w ||
-        !w->scratch || !w->act_buf || !w->xq) {
+        !w->scratch || !w->act_buf || !w->xq || !w->xb || !w->xsum || !w->actb || !w->actsum) {
         free_worker(w);
         return NULL;
     }

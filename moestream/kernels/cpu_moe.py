@@ -112,7 +112,7 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts.argtypes = [p, p, p, p, i32, i32, i32, i32, f32, f32, i32, p, p, p, p, p, p, p, p]
         lib.moe_cpu_experts.restype = None
         lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
-                                              p, p, p, p, p, p, p, p]
+                                              p, p, p, p, p, p, p, p, i32, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
         lib.moe_stream_start.argtypes = [p, p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
         lib.moe_stream_start.restype = p
@@ -265,13 +265,28 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
         x = _phase_ordered(hidden, spec.bits)
         scratch = torch.empty(len(pair_tok), two_i, dtype=torch.float32)
         act_buf = torch.empty(len(pair_tok), I, dtype=torch.float32)
+        fast = _q4_bf16(spec, hidden, H, I)
+        if fast:   # bf16 inputs (exact: they hold bf16 values), their group sums; the activations' likewise
+            x_bf16, x_sum = x.to(torch.bfloat16), hidden.float().view(-1, H // spec.group, spec.group).sum(-1)
+            act_bf16 = torch.empty(len(pair_tok), I, dtype=torch.bfloat16)
+            act_sum = torch.empty(len(pair_tok), I // spec.group, dtype=torch.float32)
+        else:
+            x_bf16 = x_sum = act_bf16 = act_sum = None
         lib.moe_cpu_experts_quant(
             _ptr(q), _ptr(slots["gate_up.scales"]), _ptr(slots.get("gate_up.biases")), _ptr(slots["down.qweight"]),
             _ptr(slots["down.scales"]), _ptr(slots.get("down.biases")), spec.bits, spec.group,
             0 if spec.scale_dtype == torch.bfloat16 else 1, table.data_ptr(), int(hidden.dtype == torch.bfloat16),
             H, I, len(experts), experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
-            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr())
+            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr(), int(fast), _ptr(x_bf16),
+            _ptr(x_sum), _ptr(act_bf16), _ptr(act_sum))
     return out.to(out_dtype or hidden.dtype)
+
+
+def _q4_bf16(spec: QuantSpec, hidden: Tensor, H: int, I: int) -> bool:
+    """Whether the kernel's affine 4-bit path with bf16 dot products takes this call: bf16 hidden
+    rows (their values, and the rounded activations, are exact in bf16) and whole groups of 64n."""
+    return (spec.kind == "int" and spec.bits == 4 and hidden.dtype == torch.bfloat16 and spec.group % 64 == 0
+            and H % spec.group == 0 and I % spec.group == 0)
 
 
 # ---- the stream worker ---------------------------------------------------------------------------

@@ -141,3 +141,25 @@ def test_quantized_specs_the_kernel_does_not_read_are_named():
     assert not cpu_moe.supports_quant(parse_quant("int3"))      # 3-bit packs straddle bytes
     assert not cpu_moe.supports_quant(parse_quant("nf3"))
     assert not cpu_moe.supports_quant(parse_quant("int4", scale_dtype=torch.float16))
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128"])
+def test_affine_4bit_with_bf16_inputs_takes_bf16_dot_products(name, monkeypatch):
+    """bf16 hidden rows meet affine 4-bit rows through bf16 dot products of the codes (exact
+    products, fp32 sums) and the group sums of the inputs: the result of the fp32 path, to fp32's
+    rounding."""
+    from moestream.quant import parse_quant
+
+    spec = parse_quant(name)
+    H, I = 256, 128
+    slots = _quantized_experts(6, H, I, spec, seed=1)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, 6, (3, 4), generator=g, dtype=torch.int32)
+    w = torch.rand(3, 4, generator=g)
+    assert cpu_moe._q4_bf16(spec, x, H, I)
+    fast = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec, out_dtype=torch.float32)
+    monkeypatch.setattr(cpu_moe, "_q4_bf16", lambda *a: False)
+    plain = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec, out_dtype=torch.float32)
+    torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fast, torch.zeros_like(fast))
