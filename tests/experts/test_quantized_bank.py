@@ -121,3 +121,18 @@ def test_hybrid_policy_computes_quantized_misses_on_its_worker(tiny_quant, fmt):
 def test_hybrid_policy_refuses_formats_its_worker_cannot_read(tiny_quant):
     with pytest.raises(InputError, match="does not compute int3"):
         _load(tiny_quant, experts="int3", capacity=2, host_tier="pinned", miss_policy="hybrid", discovery=False)
+
+
+def test_hybrid_worker_takes_the_bf16_dot_path_as_the_kernel_call_does(tiny_quant):
+    """In bf16 the worker hands affine 4-bit experts bf16 inputs and group sums (the kernel's bf16
+    dot products), as a direct kernel call does: the hybrid policy's tokens are those of the fetch
+    policy computing every miss on the CPU."""
+    kw = dict(device="cpu", dtype="bfloat16", experts="int4", capacity=2, host_tier="pinned", discovery=False)
+    fetch = moestream.load(tiny_quant, miss_policy="fetch", cpu_misses=1.0, **kw)
+    want = [fetch.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
+    hybrid = moestream.load(tiny_quant, miss_policy="hybrid", **kw)
+    try:
+        assert [hybrid.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == want
+        assert hybrid.stats()["cpu_served"] > 0
+    finally:
+        hybrid.close()
