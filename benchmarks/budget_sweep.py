@@ -49,10 +49,10 @@ def budgets(args) -> dict:
             config = probe.config
             del probe
             torch.cuda.empty_cache()
-        least = 1 if policy == "hybrid" else config.top_k   # hybrid serves any miss off the device
-        cap = max(least, round(config.num_experts * frac))
+        least = 1 if policy == "hybrid" else 0   # hybrid serves any miss off the device; 0: top-k
+        cap = max(least or config.top_k, round(config.num_experts * frac))
         budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context,
-                             min_capacity=least if policy == "hybrid" else 0).total_bytes
+                             min_capacity=least).total_bytes
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         pinned = _pins_from_profile(args.pin_profile, args.pin_top_k, config) if args.pin_top_k else None
@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=4096, help="context each engine is planned and built for")
     ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[None],
                     help="misses computed on the CPU at bounded budgets: a share, or auto (needs the pinned tier); "
-                         "with --miss-policy hybrid the CPU's share of the experts outside the bank")
+                         "with --miss-policy hybrid the CPU's share of a one-token call's missing experts")
     ap.add_argument("--miss-policy", nargs="+", default=["fetch"], choices=["fetch", "hybrid"],
                     help="exact miss policies to run at each bounded budget")
     ap.add_argument("--cpu-threads", type=int, default=None,

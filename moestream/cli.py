@@ -135,8 +135,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
                    help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
                         "copied: a share of them (1: all), or auto (split by costs measured at the first decode step) "
-                        "(exact; needs the pinned host tier; off by default); hybrid: the CPU's share of the "
-                        "experts outside the bank in one-stream steps, the GPU reading the rest (default 0.6)")
+                        "(exact; needs the pinned host tier; off by default); hybrid: the CPU's share of a "
+                        "one-stream step's missing experts, the GPU reading the rest (default 0.6)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
                    help="threads the CPU computes missed experts with (--cpu-misses, --miss-policy hybrid; default: "
                         "three of every four cores this process may use)")

@@ -46,8 +46,8 @@ class ExpertBank:
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
-        call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of the
-        non-resident experts in one-token calls (None: the policy's default)."""
+        call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of a
+        one-token call's missing experts (None or "auto": the policy's default)."""
         config = store.config
         self.store, self.formats, self.device = store, formats, device
         self.dtype = next(iter(formats.values())).dtype if formats else torch.float32
@@ -190,7 +190,8 @@ class ExpertBank:
             self.hybrid_misses.set_live_rows(live_rows)
 
     def after_step(self, tokens: int) -> None:
-        """Advance the residency clock; in skip mode, refresh the bank from miss counters now and then."""
+        """Advance the residency clock; with the skip or hybrid policy, refresh the bank from its
+        device-side miss counters now and then."""
         self.stats.tokens += tokens
         self.policy.advance(tokens)
         if self.fully_resident and self.external_hits is None:
@@ -202,7 +203,7 @@ class ExpertBank:
             self.hybrid_misses.after_step(tokens)
 
     def sync_stats(self) -> None:
-        """Fold device-side counters (skip mode) into the host statistics."""
+        """Fold device-side counters (skip and hybrid policies) into the host statistics."""
         if self.skip is not None:
             self.skip.sync_stats()
         if self.hybrid_misses is not None:

@@ -202,11 +202,9 @@ class DenseFormat(ExpertFormat):
         run = kernels.fused_moe if self.uses_kernels(device, shape) else kernels.moe_reference
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                     reduce: bool = True, slot_map: Tensor | None = None,
-                     host=None) -> Tensor:
-            extra = {} if host is None else {"host": host}
+                     reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
             return run(hidden, slots["gate_up"], slots["down"], slot_ids, weights, activation,
-                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, slot_map=slot_map, **extra)
+                       slots.get("gate_up_bias"), slots.get("down_bias"), reduce=reduce, slot_map=slot_map, host=host)
         return dispatch
 
     def host_dispatch(self, shape: ExpertShape) -> HostDispatch:

@@ -149,7 +149,7 @@ class HybridMisses:
         self._version = -1
         self.closed = False
         self._since_refresh = 0
-        self._folded = {layer: (0.0, 0, 0, 0) for layer in slots}
+        self._folded = {layer: (0.0, 0) for layer in slots}   # the worker's (busy s, experts) already folded
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
@@ -193,13 +193,9 @@ class HybridMisses:
             return
         S, E = self.slots.capacity, self.slots.num_experts
         for layer in self.slots:
-            ls, box = self.slots[layer], self.mailboxes[layer]
-            outside = torch.ones(E, dtype=torch.bool)
-            outside[list(ls.where)] = False
-            one_map = ls.slot_map.cpu().clone()
-            one_map[:E][outside] = S + torch.arange(E, dtype=torch.int32)[outside]
+            one_map = self.slots[layer].host_map(E, outside=S)   # from the host mirror: no read-back
             self.one_token_maps[layer].copy_(one_map)
-            box.outside.copy_(outside.to(torch.uint8))
+            self.mailboxes[layer].outside.copy_(one_map[:E] >= S)
         self._version = self.slots.version
 
     def after_step(self, tokens: int) -> None:
@@ -228,9 +224,9 @@ class HybridMisses:
 
     def _fold(self, layer: int, pair_counts: list[int]) -> None:
         bank, gpu_read, on_cpu = pair_counts
-        busy, calls, pairs, experts = self.mailboxes[layer].served()
-        b0, _, _, e0 = self._folded[layer]
-        self._folded[layer] = (busy, calls, pairs, experts)
+        busy, _, _, experts = self.mailboxes[layer].served()
+        b0, e0 = self._folded[layer]
+        self._folded[layer] = (busy, experts)
         nbytes = self.expert_bytes[layer]
         self.stats.record(layer, hits=bank, misses=gpu_read + on_cpu, cpu_served=on_cpu,
                           cpu_bytes=(experts - e0) * nbytes, cpu_s=busy - b0, host_read=gpu_read,

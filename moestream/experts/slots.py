@@ -39,6 +39,17 @@ class LayerSlots:
         owner = np.asarray(self.owner, dtype=np.int64)
         return owner[owner >= 0]
 
+    def host_map(self, num_experts: int, outside: int | None = None) -> Tensor:
+        """The slot map built on the host from `where` (no read of the device): (E + 1,) int32, each
+        resident expert's slot; the others -1, or `outside` + e where given (a map whose values past
+        the slots name the expert itself)."""
+        out = torch.full((num_experts + 1,), -1, dtype=torch.int32)
+        if outside is not None:
+            out[:num_experts] = outside + torch.arange(num_experts, dtype=torch.int32)
+        if self.where:
+            out[torch.tensor(list(self.where))] = torch.tensor(list(self.where.values()), dtype=torch.int32)
+        return out
+
 
 @dataclass
 class Installed:
@@ -94,10 +105,7 @@ class SlotTable:
         ls.owner[:] = owner
         ls.where.clear()
         ls.where.update({e: s for s, e in enumerate(owner) if e >= 0})
-        slot_map = torch.full((self.num_experts + 1,), -1, dtype=torch.int32)
-        if ls.where:
-            slot_map[torch.tensor(list(ls.where))] = torch.tensor(list(ls.where.values()), dtype=torch.int32)
-        ls.slot_map.copy_(slot_map)
+        ls.slot_map.copy_(ls.host_map(self.num_experts))
         self.version += 1
 
     def install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers,
