@@ -844,7 +844,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _Interrupts:
     """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: a library that swallows the
-    exception (some do, during their imports) cannot lose it, the next check raises it again."""
+    exception (some do, during their imports) cannot lose it, the next check raises it again. One
+    raised inside a finalizer (`__del__`) cannot propagate, CPython reports it as "unraisable" with a
+    traceback; that report is silenced, since the remembered interrupt ends the run anyway."""
 
     def __init__(self):
         self.seen = False
@@ -856,6 +858,12 @@ class _Interrupts:
             self.seen = True
             raise KeyboardInterrupt
         signal.signal(signal.SIGINT, handler)
+        report = sys.unraisablehook
+
+        def unraisable(info) -> None:
+            if not (self.seen and isinstance(info.exc_value, KeyboardInterrupt)):
+                report(info)
+        sys.unraisablehook = unraisable
 
     def check(self) -> None:
         if self.seen:

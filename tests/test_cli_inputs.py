@@ -157,3 +157,27 @@ def test_ctrl_c_at_any_moment_exits_130_with_at_most_one_line(tmp_path, delay):
     text = err.decode(errors="replace")
     assert proc.returncode == 130, text
     assert "Traceback" not in text and text.count("\n") <= 1
+
+
+def test_ctrl_c_inside_a_finalizer_is_remembered_without_a_traceback(tmp_path):
+    # an interrupt landing in some library's __del__ cannot propagate; CPython would print it as
+    # "Exception ignored in ..." with a traceback, and the run must still end at the next check
+    script = (
+        "import os, signal, time\n"
+        "from moestream.cli import _interrupts\n"
+        "_interrupts.install()\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        time.sleep(1)\n"
+        "Finalized()\n"
+        "print('continued', flush=True)\n"
+        "try:\n"
+        "    _interrupts.check()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised at the check', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.stdout.split("\n")[:2] == ["continued", "raised at the check"], done.stdout + done.stderr
+    assert done.stderr == ""
