@@ -102,6 +102,7 @@ class ExpertBank:
 
     def fill(self) -> None:
         """Read every slot's expert from the host tier or the checkpoint (all of them at capacity E)."""
+        self._land_promotions()
         for layer in self.slots:
             self.slots.fill(layer, self.initial_experts(layer), lambda experts, dest, layer=layer: self._load(layer, experts, dest))
 
@@ -114,6 +115,7 @@ class ExpertBank:
     def swap_in(self, layer: int, wanted: list[int]) -> int:
         """Make `wanted` (at most capacity experts) resident in `layer`, evicting others chosen by the
         policy (never pinned or wanted ones); returns how many experts were copied in."""
+        self._land_promotions()
         ls = self.slots[layer]
         missing = [e for e in wanted if e not in ls.where]
         if not missing:
@@ -139,8 +141,10 @@ class ExpertBank:
             return self.dispatch(layer, hidden, expert_ids, weights)
         if self.skip is not None and self.decoding:
             return self.skip.forward(layer, hidden, expert_ids, weights)
-        if self.hybrid_misses is not None and self.hybrid_misses.takes(hidden.shape[0]):
-            return self.hybrid_misses.forward(layer, hidden, expert_ids, weights)
+        if self.hybrid_misses is not None:
+            if self.hybrid_misses.takes(hidden.shape[0]):
+                return self.hybrid_misses.forward(layer, hidden, expert_ids, weights)
+            self.hybrid_misses.land(wait=True)   # the fetch policy's installs see only whole slots
         return self.fetcher.forward(layer, hidden, expert_ids, weights)
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
@@ -217,5 +221,12 @@ class ExpertBank:
             self.hybrid_misses.close()
 
     def synchronize(self) -> None:
-        """Every queued copy has landed (before reading or replacing slot tensors wholesale)."""
+        """Every queued copy has landed and every slot holds its expert (before reading or replacing
+        slot tensors wholesale)."""
+        self._land_promotions()
         self.transfers.synchronize()
+
+    def _land_promotions(self) -> None:
+        """The hybrid policy's promotions in flight join the bank (before anything else changes it)."""
+        if self.hybrid_misses is not None:
+            self.hybrid_misses.land(wait=True)

@@ -21,8 +21,9 @@ Rows past the live ones of a captured batch (its padding) get no experts compute
 larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
 is. Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the
 coldest resident ones by the margin that each layer's `PromotionGauge` sets from what its recent
-promotions were worth (device-side counters, one read-back per refresh); the maps follow at the
-next step.
+promotions were worth (device-side counters, one read-back per refresh). Nobody waits for those
+copies: the victims leave the bank at once, the newcomers join it at the first step after their
+copies landed, and until then both are misses like any other.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from torch import Tensor
 from moestream.errors import InputError
 from moestream.experts.format import DenseFormat, Dispatch, ExpertFormat, ExpertShape, QuantizedFormat
 from moestream.experts.residency import ResidencyPolicy
-from moestream.experts.skip import promote_missed
-from moestream.experts.slots import SlotTable
+from moestream.experts.skip import choose_promotions
+from moestream.experts.slots import Landing, SlotTable
 from moestream.experts.stats import BankStats
 from moestream.experts.transfer import Transfers
 from moestream.kernels import cpu_moe, handoff
@@ -150,6 +151,7 @@ class HybridMisses:
         self.closed = False
         self._since_refresh = 0
         self._folded = {layer: (0.0, 0) for layer in slots}   # the worker's (busy s, experts) already folded
+        self.landings: dict[int, Landing] = {}   # per layer, promotions whose copies are in flight
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
@@ -184,11 +186,13 @@ class HybridMisses:
 
     # ---- between steps ------------------------------------------------------------------
     def sync_maps(self) -> None:
-        """Rebuild each layer's one-token map (experts outside the bank: S + e) and the worker's view
-        of what is outside, after the bank changed (the worker is idle between steps: the last step's
-        launches waited for every answer)."""
+        """Take in the promotions that have landed, then rebuild each layer's one-token map (experts
+        outside the bank: S + e) and the worker's view of what is outside, after the bank changed
+        (the worker is idle between steps: the last step's launches waited for every answer)."""
         if self.closed:
             raise RuntimeError("this engine was closed: its CPU expert worker has stopped; load it again")
+        if self.landings:
+            self.land()
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts
@@ -205,17 +209,36 @@ class HybridMisses:
             self.refresh(tokens)
 
     def refresh(self, tokens: int = REFRESH_EVERY) -> None:
-        """Fold the counters into the statistics and take hotter missed experts in, by the margin each
-        layer's `PromotionGauge` says (their copies run on the copy stream; the next step waits for
-        them on the device)."""
+        """Fold the counters into the statistics and start taking hotter missed experts in, by the
+        margin each layer's `PromotionGauge` says. Their copies run on the copy stream while decode
+        goes on: until they land (`land`) the victims and the newcomers are served as misses, so no
+        step waits for a promotion (a layer with copies still in flight promotes nothing more)."""
         self.sync_stats()
+        self.land()
         counts, self._window = self._window, np.zeros_like(self._window)
         for layer, i in self.layer_index.items():
             uses, misses = counts[i]
             gauge = self.gauges[layer]
             gauge.observe(uses, tokens)
-            gauge.promoted(promote_missed(self.slots, self.policy, self.transfers, self.stats, layer, misses, uses,
-                                          margin=gauge.margin, most=PROMOTE_MOST, wait="device"))
+            most = 0 if layer in self.landings else PROMOTE_MOST   # the uses are recorded either way
+            pairs = choose_promotions(self.slots, self.policy, layer, misses, uses, gauge.margin, most)
+            if not pairs:
+                continue
+            landing, copied = self.slots.begin_install(layer, [h for h, _ in pairs], [v for _, v in pairs],
+                                                       self.transfers)
+            self.landings[layer] = landing
+            self.stats.record(layer, bytes_copied=copied, evictions=len(pairs))
+            gauge.promoted(landing.experts)
+
+    def land(self, wait: bool = False) -> None:
+        """Make the promoted experts whose copies have landed resident (all of them with `wait`: the
+        compute stream waits for the rest, for a caller about to use the slot table otherwise, such
+        as the fetch policy of a prompt). The maps follow at the next `sync_maps`."""
+        for layer, landing in list(self.landings.items()):
+            if wait or landing.landed():
+                self.transfers.wait(landing.done, "device")   # a no-op once landed; orders the rest
+                self.slots.finish_install(landing)
+                del self.landings[layer]
 
     def check(self, error: int) -> None:
         if error:

@@ -71,12 +71,11 @@ class SkipPolicy:
             self._fold_pairs(layer)
 
 
-def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfers, stats: BankStats, layer: int,
-                   misses: np.ndarray, uses: np.ndarray, margin: float = 1.0, most: int | None = None,
-                   wait: str = "host") -> list[int]:
-    """Fold a refresh period's per-expert use counts into the policy, then copy the most-missed
-    experts over the coldest resident ones wherever the missed one's priority beats the victim's
-    by more than `margin` times (at most `most` per layer). Returns the experts copied in."""
+def choose_promotions(slots: SlotTable, policy: ResidencyPolicy, layer: int, misses: np.ndarray, uses: np.ndarray,
+                      margin: float = 1.0, most: int | None = None) -> list[tuple[int, int]]:
+    """Fold a refresh period's per-expert use counts into the policy, then pair the most-missed
+    experts with the coldest resident ones wherever the missed one's priority beats the victim's by
+    more than `margin` times (at most `most` per layer): (expert in, victim out) pairs."""
     ls = slots[layer]
     used = np.nonzero(uses)[0]
     if len(used):
@@ -94,8 +93,14 @@ def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfe
     victims = policy.victims(layer, resident, n, set())
     cold = policy.priority(layer, np.array(victims, dtype=np.int64))
     warm = policy.priority(layer, np.array(hot[:n], dtype=np.int64))
-    pairs = [(h, v) for h, v, hp, vp in zip(hot[:n], victims, warm, cold) if hp > margin * vp]
+    return [(h, v) for h, v, hp, vp in zip(hot[:n], victims, warm, cold) if hp > margin * vp]
+
+
+def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfers, stats: BankStats, layer: int,
+                   misses: np.ndarray, uses: np.ndarray) -> list[int]:
+    """`choose_promotions`, then copy them in (the host waits). Returns the experts copied in."""
+    pairs = choose_promotions(slots, policy, layer, misses, uses)
     if pairs:
-        done = slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], transfers, wait=wait)
+        done = slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], transfers)
         stats.record(layer, bytes_copied=done.bytes_copied, evictions=done.evictions, copy_wait_s=done.wait_s)
     return [h for h, _ in pairs]

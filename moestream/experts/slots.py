@@ -29,7 +29,7 @@ from moestream.experts.transfer import Transfers
 class LayerSlots:
     tensors: dict[str, Tensor]   # format tensor name → (S, ...) stacked slots
     slot_map: Tensor             # (E + 1,) int32 on the device; [-1] is always -1
-    owner: list[int]             # host mirror: slot → expert id, -1 when free
+    owner: list[int]             # host mirror: slot → expert id; FREE, or LANDING while a copy is in flight
     where: dict[int, int]        # host mirror: expert id → slot
 
     def views(self, slot: int) -> dict[str, Tensor]:
@@ -49,6 +49,23 @@ class LayerSlots:
         if self.where:
             out[torch.tensor(list(self.where))] = torch.tensor(list(self.where.values()), dtype=torch.int32)
         return out
+
+
+FREE, LANDING = -1, -2   # owner values of a slot without an expert: free, or awaiting a copy in flight
+
+
+@dataclass
+class Landing:
+    """Copies into a layer's slots still in flight (`SlotTable.begin_install`): no map names those
+    slots until `SlotTable.finish_install` makes the experts resident."""
+
+    layer: int
+    experts: list[int]
+    slots: list[int]
+    done: torch.cuda.Event | None   # the copies' event (None: they have landed, CPU)
+
+    def landed(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 @dataclass
@@ -79,7 +96,8 @@ class SlotTable:
         return iter(self.layers)
 
     def is_filled(self) -> bool:
-        return all(e >= 0 for ls in self.layers.values() for e in ls.owner)
+        """No slot is free (one awaiting its copy is not)."""
+        return all(e != FREE for ls in self.layers.values() for e in ls.owner)
 
     def slot_ids(self, layer: int, expert_ids: Tensor) -> Tensor:
         """Routed expert ids → slots, on the device (one gather, no sync)."""
@@ -126,6 +144,28 @@ class SlotTable:
             ls.where[e] = s
         self._update_map(ls, victims + experts, [-1] * len(victims) + slots)
         return Installed(copied, len(victims), waited, done if wait == "none" else None)
+
+    def begin_install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers) -> tuple[Landing, int]:
+        """Evict `victims` now and queue the copies of `experts` into their slots, without anyone
+        waiting for them: until `finish_install`, the victims and the newcomers are both outside the
+        bank and no map names those slots, so the steps in between run on (their misses are served
+        from host RAM) while the copies land. Returns the landing and the bytes queued."""
+        ls = self.layers[layer]
+        slots = [ls.where.pop(v) for v in victims]
+        for s in slots:
+            ls.owner[s] = LANDING
+        copied, done = transfers.copy(layer, experts, [ls.views(s) for s in slots])
+        self._update_map(ls, victims, [-1] * len(victims))
+        return Landing(layer, list(experts), slots, done), copied
+
+    def finish_install(self, landing: Landing) -> None:
+        """The landing's experts are resident from here on (the caller made sure the copies landed,
+        or that the compute stream waits for them)."""
+        ls = self.layers[landing.layer]
+        for e, s in zip(landing.experts, landing.slots):
+            ls.owner[s] = e
+            ls.where[e] = s
+        self._update_map(ls, landing.experts, landing.slots)
 
     def _update_map(self, ls: LayerSlots, experts: list[int], values: list[int]) -> None:
         pin = self.device.type == "cuda"

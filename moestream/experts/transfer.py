@@ -41,7 +41,7 @@ class Transfers:
 
     def wait(self, done: torch.cuda.Event | None, how: str) -> None:
         """Wait for `done` as asked: the host ("host"), the compute stream ("device") or nobody ("none")."""
-        if done is None or how == "none":
+        if done is None or how == "none" or self.stream is None:   # on the CPU copies are done when queued
             return
         if how == "device":
             torch.cuda.current_stream(self.device).wait_event(done)

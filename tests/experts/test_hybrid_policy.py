@@ -113,6 +113,75 @@ def test_maps_follow_the_bank_after_a_refresh(tiny_qwen3, resident):
         engine.close()
 
 
+class _InFlight:
+    """A copy event that reports landed only at its `polls`-th query (a slow copy stream)."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+
+def test_promotions_land_while_decode_goes_on(tiny_qwen3, resident):
+    """A refresh's copies are waited for by nobody: until they land, the victims and the newcomers
+    are both misses (maps and worker agree), their slots are named by no map, and the tokens stay
+    the resident model's; a prompt through the fetch policy lands every promotion first."""
+    from moestream.experts.slots import LANDING
+
+    _, want = resident
+    engine = _hybrid(tiny_qwen3, cpu_misses=0.5)
+    try:
+        bank, hybrid = engine.bank, engine.bank.hybrid_misses
+        hybrid.refresh_every = 4
+        E, S = engine.config.num_experts, bank.capacity
+        copy, sync_maps, fetch = bank.transfers.copy, hybrid.sync_maps, bank.fetcher.forward
+        flights, in_flight_steps = [], []
+
+        polls = [3]
+
+        def slow_copy(layer, experts, dests, after=None):
+            copied, _ = copy(layer, experts, dests)
+            flights.append(_InFlight(polls[0]))
+            return copied, flights[-1]
+
+        def checked_sync_maps():
+            sync_maps()
+            for layer, landing in hybrid.landings.items():
+                ls = bank.slots[layer]
+                one_map = hybrid.one_token_maps[layer].tolist()
+                assert all(ls.owner[s] == LANDING for s in landing.slots)
+                assert not set(one_map[:E]) & set(landing.slots) and not set(ls.slot_map.tolist()) & set(landing.slots)
+                for e in landing.experts:
+                    assert e not in ls.where and one_map[e] == S + e and int(hybrid.mailboxes[layer].outside[e]) == 1
+            in_flight_steps.append(bool(hybrid.landings))
+
+        def prompt_through_fetch(*args):
+            assert not hybrid.landings                                       # every promotion landed first
+            return fetch(*args)
+
+        bank.transfers.copy, hybrid.sync_maps, bank.fetcher.forward = slow_copy, checked_sync_maps, prompt_through_fetch
+        assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert flights and sum(in_flight_steps) >= 2                        # steps ran with copies in flight
+        assert engine.stats()["evictions"] > 0
+        polls[0] = 10**9                                                    # copies that land only when waited for
+        layer = next(iter(bank.slots))
+        newcomer = next(e for e in range(E) if e not in bank.slots[layer].where)
+        hybrid._window[hybrid.layer_index[layer], :, newcomer] = 1000          # used and missed on every token
+        hybrid.refresh()
+        assert newcomer in hybrid.landings[layer].experts and bank.slots.is_filled()   # in flight: taken, not free
+        assert engine.generate(PROMPTS[1], max_tokens=16, ignore_eos=True) == want[1]
+        assert newcomer in hybrid.landings[layer].experts                   # it never landed by itself
+        long_prompt = list(range(3, 3 + 20))                                # past the mailboxes: the fetch policy
+        assert (engine.generate(long_prompt, max_tokens=12, ignore_eos=True)
+                == resident[0].generate(long_prompt, max_tokens=12, ignore_eos=True))
+        engine.bank.synchronize()
+        assert not hybrid.landings and all(LANDING not in bank.slots[layer].owner for layer in bank.slots)
+    finally:
+        engine.close()
+
+
 def test_hybrid_policy_takes_a_bank_smaller_than_top_k(tiny_qwen3, resident):
     """One slot per layer: nearly every pair misses, every one is served off the bank, and a prompt
     streams through staging; the fetch policy refuses that capacity."""
