@@ -2,11 +2,12 @@
 
     python benchmarks/quantized_decode.py --ckpt /tmp/q3 --out $OUT [--formats int4 int8 int3]
         [--fractions 1.0 0.25] [--routing uniform|trace --trace T.json] [--prompt-tokens 512 --gen-tokens 64]
-        [--cpu-misses 0 1 auto]
+        [--miss-policy fetch hybrid] [--cpu-misses 0 1 auto]
 
 For each format: `moestream convert` (timed: GB/s of source expert weights) into /tmp/<ckpt>-<format>
 unless it is there, then `moestream.load` of the packed checkpoint at each fraction of the experts
-on the GPU (capacity = fraction × E; the rest in pinned host RAM) and `run_bench`. The first load
+on the GPU (capacity = fraction × E, at least top-k, or 1 with the hybrid policy: fraction 0 keeps
+every expert off the GPU; the rest in pinned host RAM) and `run_bench`. The first load
 of each packed checkpoint is its cold start (page cache warm from the convert). Routing stated per
 row. Results: `$OUT/quantized_decode.json`.
 """
@@ -36,7 +37,10 @@ def main() -> None:
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--cpu-misses", type=lambda t: t if t == "auto" else float(t), nargs="+", default=[0.0],
-                    help="hybrid misses at bounded budgets (the pinned host tier): each value is a row")
+                    help="at bounded budgets (the pinned host tier), the CPU's share of the misses: each value is "
+                         "a row (with the hybrid policy 0 means its default)")
+    ap.add_argument("--miss-policy", nargs="+", default=["fetch"], choices=["fetch", "hybrid"],
+                    help="miss policies at bounded budgets: each is a row")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_checkpoint(args.ckpt, args.shape, args.layers)
@@ -49,26 +53,41 @@ def main() -> None:
             conv = {"seconds": result.seconds, "GB_per_s": result.gb_per_s, "written_GB": result.written_bytes / 1e9}
             log(f"convert {fmt}: {json.dumps(conv)}")
         first = True
-        for frac, cpu_misses in [(f, c) for f in args.fractions for c in args.cpu_misses]:
-            E = 128
-            cap = max(8, round(E * frac))
-            if cap == E and cpu_misses:
-                continue   # nothing misses: one resident row is enough
+        config = json.loads((args.ckpt / "config.json").read_text())
+        E, top_k = config.get("num_experts", 128), config.get("num_experts_per_tok", 8)
+        runs = [(f, c, m) for f in args.fractions for m in args.miss_policy for c in args.cpu_misses]
+        resident_done = False
+        for frac, cpu_misses, policy in runs:
+            cap = max(1 if policy == "hybrid" else top_k, round(E * frac))
+            if cap == E:
+                if resident_done:
+                    continue   # nothing misses: one resident row is enough
+                resident_done, policy, cpu_misses = True, "fetch", 0.0
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            hybrid = dict(host_tier="pinned", cpu_misses=cpu_misses) if cpu_misses else {}
-            engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096, **hybrid)
+            if cap == E:
+                kw = {}
+            elif policy == "hybrid":
+                kw = dict(host_tier="pinned", miss_policy="hybrid", cpu_misses=cpu_misses or None)
+            else:
+                kw = dict(host_tier="pinned", miss_policy="fetch", cpu_misses=cpu_misses) if cpu_misses else {}
+            engine = moestream.load(packed, device="cuda", dtype="bfloat16", capacity=cap, max_context=4096, **kw)
             load_s = time.perf_counter() - t0
             routing = apply_routing(engine, args.routing, args.trace)
             res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
                             routing=routing).as_dict()
             res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv,
-                       cpu_misses=cpu_misses)
+                       cpu_misses=cpu_misses, miss_policy=engine.bank.miss_policy)
+            res["host_gb_s"] = (res["decode_bytes_per_token"] + res["decode_cpu_bytes_per_token"]
+                                + res["decode_host_read_bytes_per_token"]) * res["decode_tok_s"] / 1e9
             rows.append(res)
-            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "cpu_misses", "decode_tok_s", "ttft_s",
-                                                "prefill_tok_s", "decode_hit_rate", "decode_bytes_per_token",
-                                                "decode_cpu_bytes_per_token", "peak_device_bytes", "load_s")}))
+            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "miss_policy", "cpu_misses",
+                                                "decode_tok_s", "ttft_s", "prefill_tok_s", "decode_hit_rate",
+                                                "decode_bytes_per_token", "decode_cpu_bytes_per_token",
+                                                "decode_host_read_bytes_per_token", "host_gb_s", "peak_device_bytes",
+                                                "load_s")}))
             first, conv = False, None
+            engine.close()
             del engine
             torch.cuda.empty_cache()
     write_result(args.out, "quantized_decode", {"rows": rows, "layers": args.layers})

@@ -14,9 +14,10 @@ Nothing here reads the device back, so decode steps run as whole CUDA graphs. In
 the split is per call: of its m missing pairs the CPU computes the first take[m] in routing order
 (take[m] = round(cpu_share × m)) and the GPU reads the others; the kernels, the counters and the
 worker apply the same rule to the same routing, so every pair is served once, and the two sides'
-work stays balanced however many of a token's experts miss. Calls of more than one token (a batch of
-streams), and quantized or biased experts, leave every miss to the CPU: the decode kernels of larger
-calls and the quantized kernels read slots only (the worker unpacks 8/4/2-bit and NF4 experts).
+work stays balanced however many of a token's experts miss (quantized experts too: the GPU's dequantizing
+launches read their packed bytes in place, the worker unpacks 8/4/2-bit and NF4 experts). Calls of
+more than one token (a batch of streams), and experts with biases, leave every miss to the CPU: the
+kernels of larger calls read slots only.
 Rows past the live ones of a captured batch (its padding) get no experts computed. Calls
 larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
 is. Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the
@@ -43,6 +44,7 @@ from moestream.kernels import cpu_moe, handoff
 from moestream.kernels.cpu_moe import Mailbox, StreamWorker
 from moestream.kernels.handoff import LayerHandoff
 from moestream.kernels.moe_reference import HostReads
+from moestream.kernels.quant_moe_reference import QuantHostReads
 
 HYBRID_MAX_TOKENS = 16       # decode batches up to this many streams; larger calls take the fetch policy
 DEFAULT_CPU_SHARE = 0.6      # of a one-token call's missing pairs, the CPU's share
@@ -118,10 +120,9 @@ class HybridMisses:
         self.cpu_share, self.refresh_every, self.max_tokens = float(cpu_share), refresh_every, max_tokens
         device = slots.device
         E = slots.num_experts
-        # The GPU reads experts in place only through the one-token launches: dense experts, no biases.
-        # Elsewhere the CPU computes every miss.
-        dense = all(isinstance(fmt, DenseFormat) for fmt in slots.formats.values())
-        self.gpu_reads = dense and not shape.bias and (
+        # The GPU reads experts in place in one-token calls (dense: the one-token launches; quantized:
+        # the decode launches), for experts without biases. Elsewhere the CPU computes every miss.
+        self.gpu_reads = not shape.bias and (
             device.type == "cpu" or all(fmt.uses_kernels(device, shape) for fmt in slots.formats.values()))
         self.expert_bytes = {layer: fmt.nbytes(shape) for layer, fmt in slots.formats.items()}
         dtype = next(iter(slots.formats.values())).dtype
@@ -142,7 +143,7 @@ class HybridMisses:
         self.take_host = torch.tensor([round(self.cpu_share * m) if self.gpu_reads else m for m in range(top_k + 1)],
                                       dtype=torch.int32)
         self.take = self.take_host.to(device)
-        self.host_reads = {layer: HostReads(stack["gate_up"], stack["down"], self.take)
+        self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.live = torch.full((1,), ALL_ROWS, dtype=torch.int32, device=device)
@@ -156,6 +157,12 @@ class HybridMisses:
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
                                    threads, specs)
+
+    def _host_reads(self, fmt: ExpertFormat, stack: dict[str, Tensor]) -> HostReads | QuantHostReads:
+        """What a layer's one-token dispatch reads in place: its pinned stacks, less the CPU's take."""
+        if isinstance(fmt, QuantizedFormat):
+            return QuantHostReads(stack, self.take)
+        return HostReads(stack["gate_up"], stack["down"], self.take)
 
     def close(self) -> None:
         self.worker.close()

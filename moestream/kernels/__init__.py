@@ -82,9 +82,12 @@ def fused_moe_available() -> bool:
     return cuda_module_available("triton")
 
 
-def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True) -> Tensor:
-    """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`."""
-    return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec, reduce=reduce)
+def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True,
+                    host=None) -> Tensor:
+    """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`
+    (`host`: a `QuantHostReads`, read in place by calls of a few tokens)."""
+    return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec, reduce=reduce,
+                                                             host=host)
 
 
 @functools.lru_cache(maxsize=None)

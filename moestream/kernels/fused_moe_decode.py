@@ -17,7 +17,8 @@ work only if p is the *first* pair routed to its slot (the slot's owner); the ow
 rows of every pair routed to that slot, BLOCK_M at a time, with a `tl.dot` over the stacked
 rows. So each used expert is streamed from memory once even when several tokens share it
 (at T=8, k=8, S=128 random routing, ~64 pairs touch only ~50 experts), and a pair never needs
-a host-side grouping. Pairs whose slot is -1 or outside [0, S) are skipped by both launches;
+a host-side grouping. Pairs whose slot is -1 or outside [0, S) (with host reads: [0, S + E), slot S + e
+being expert e of pinned host stacks, read in place) are skipped by both launches;
 their rows of the two buffers stay unwritten and the caller's sum skips them too.
 
 Memory-bound by design: weight tiles are [BLOCK_K, BLOCK_N] with K the contiguous dimension of
@@ -39,7 +40,7 @@ from .moe_activation import activate
 from .moe_tiles import fit_tile, gated_dot, quant_block_k, quant_gemv
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
-__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "QuantOperand",
+__all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "HostOperand", "QuantOperand",
            "launch_decode_gemms"]
 
 # Shared memory one program's pipeline may use; small tiles leave room for several programs/SM.
@@ -78,7 +79,7 @@ QUANT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 512, 4, 1), down=Decod
 @triton.jit
 def _moe_decode_kernel(
     a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
-    N, K, num_pairs, num_slots, top_k,
+    N, K, num_pairs, num_slots, num_host, host_b, host_s, host_z, top_k,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_st, stride_sj, stride_wt, stride_wj, stride_se, stride_sn, stride_bias_e, alpha, limit,
     A_BY_TOKEN: tl.constexpr,     # A row of a pair = its token (hidden) or the pair (inter)
@@ -105,7 +106,7 @@ def _moe_decode_kernel(
     slots = tl.load(slot_ptr + (offs_p // top_k) * stride_st + (offs_p % top_k) * stride_sj,
                     mask=in_range, other=-1)
     slot = tl.sum(tl.where(offs_p == pid, slots, 0), axis=0)
-    if (slot < 0) | (slot >= num_slots):
+    if (slot < 0) | (slot >= num_slots + num_host):
         return
     match = (slots == slot) & in_range
     if tl.min(tl.where(match, offs_p, PAIRS), axis=0) != pid:
@@ -118,10 +119,14 @@ def _moe_decode_kernel(
     # Columns past N wrap around instead of being masked (the store is masked), which keeps
     # the weight loads unmasked along N and wide along K.
     offs_bn = (offs_n % N).to(tl.int64)
-    b_base = b_ptr + slot.to(tl.int64) * stride_be
-    s_base = s_ptr + slot.to(tl.int64) * stride_se
-    z_base = z_ptr + slot.to(tl.int64) * stride_se
-    bias_row = bias_ptr + slot.to(tl.int64) * stride_bias_e
+    # A slot past the bank's (num_slots + e) is expert e of the host stacks, reached in place at the
+    # host_* element offsets from the slot tensors' bases (pinned memory, read over PCIe).
+    slot64 = slot.to(tl.int64)
+    outside = slot >= num_slots
+    b_base = b_ptr + tl.where(outside, host_b + (slot64 - num_slots) * stride_be, slot64 * stride_be)
+    s_base = s_ptr + tl.where(outside, host_s + (slot64 - num_slots) * stride_se, slot64 * stride_se)
+    z_base = z_ptr + tl.where(outside, host_z + (slot64 - num_slots) * stride_se, slot64 * stride_se)
+    bias_row = bias_ptr + slot64 * stride_bias_e   # experts with biases have no host reads
 
     if BITS > 0:
         if count == 1:   # one token on this expert (decode): the quantized GEMV, no padded dot
@@ -171,6 +176,18 @@ def _moe_decode_kernel(
 
 
 @dataclass(frozen=True)
+class HostOperand:
+    """A projection's experts outside the slots, read in place: `num` experts of host stacks laid
+    out as the slots, at element offsets `b`, `s`, `z` from the slot tensors' packed bytes (or
+    weights), scales and biases (`fused_moe_token.host_offset`)."""
+
+    num: int = 0
+    b: int = 0
+    s: int = 0
+    z: int = 0
+
+
+@dataclass(frozen=True)
 class QuantOperand:
     """A quantized bank tensor as the kernels read it: packed bytes (S, N, K·bits/8), scales and
     biases (S, N, groups; biases may be the scales for NF), the NF codebook (or any tensor)."""
@@ -200,13 +217,15 @@ def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
 def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
             num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
             mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None,
-            bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0) -> None:
+            bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0,
+            host: HostOperand | None = None) -> None:
     num_pairs = slot_ids.numel()
     grid = (num_pairs, triton.cdiv(n, tile.block_n))
     b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, tile.block_k)
+    host = host or HostOperand()
     _moe_decode_kernel[grid](
         a, b, c, slot_ids, weights, s, z, code, bias if bias is not None else b,
-        n, k, num_pairs, num_slots, slot_ids.shape[1],
+        n, k, num_pairs, num_slots, host.num, host.b, host.s, host.z, slot_ids.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         slot_ids.stride(0), slot_ids.stride(1), weights.stride(0), weights.stride(1), stride_se, stride_sn,
         bias.stride(0) if bias is not None else 0, float(alpha), float(limit),
@@ -225,11 +244,13 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
                         weights: Tensor, inter: Tensor, per_pair: Tensor, activation_code: int,
                         config: DecodeConfig | None = None, quant: tuple[QuantOperand, QuantOperand] | None = None,
                         intermediate: int | None = None, biases: tuple[Tensor, Tensor] | None = None,
-                        alpha: float = 1.0, limit: float = 0.0) -> None:
+                        alpha: float = 1.0, limit: float = 0.0,
+                        host: tuple[HostOperand, HostOperand] | None = None) -> None:
     """The two decode launches: gate_up+activation into `inter` (T*k, I), hidden dtype; then
     down times routing weight into `per_pair` (T*k, H), fp32. Rows of unrouted pairs are left
     unwritten. Inputs are validated by the caller. With `quant` (gate_up, down operands), the
-    bank is quantized and gate_up / down are ignored for their contents."""
+    bank is quantized and gate_up / down are ignored for their contents. With `host` (gate_up,
+    down), slot ids past the bank's read experts of host stacks in place."""
     cfg = config if config is not None else (DEFAULT_DECODE_CONFIG if quant is None else QUANT_DECODE_CONFIG)
     S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
     H = hidden.shape[1]
@@ -244,7 +265,8 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
     _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
             block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None,
-            bias=biases[0] if biases else None, alpha=alpha, limit=limit)
+            bias=biases[0] if biases else None, alpha=alpha, limit=limit, host=host[0] if host else None)
     _launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
             gated=False, activation_code=0, mul_weight=True, block_m=cfg.block_m,
-            tile=down_tile, quant=quant[1] if quant else None, bias=biases[1] if biases else None)
+            tile=down_tile, quant=quant[1] if quant else None, bias=biases[1] if biases else None,
+            host=host[1] if host else None)

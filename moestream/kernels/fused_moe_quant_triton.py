@@ -19,7 +19,10 @@ from moestream.quant import QuantSpec
 from moestream.quant.normal import codebook
 
 from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
-from .fused_moe_decode import QuantOperand
+from .fused_moe_decode import HostOperand, QuantOperand
+from .fused_moe_token import host_offset
+from .moe_reference import split_outside
+from .quant_moe_reference import QuantHostReads
 
 __all__ = ["fused_moe_quant", "quant_operand"]
 
@@ -37,10 +40,19 @@ def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> Qu
     return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
 
 
+def host_operand(host: QuantHostReads, slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> HostOperand:
+    """Where `proj`'s host stacks sit from the slot tensors the kernels are handed (element offsets)."""
+    slot_op, host_op = quant_operand(slots, proj, spec), quant_operand(host.stacks, proj, spec)
+    return HostOperand(host.num_experts, host_offset(host_op.qweight, slot_op.qweight),
+                       host_offset(host_op.scales, slot_op.scales), host_offset(host_op.biases, slot_op.biases))
+
+
 def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                     spec: QuantSpec, config: MoeConfig | DecodeConfig | None = None, path: str = "auto",
-                    reduce: bool = True) -> Tensor:
-    """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU)."""
+                    reduce: bool = True, host: QuantHostReads | None = None) -> Tensor:
+    """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). With
+    `host`, slot ids S + e read expert e of its pinned stacks in place (the decode path: calls of a
+    few tokens), less the pairs its `cpu_take` leaves to the CPU."""
     gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
     S, two_i, _ = gate_up.qweight.shape
     T, k = slot_ids.shape
@@ -48,5 +60,9 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
         if t.device != hidden.device:
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
     path = resolve_path(path, config, T, k, one_token=False)
+    operands = None
+    if host is not None:
+        operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))
+        slot_ids = split_outside(slot_ids, S, host.cpu_take)
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
-                     quant=(gate_up, down), reduce=reduce)
+                     quant=(gate_up, down), reduce=reduce, host=operands)

@@ -56,6 +56,7 @@ from .fused_moe_decode import (
     DEFAULT_DECODE_CONFIG,
     DecodeConfig,
     DecodeTile,
+    HostOperand,
     QuantOperand,
     launch_decode_gemms,
     quant_args,
@@ -342,11 +343,14 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
               activation_code: int, config, path: str, num_slots: int, intermediate: int,
               quant: tuple[QuantOperand, QuantOperand] | None = None,
               biases: tuple[Tensor, Tensor] | None = None, alpha: float = 1.0, limit: float = 0.0,
-              reduce: bool = True) -> Tensor:
+              reduce: bool = True, host: tuple[HostOperand, HostOperand] | None = None) -> Tensor:
     """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k. `biases`:
     per-slot (gate_up_bias (S, 2I), down_bias (S, H)) rows added in the epilogues, or None;
     `alpha` / `limit`: the activation's parameters (read by the clamped SwiGLU only). `reduce`
-    False: the (T, k, H) fp32 rows of every pair instead (zero where unrouted), for `sum_pairs`."""
+    False: the (T, k, H) fp32 rows of every pair instead (zero where unrouted), for `sum_pairs`.
+    `host`: the decode path reads slot ids S + e from host stacks in place (`HostOperand`)."""
+    if host is not None and path != "decode":
+        raise ValueError(f"experts read from host stacks take the decode path, not the {path} path")
     T, k = slot_ids.shape
     H = hidden.shape[1]
     num_pairs = T * k
@@ -364,14 +368,14 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         if path == "decode":
             launch_decode_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
                                 activation_code, config, quant=quant, intermediate=intermediate,
-                                biases=biases, alpha=alpha, limit=limit)
+                                biases=biases, alpha=alpha, limit=limit, host=host)
         else:
             _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
                            activation_code, config, quant=quant, intermediate=intermediate,
                            biases=biases, alpha=alpha, limit=limit)
         if not reduce:
             return per_pair.view(T, k, H)
-        _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
+        _launch_sum_over_k(per_pair, slot_ids, out, num_slots + (host[0].num if host else 0))
     return out
 
 

@@ -10,15 +10,31 @@ the used slot ids: this is the CPU path and the reference, not the CUDA hot path
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from moestream.quant import QuantSpec, dequantize
 
-from .moe_reference import moe_reference
+from .moe_reference import moe_reference, split_outside
 
 PROJECTIONS = ("gate_up", "down")
+
+
+@dataclass
+class QuantHostReads:
+    """Every quantized expert of a layer in (pinned) host memory, which slot id S + e reads in place:
+    `stacks` holds the slots' tensors by name ("<proj>.qweight", ".scales", ".biases"), E experts
+    each, same dtypes and per-expert shapes. `cpu_take` as `HostReads.cpu_take`: of a one-token
+    call's m pairs outside the slots, the first cpu_take[m] are computed elsewhere."""
+
+    stacks: Mapping[str, Tensor]
+    cpu_take: Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.stacks["gate_up.qweight"].shape[0]
 
 
 def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor, spec: QuantSpec,
@@ -34,17 +50,25 @@ def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor, spec: QuantSpec
 
 
 def quant_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                        spec: QuantSpec, reduce: bool = True) -> Tensor:
-    """Routed-expert FFN over quantized slots: (T, H) in hidden's dtype; slot -1 contributes nothing."""
+                        spec: QuantSpec, reduce: bool = True, host: QuantHostReads | None = None) -> Tensor:
+    """Routed-expert FFN over quantized slots: (T, H) in hidden's dtype; slot -1 contributes nothing.
+    With `host`, a slot id S + e is expert e of the host stacks (less its `cpu_take`)."""
     S = slots["gate_up.qweight"].shape[0]
+    num_host = 0
+    if host is not None:
+        num_host = host.num_experts
+        slot_ids = split_outside(slot_ids, S, host.cpu_take)
     flat = slot_ids.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < S)
+    valid = (flat >= 0) & (flat < S + num_host)
     used = torch.unique(flat[valid])
     if used.numel() == 0:
         T, k = slot_ids.shape
         return torch.zeros_like(hidden) if reduce else hidden.new_zeros((T, k, hidden.shape[1]), dtype=torch.float32)
-    gate_up, down = dequantize_slots(slots, used, spec, hidden.dtype)
-    remap = torch.full((S + 1,), -1, dtype=torch.int64, device=hidden.device)
-    remap[used] = torch.arange(used.numel(), device=hidden.device)
-    local = torch.where(valid, flat, torch.full_like(flat, S))
+    in_slots, outside = used[used < S], used[used >= S] - S
+    parts = {name: torch.cat([t.index_select(0, in_slots), host.stacks[name].index_select(0, outside.cpu()).to(t.device)])
+             if len(outside) else t.index_select(0, in_slots) for name, t in slots.items()}
+    gate_up, down = dequantize_slots(parts, torch.arange(used.numel(), device=used.device), spec, hidden.dtype)
+    remap = torch.full((S + num_host + 1,), -1, dtype=torch.int64, device=hidden.device)
+    remap[used] = torch.arange(used.numel(), device=hidden.device)   # used is sorted: slots, then host experts
+    local = torch.where(valid, flat, torch.full_like(flat, S + num_host))
     return moe_reference(hidden, gate_up, down, remap[local].view_as(slot_ids), weights, reduce=reduce)

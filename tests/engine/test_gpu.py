@@ -76,6 +76,26 @@ def test_quantized_experts_on_gpu_match_the_cpu_engine_and_fetch_stays_exact(tin
         assert engine.generate(prompts, max_tokens=16, ignore_eos=True) == expected, cap
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nf4", "int8"])
+def test_quantized_hybrid_misses_are_exact_on_gpu(tiny_quant, fmt):
+    """Quantized misses split between the CPU worker and the dequantizing launches reading the pinned
+    stacks in place: the tokens of the fully resident quantized model (fp32), every expert off the
+    GPU included."""
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9)]
+    full = moestream.load(tiny_quant, device="cuda", dtype="float32", experts=fmt)
+    expected = [full.generate(p, max_tokens=16, ignore_eos=True) for p in prompts]
+    for cap in (1, 2, 5):
+        engine = moestream.load(tiny_quant, device="cuda", dtype="float32", experts=fmt, capacity=cap,
+                                miss_policy="hybrid", host_tier="pinned", cpu_misses=0.5)
+        try:
+            assert engine.bank.hybrid_misses.gpu_reads
+            assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in prompts] == expected, cap
+            stats = engine.stats()
+            assert stats["host_read"] > 0 and stats["cpu_served"] > 0
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 def test_padded_decode_graphs_keep_each_sequence_its_own_tokens(arch, tiny_checkpoints):
     """A server's engine (several cache rows) runs a batch of 5 through the graphs captured for 8 at

@@ -99,21 +99,24 @@ def test_hybrid_misses_of_quantized_experts_give_the_resident_tokens(tiny_quant,
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8", "nf4", "int2"])
-def test_hybrid_policy_computes_quantized_misses_on_its_worker(tiny_quant, fmt):
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_hybrid_policy_serves_quantized_misses_on_both_sides(tiny_quant, fmt, share):
     """The hybrid policy's CPU worker unpacks quantized experts from the pinned tier (inputs phase-
-    ordered per call, as the kernel reads them) and serves every miss: the tokens of the fully
-    resident quantized model, at a bank of one slot too."""
+    ordered per call, as the kernel reads them) and the dispatch reads the others in place from the
+    same stacks (slot S + e): the tokens of the fully resident quantized model, at a bank of one
+    slot too; batched steps leave every miss to the worker."""
     full = _load(tiny_quant, experts=fmt)
     expected = full.generate(PROMPTS, max_tokens=12, ignore_eos=True)
     for capacity in (2, 1):
         engine = _load(tiny_quant, experts=fmt, capacity=capacity, host_tier="pinned", miss_policy="hybrid",
-                       discovery=False)
+                       cpu_misses=share, discovery=False)
         try:
-            assert not engine.bank.hybrid_misses.gpu_reads      # the one-token host reads take dense experts
+            assert engine.bank.hybrid_misses.gpu_reads
             assert [engine.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == expected
             assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == expected
             stats = engine.stats()
-            assert stats["cpu_served"] > 0 and stats["host_read"] == 0   # (the 19-token prompt: fetch staging)
+            assert stats["cpu_served"] > 0 and (stats["host_read"] > 0) == (share < 1.0)
+            assert stats["host_read_bytes"] == stats["host_read"] * engine.bank.formats[0].nbytes(engine.bank.store.shape)
         finally:
             engine.close()
 
@@ -130,7 +133,7 @@ def test_hybrid_worker_takes_the_bf16_dot_path_as_the_kernel_call_does(tiny_quan
     kw = dict(device="cpu", dtype="bfloat16", experts="int4", capacity=2, host_tier="pinned", discovery=False)
     fetch = moestream.load(tiny_quant, miss_policy="fetch", cpu_misses=1.0, **kw)
     want = [fetch.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS]
-    hybrid = moestream.load(tiny_quant, miss_policy="hybrid", **kw)
+    hybrid = moestream.load(tiny_quant, miss_policy="hybrid", cpu_misses=1.0, **kw)
     try:
         assert [hybrid.generate(p, max_tokens=12, ignore_eos=True) for p in PROMPTS] == want
         assert hybrid.stats()["cpu_served"] > 0

@@ -93,3 +93,10 @@ def test_quant_linear_matches_the_reference(name, T):
     bias = torch.randn(320, device="cuda").bfloat16()
     out = kernels.quant_linear(x, *parts, spec, bias)
     assert rel(out, quant_linear_reference(x, *parts, spec, bias)) < 1e-2
+
+
+def test_quant_host_reads_on_the_gpu():
+    """Quantized experts read in place from pinned host stacks give the bits of the same experts in slots."""
+    from quant_host_checks import check_all
+
+    check_all("cuda", (torch.float32, torch.bfloat16, torch.float16))

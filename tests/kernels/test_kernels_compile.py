@@ -29,9 +29,9 @@ FLOATS = ["alpha", "limit"]   # the clamped SwiGLU's parameters
 EPILOGUES = [(0, False), (1, True)]
 
 
-def _compile(fn, pointers: dict, ints: list[str], consts: dict, warps: int, stages: int):
-    sig = {**pointers, **{name: "i32" for name in ints}, **{name: "fp32" for name in FLOATS},
-           **{name: "constexpr" for name in consts}}
+def _compile(fn, pointers: dict, ints: list[str], consts: dict, warps: int, stages: int, wide: tuple[str, ...] = ()):
+    sig = {**pointers, **{name: "i64" if name in wide else "i32" for name in ints},
+           **{name: "fp32" for name in FLOATS}, **{name: "constexpr" for name in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=H100,
                           options={"num_warps": warps, "num_stages": stages})
 
@@ -53,8 +53,10 @@ def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
                          bits, nf)
-    ints = INTS + ["num_pairs", "num_slots", "top_k", "stride_st", "stride_sj", "stride_wt", "stride_wj"]
-    kernel = _compile(_moe_decode_kernel, pointers, ints, consts, 4, 4 if bits == 0 else 1)
+    ints = INTS + ["num_pairs", "num_slots", "num_host", "host_b", "host_s", "host_z", "top_k", "stride_st",
+                   "stride_sj", "stride_wt", "stride_wj"]
+    kernel = _compile(_moe_decode_kernel, pointers, ints, consts, 4, 4 if bits == 0 else 1,
+                      wide=("host_b", "host_s", "host_z"))   # host stacks sit far from the slots
     assert kernel.metadata.shared <= SMEM
 
 

@@ -10,9 +10,11 @@ unrouted pair fails), NaN-poisoned workspaces, and all-unrouted giving exact zer
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter, run_under_interpreter
 
 _SCRIPT = """
 import torch
@@ -76,3 +78,8 @@ def test_quant_kernels_under_triton_interpreter(formats) -> None:
     result = run_under_interpreter(f"FORMATS = {formats!r}\n" + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout
+
+
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+def test_quant_host_reads_under_triton_interpreter() -> None:
+    check_all_under_interpreter(Path(__file__).with_name("quant_host_checks.py"))
