@@ -127,8 +127,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
     p.add_argument("--miss-policy", default="auto", choices=["auto", "fetch", "hybrid", "skip"],
                    help="hybrid = the GPU reads some missing experts from host RAM in place while a CPU thread "
-                        "computes the others, decode steps as whole CUDA graphs (exact; needs a GPU, the pinned host "
-                        "tier and bf16/fp32 experts); fetch = copy missing experts into the bank (exact); skip = drop "
+                        "computes the others, decode steps as whole CUDA graphs (exact; needs a GPU and the pinned host "
+                        "tier; bf16/fp32, 8/4/2-bit or NF4 experts); fetch = copy missing experts into the bank (exact); skip = drop "
                         "non-resident experts and renormalise (approximate); auto (default) = hybrid where it can "
                         "run, else fetch")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
@@ -136,7 +136,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                    help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
                         "copied: a share of them (1: all), or auto (split by costs measured at the first decode step) "
                         "(exact; needs the pinned host tier; off by default); hybrid: the CPU's share of a "
-                        "one-stream step's missing experts, the GPU reading the rest (default 0.6)")
+                        "one-stream step's missing experts, the GPU reading the rest (default auto: from 0.6, moved "
+                        "while decoding until both sides finish together)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
                    help="threads the CPU computes missed experts with (--cpu-misses, --miss-policy hybrid; default: "
                         "three of every four cores this process may use)")
@@ -381,6 +382,9 @@ def _stats_text(engine) -> str:
     fetcher = engine.bank.fetcher
     if fetcher is not None and fetcher.costs is not None:
         table += "\n" + fetcher.costs.describe()
+    hybrid = engine.bank.hybrid_misses
+    if hybrid is not None:
+        table += "\n" + hybrid.describe()
     if engine.group is None:
         return table
     return table + "\n" + ranks_table(engine.stats()["ranks"])

@@ -26,7 +26,7 @@ from moestream.errors import BudgetError
 from moestream.experts.fetch import Fetcher
 from moestream.experts.format import ExpertFormat
 from moestream.experts.host_tier import read_stack
-from moestream.experts.hybrid import DEFAULT_CPU_SHARE, HybridMisses
+from moestream.experts.hybrid import HybridMisses
 from moestream.experts.prefetch import Prefetcher
 from moestream.experts.residency import POLICIES, ResidencyPolicy
 from moestream.experts.skip import SkipPolicy
@@ -47,7 +47,8 @@ class ExpertBank:
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
         call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of a
-        one-token call's missing experts (None or "auto": the policy's default)."""
+        one-token call's missing experts (None or "auto": moved while decoding until both sides finish
+        together, `hybrid.SplitBalance`)."""
         config = store.config
         self.store, self.formats, self.device = store, formats, device
         self.dtype = next(iter(formats.values())).dtype if formats else torch.float32
@@ -72,8 +73,7 @@ class ExpertBank:
             staging_slots, self.prefetcher, host_stacks, 0.0 if hybrid else (cpu_misses or 0.0))
         self.hybrid_misses = HybridMisses(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, host_stacks, store.shape,
-            self.top_k, DEFAULT_CPU_SHARE if cpu_misses in (None, "auto") else float(cpu_misses),
-            cpu_threads) if hybrid else None
+            self.top_k, "auto" if cpu_misses in (None, "auto") else float(cpu_misses), cpu_threads) if hybrid else None
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
         self.decoding = False   # set per step by the runtime: skip applies to decode steps only

@@ -109,15 +109,54 @@ class PromotionGauge:
             self.watched[e] = [self.follow, 0]
 
 
+class SplitBalance:
+    """The CPU's share of a one-token call's misses, moved until both sides finish together.
+
+    Where a call split its misses (each side had some), the device's last launch notes whether it
+    had to wait for the CPU's answer. Waiting more often than not says the CPU's share is too
+    large; finding the answer there more often than not says it is too small. Every `least_calls`
+    such calls the share moves by `step` × (1/2 − the share of calls that waited), within [0.05,
+    0.95]. A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the
+    machine (the CPU's memory bandwidth and cores against the PCIe link), on the expert format (a
+    4-bit expert costs the CPU more per byte than a bf16 one) and on the thread count; 0.6 was the
+    best fixed share for bf16 experts on an H100 host with 12 worker threads."""
+
+    STEP = 0.1
+    LOW, HIGH = 0.05, 0.95
+
+    def __init__(self, share: float, adaptive: bool, least_calls: int = 32):
+        self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
+        self.calls = self.waited = 0
+
+    def takes(self, top_k: int) -> list[int]:
+        """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses."""
+        return [round(self.share * m) for m in range(top_k + 1)]
+
+    def observe(self, calls: int, waited: int) -> bool:
+        """Split calls since the last look, and how many of them waited; whether the share moved."""
+        if not self.adaptive:
+            return False
+        self.calls += calls
+        self.waited += waited
+        if self.calls < self.least_calls:
+            return False
+        late = self.waited / self.calls
+        self.calls = self.waited = 0
+        share = min(self.HIGH, max(self.LOW, self.share + self.STEP * (0.5 - late)))
+        moved = share != self.share
+        self.share = share
+        return moved
+
+
 class HybridMisses:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], host_stacks: dict[int, dict[str, Tensor]], shape: ExpertShape,
-                 top_k: int, cpu_share: float = DEFAULT_CPU_SHARE, threads: int | None = None,
+                 top_k: int, cpu_share: float | str = "auto", threads: int | None = None,
                  refresh_every: int = REFRESH_EVERY, max_tokens: int = HYBRID_MAX_TOKENS):
         check_hybrid(slots.formats, shape, host_stacks)
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.host_stacks, self.shape = dispatch, host_stacks, shape
-        self.cpu_share, self.refresh_every, self.max_tokens = float(cpu_share), refresh_every, max_tokens
+        self.refresh_every, self.max_tokens, self.top_k = refresh_every, max_tokens, top_k
         device = slots.device
         E = slots.num_experts
         # The GPU reads experts in place in one-token calls (dense: the one-token launches; quantized:
@@ -133,14 +172,18 @@ class HybridMisses:
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
         self.pair_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int64, device=device)
+        self.balance_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int32, device=device)
         self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
         self.gauges = {layer: PromotionGauge() for layer in slots}
         self.handoffs = {layer: LayerHandoff.create(box, *self.expert_counts[self.layer_index[layer]],
-                                                    self.pair_counts[self.layer_index[layer]])
+                                                    self.pair_counts[self.layer_index[layer]],
+                                                    self.balance_counts[self.layer_index[layer]])
                          for layer, box in self.mailboxes.items()}
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
         # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing order).
-        self.take_host = torch.tensor([round(self.cpu_share * m) if self.gpu_reads else m for m in range(top_k + 1)],
+        auto = cpu_share in (None, "auto")
+        self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), adaptive=auto and self.gpu_reads)
+        self.take_host = torch.tensor(self.balance.takes(top_k) if self.gpu_reads else list(range(top_k + 1)),
                                       dtype=torch.int32)
         self.take = self.take_host.to(device)
         self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
@@ -222,6 +265,7 @@ class HybridMisses:
         step waits for a promotion (a layer with copies still in flight promotes nothing more)."""
         self.sync_stats()
         self.land()
+        self._rebalance()
         counts, self._window = self._window, np.zeros_like(self._window)
         for layer, i in self.layer_index.items():
             uses, misses = counts[i]
@@ -236,6 +280,28 @@ class HybridMisses:
             self.landings[layer] = landing
             self.stats.record(layer, bytes_copied=copied, evictions=len(pairs))
             gauge.promoted(landing.experts)
+
+    @property
+    def cpu_share(self) -> float:
+        """The CPU's share of a one-token call's misses now (1 where the device reads none)."""
+        return self.balance.share if self.gpu_reads else 1.0
+
+    def describe(self) -> str:
+        """--stats: how one-token calls split their misses now."""
+        if not self.gpu_reads:
+            return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
+        how = "moved while decoding, by who waited" if self.balance.adaptive else "fixed by --cpu-misses"
+        return (f"hybrid misses: the CPU takes {self.cpu_share:.0%} of a one-token call's misses ({how}), the device "
+                f"reads the rest in place; take[m] = {self.take_host.tolist()}")
+
+    def _rebalance(self) -> None:
+        """Move the split as the balance says (between steps: the worker is idle and the device
+        has run every launch that reads the table; both sides see the new table at the next call)."""
+        calls, waited = self.balance_counts[:, 1:].sum(0).tolist()
+        self.balance_counts[:, 1:].zero_()
+        if self.balance.observe(calls, waited):
+            self.take_host.copy_(torch.tensor(self.balance.takes(self.top_k), dtype=torch.int32))
+            self.take.copy_(self.take_host)
 
     def land(self, wait: bool = False) -> None:
         """Make the promoted experts whose copies have landed resident (all of them with `wait`: the

@@ -413,6 +413,11 @@ def publish(header: Tensor, seq: int) -> None:
     _ready().moe_stream_publish(header.data_ptr(), seq)
 
 
+def answered(header: Tensor, seq: int) -> bool:
+    """Whether the worker's answer carries `seq` already (no wait; an aligned int32 read)."""
+    return int(header[0]) == seq
+
+
 def wait_answer(header: Tensor, seq: int, timeout_s: float = 30.0) -> bool:
     """Wait (GIL released) until the worker's answer carries `seq`; False on timeout."""
     return _ready().moe_stream_wait(header.data_ptr(), seq, timeout_s) == 0

@@ -11,7 +11,9 @@ missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the ha
 * `collect` (one program per block of the output): waits on the device until the worker's answer
   carries the sequence number (volatile loads of pinned memory, a bounded number of polls: a
   worker that never answers sets the error flag instead of hanging the GPU), then adds the CPU's
-  fp32 rows to the layer's output in place.
+  fp32 rows to the layer's output in place. Where the post split its misses between both sides,
+  it counts the call, and whether the answer was not there yet (the device waited for the CPU):
+  the hybrid policy moves the split by how often that happens.
 
 Mailboxes live in pinned host memory, which shares the device's virtual address space; the
 kernels get CUDA aliases of those tensors (`device_alias`). On the CPU (tests, CPU-only runs) the
@@ -74,17 +76,19 @@ class LayerHandoff:
     use: Tensor          # (E,) int32: routed pairs per expert since the last refresh
     miss: Tensor         # (E,) int32: of those, pairs not served by the bank
     pairs: Tensor        # (3,) int64: pairs served by the bank, read from host memory, computed by the CPU
+    balance: Tensor      # (3,) int32: the last post split its misses between both sides (0/1); calls that
+                         # did; of those, calls whose device side waited for the CPU's answer
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
 
     @classmethod
-    def create(cls, box: Mailbox, use: Tensor, miss: Tensor, pairs: Tensor) -> LayerHandoff:
+    def create(cls, box: Mailbox, use: Tensor, miss: Tensor, pairs: Tensor, balance: Tensor) -> LayerHandoff:
         """Counters given by the caller (views of one tensor per kind: a refresh reads them in one copy)."""
         device = use.device
         alias = None
         if device.type == "cuda":
             alias = {name: device_alias(getattr(box, name), device)
                      for name in ("post", "ids", "weights", "hidden", "result", "rows")}
-        return cls(box, torch.zeros(1, dtype=torch.int32, device=device), use, miss, pairs, alias)
+        return cls(box, torch.zeros(1, dtype=torch.int32, device=device), use, miss, pairs, balance, alias)
 
 
 if triton is not None:
@@ -96,7 +100,7 @@ if triton is not None:
 
     @triton.jit
     def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, use_ptr, miss_ptr, pairs_ptr,
-                     hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
+                     balance_ptr, hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
                      T, H, top_k, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
         T = tl.minimum(T, tl.load(live_ptr))   # rows past the live ones pad a captured batch: nobody's
         n_hidden = T * H
@@ -124,14 +128,17 @@ if triton is not None:
             take = tl.load(take_ptr + tl.sum(read.to(tl.int32), axis=0))
             rank = tl.sum((read[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
             read = read & (rank >= take)
-        tl.atomic_add(pairs_ptr + 1, tl.sum(read.to(tl.int64)))
-        tl.atomic_add(pairs_ptr + 2, tl.sum((valid & ~in_bank & ~read).to(tl.int64)))
+        n_read = tl.sum(read.to(tl.int32), axis=0)
+        n_cpu = tl.sum((valid & ~in_bank & ~read).to(tl.int32), axis=0)
+        tl.atomic_add(pairs_ptr + 1, n_read.to(tl.int64))
+        tl.atomic_add(pairs_ptr + 2, n_cpu.to(tl.int64))
+        tl.store(balance_ptr, ((n_read > 0) & (n_cpu > 0)).to(tl.int32))   # both sides have work
         seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
         tl.debug_barrier()
         tl.store(hdr_ptr, seq)
 
     @triton.jit
-    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, live_ptr, T, H, max_polls,
+    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, live_ptr, balance_ptr, T, H, max_polls,
                         BLOCK: tl.constexpr):
         n = tl.minimum(T, tl.load(live_ptr)) * H   # padding rows get nothing added
         seq = tl.load(seq_ptr)
@@ -140,6 +147,9 @@ if triton is not None:
         while (flag != seq) & (polls < max_polls):
             flag = tl.load(hdr_ptr, volatile=True)
             polls += 1
+        if (tl.program_id(0) == 0) & (tl.load(balance_ptr) != 0):   # a split call: who finished first
+            tl.atomic_add(balance_ptr + 1, 1)
+            tl.atomic_add(balance_ptr + 2, (polls > 0).to(tl.int32))
         flag = _fence_sys(flag)          # the answer's rows after its flag
         if flag != seq:
             tl.atomic_max(error_ptr, 1)
@@ -165,7 +175,8 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
         a = h.alias
         split = cpu_take is not None
         _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
-                           source_map, cpu_take if split else source_map, h.use, h.miss, h.pairs, a["post"], a["ids"],
+                           source_map, cpu_take if split else source_map, h.use, h.miss, h.pairs, h.balance,
+                           a["post"], a["ids"],
                            a["weights"], a["hidden"], live, T, H, k, num_slots, SPLIT=split,
                            BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(T * k)), num_warps=4)
         return
@@ -187,7 +198,9 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     h.use.index_add_(0, e, torch.ones_like(e, dtype=torch.int32))
     h.miss.index_add_(0, e, (~in_bank).to(torch.int32))
     n_read = read.sum()
-    h.pairs += torch.stack((in_bank.sum(), n_read, valid.sum() - in_bank.sum() - n_read))
+    n_cpu = valid.sum() - in_bank.sum() - n_read
+    h.pairs += torch.stack((in_bank.sum(), n_read, n_cpu))
+    h.balance[0] = int(n_read > 0 and n_cpu > 0)
     cpu_moe.publish(box.post, seq)
 
 
@@ -198,9 +211,13 @@ def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor
     T, H = out.shape
     if h.alias is not None:
         _collect_kernel[(triton.cdiv(T * H, COLLECT_BLOCK),)](h.seq, h.alias["result"], h.alias["rows"], out, error,
-                                                              live, T, H, MAX_POLLS, BLOCK=COLLECT_BLOCK, num_warps=4)
+                                                              live, h.balance, T, H, MAX_POLLS, BLOCK=COLLECT_BLOCK,
+                                                              num_warps=4)
         return out
     seq = int(h.seq[0])
+    if h.balance[0]:
+        h.balance[1] += 1
+        h.balance[2] += int(not cpu_moe.answered(h.box.result, seq))
     if not cpu_moe.wait_answer(h.box.result, seq, timeout_s=10.0):
         raise RuntimeError("the CPU expert worker did not answer within 10 s; it may have stopped")
     T = min(T, int(live[0]))

@@ -88,6 +88,46 @@ def test_promotions_turn_wary_where_they_do_not_pay():
         assert gauge.margin == margin, uses_in_16
 
 
+def test_the_split_moves_toward_the_side_that_waits_less():
+    from moestream.experts.hybrid import SplitBalance
+
+    for late, direction in ((1.0, -1), (0.0, 1), (0.5, 0)):
+        balance = SplitBalance(0.6, adaptive=True, least_calls=32)
+        assert not balance.observe(16, int(16 * late))                      # too few calls to judge
+        moved = balance.observe(16, int(16 * late))
+        assert moved == (direction != 0)
+        assert (balance.share > 0.6) - (balance.share < 0.6) == direction, late
+    balance = SplitBalance(0.6, adaptive=True, least_calls=1)
+    for _ in range(40):
+        balance.observe(10, 10)                                             # the device always waits
+    assert balance.share == SplitBalance.LOW and balance.takes(8)[8] == 0   # never below 5%
+    fixed = SplitBalance(0.6, adaptive=False, least_calls=1)
+    assert not fixed.observe(100, 100) and fixed.share == 0.6               # a share the user set stays
+    assert fixed.takes(4) == [0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("answer_late", [True, False])
+def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident, answer_late, monkeypatch):
+    """With the default share ("auto") the split follows who waited; the worker and the kernels read
+    the same table after every move, so the tokens stay the resident model's."""
+    from moestream.kernels import cpu_moe
+
+    _, want = resident
+    monkeypatch.setattr(cpu_moe, "answered", lambda header, seq: not answer_late)
+    engine = _hybrid(tiny_qwen3)
+    try:
+        hybrid = engine.bank.hybrid_misses
+        hybrid.balance.least_calls = 4
+        start = hybrid.cpu_share
+        assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert (hybrid.cpu_share < start) if answer_late else (hybrid.cpu_share > start)
+        assert hybrid.take_host.tolist() == hybrid.balance.takes(engine.config.top_k)
+        assert torch.equal(hybrid.take.cpu(), hybrid.take_host)
+        assert all(read.cpu_take is hybrid.take for read in hybrid.host_reads.values())
+    finally:
+        engine.close()
+
+
 def test_split_outside_leaves_the_first_misses_to_the_cpu():
     from moestream.kernels.moe_reference import split_outside
 
@@ -260,3 +300,15 @@ def test_hybrid_policy_on_the_gpu_gives_the_resident_tokens(tiny_qwen3, share):
         assert (stats["host_read"] > 0) == (share < 1.0) and stats["cpu_served"] > 0
     finally:
         engine.close()
+
+
+def test_stats_say_how_the_split_stands(tiny_qwen3, capsys):
+    from moestream.cli import main as cli_main
+
+    base = ["run", str(tiny_qwen3), "--device", "cpu", "--dtype", "float32", "--capacity", "2", "--miss-policy",
+            "hybrid", "--host-tier", "pinned", "--no-discovery", "--stats", "-p", "5 6 7", "--max-tokens", "4"]
+    assert cli_main(base) == 0
+    assert "hybrid misses: the CPU takes 60% of a one-token call's misses (moved while decoding" in capsys.readouterr().err
+    assert cli_main(base + ["--cpu-misses", "0.5"]) == 0
+    err = capsys.readouterr().err
+    assert "the CPU takes 50%" in err and "fixed by --cpu-misses" in err and "take[m] = [0, 0, 1]" in err
