@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
+import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from moestream.quant import QuantSpec
@@ -21,7 +24,6 @@ from moestream.quant.normal import codebook
 from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
 from .fused_moe_decode import HostOperand, QuantOperand
 from .fused_moe_token import host_offset
-from .moe_reference import split_outside
 from .quant_moe_reference import QuantHostReads
 
 __all__ = ["fused_moe_quant", "quant_operand"]
@@ -38,6 +40,33 @@ def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> Qu
     biases = slots.get(f"{proj}.biases", scales)   # NF: never read
     code = _codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
     return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
+
+
+@triton.jit
+def _split_slots_kernel(slot_ptr, take_ptr, out_ptr, n, top_k, num_slots, PAIRS: tl.constexpr):
+    """`split_outside` in one launch: per row of top_k pairs, of its m slots at or past num_slots
+    (experts read from host stacks) the first take[m] become -1 (the CPU computes them)."""
+    p = tl.arange(0, PAIRS)
+    live = p < n
+    slot = tl.load(slot_ptr + p, mask=live, other=-1).to(tl.int32)
+    outside = live & (slot >= num_slots)
+    same_row = (p[None, :] // top_k) == (p[:, None] // top_k)
+    count = tl.sum((outside[None, :] & same_row).to(tl.int32), axis=1)          # m of each pair's row
+    rank = tl.sum((outside[None, :] & same_row & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
+    take = tl.load(take_ptr + count, mask=live, other=0)
+    tl.store(out_ptr + p, tl.where(outside & (rank < take), -1, slot), mask=live)
+
+
+def split_slots(slot_ids: Tensor, num_slots: int, cpu_take: Tensor | None) -> Tensor:
+    """`moe_reference.split_outside` for the decode path's few pairs: one launch instead of a chain
+    of small torch ops per layer."""
+    if cpu_take is None:
+        return slot_ids
+    T, k = slot_ids.shape
+    out = torch.empty((T, k), dtype=torch.int32, device=slot_ids.device)
+    _split_slots_kernel[(1,)](slot_ids.contiguous(), cpu_take, out, T * k, k, num_slots,
+                              PAIRS=max(16, triton.next_power_of_2(T * k)), num_warps=4)
+    return out
 
 
 def host_operand(host: QuantHostReads, slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> HostOperand:
@@ -63,6 +92,8 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     operands = None
     if host is not None:
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))
-        slot_ids = split_outside(slot_ids, S, host.cpu_take)
+        if path != "decode":
+            raise ValueError(f"experts read from host stacks take the decode path, not the {path} path")
+        slot_ids = split_slots(slot_ids, S, host.cpu_take)
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
                      quant=(gate_up, down), reduce=reduce, host=operands)

@@ -68,7 +68,22 @@ def check_quant_host_reads(device: str, dtype: torch.dtype, fmt: str) -> None:
                            quant_moe_reference(hidden, full, kept, weights, spec)), (fmt, take2)
 
 
+def check_split_slots(device: str) -> None:
+    """The one-launch split gives `split_outside`'s slots, row by row."""
+    from moestream.kernels.fused_moe_quant_triton import split_slots
+    from moestream.kernels.moe_reference import split_outside
+
+    g = torch.Generator().manual_seed(5)
+    S, k = 4, 6
+    for T in (1, 3, 8):
+        slot_ids = torch.randint(-1, 3 * S, (T, k), generator=g, dtype=torch.int32).to(device)
+        for take in ([0, 1, 1, 2, 2, 3, 4], [0, 0, 0, 0, 0, 0, 0], list(range(7))):
+            take = torch.tensor(take, dtype=torch.int32, device=device)
+            assert torch.equal(split_slots(slot_ids, S, take), split_outside(slot_ids, S, take).to(torch.int32))
+
+
 def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    check_split_slots(device)
     for dtype in dtypes:
         for fmt in FORMATS:
             check_quant_host_reads(device, dtype, fmt)

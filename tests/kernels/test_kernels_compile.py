@@ -182,3 +182,13 @@ def test_norm_and_router_kernels_compile_with_programmatic_launch(residual):
     sig = _sig({"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64"}, ["E", "stride"], [], consts)
     triton.compile(ASTSource(fn=_router_topk_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
+
+
+def test_split_slots_kernel_compiles():
+    """The quantized host reads' split of a call's slots between the CPU and the device, one launch."""
+    from moestream.kernels.fused_moe_quant_triton import _split_slots_kernel
+
+    consts = {"PAIRS": 16}
+    sig = _sig({"slot_ptr": "*i32", "take_ptr": "*i32", "out_ptr": "*i32"}, ["n", "top_k", "num_slots"], [], consts)
+    triton.compile(ASTSource(fn=_split_slots_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
