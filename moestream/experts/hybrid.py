@@ -192,6 +192,7 @@ class HybridMisses:
         self.live = torch.full((1,), ALL_ROWS, dtype=torch.int32, device=device)
         self._live_value = ALL_ROWS
         self._version = -1
+        self._layer_version: dict[int, int] = {}   # each layer's SlotTable version its maps were built at
         self.closed = False
         self._since_refresh = 0
         self._folded = {layer: (0.0, 0) for layer in slots}   # the worker's (busy s, experts) already folded
@@ -246,10 +247,13 @@ class HybridMisses:
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts
-        for layer in self.slots:
+        for layer, version in self.slots.layer_version.items():
+            if self._layer_version.get(layer) == version:
+                continue                                         # only the layers that changed
             one_map = self.slots[layer].host_map(E, outside=S)   # from the host mirror: no read-back
             self.one_token_maps[layer].copy_(one_map)
             self.mailboxes[layer].outside.copy_(one_map[:E] >= S)
+            self._layer_version[layer] = version
         self._version = self.slots.version
 
     def after_step(self, tokens: int) -> None:

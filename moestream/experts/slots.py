@@ -84,6 +84,7 @@ class SlotTable:
         """`formats`: the expert format of every MoE layer (layers may differ, e.g. the first and last at 8 bits)."""
         self.capacity, self.num_experts, self.formats, self.device = capacity, num_experts, formats, device
         self.version = 0   # bumped on every change of residency: maps derived from it know when to rebuild
+        self.layer_version = {layer: 0 for layer in formats}   # the same, per layer (rebuild only what changed)
         self.layers: dict[int, LayerSlots] = {
             layer: LayerSlots(fmt.empty(shape, capacity, device=device),
                               torch.full((num_experts + 1,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
@@ -124,7 +125,7 @@ class SlotTable:
         ls.where.clear()
         ls.where.update({e: s for s, e in enumerate(owner) if e >= 0})
         ls.slot_map.copy_(ls.host_map(self.num_experts))
-        self.version += 1
+        self._changed(layer)
 
     def install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers,
                 wait: str = "host") -> Installed:
@@ -142,7 +143,7 @@ class SlotTable:
         for e, s in zip(experts, slots):
             ls.owner[s] = e
             ls.where[e] = s
-        self._update_map(ls, victims + experts, [-1] * len(victims) + slots)
+        self._update_map(layer, victims + experts, [-1] * len(victims) + slots)
         return Installed(copied, len(victims), waited, done if wait == "none" else None)
 
     def begin_install(self, layer: int, experts: list[int], victims: list[int], transfers: Transfers) -> tuple[Landing, int]:
@@ -155,7 +156,7 @@ class SlotTable:
         for s in slots:
             ls.owner[s] = LANDING
         copied, done = transfers.copy(layer, experts, [ls.views(s) for s in slots])
-        self._update_map(ls, victims, [-1] * len(victims))
+        self._update_map(layer, victims, [-1] * len(victims))
         return Landing(layer, list(experts), slots, done), copied
 
     def finish_install(self, landing: Landing) -> None:
@@ -165,13 +166,18 @@ class SlotTable:
         for e, s in zip(landing.experts, landing.slots):
             ls.owner[s] = e
             ls.where[e] = s
-        self._update_map(ls, landing.experts, landing.slots)
+        self._update_map(landing.layer, landing.experts, landing.slots)
 
-    def _update_map(self, ls: LayerSlots, experts: list[int], values: list[int]) -> None:
+    def _update_map(self, layer: int, experts: list[int], values: list[int]) -> None:
+        ls = self.layers[layer]
         pin = self.device.type == "cuda"
         index = torch.tensor(experts, dtype=torch.long)
         value = torch.tensor(values, dtype=torch.int32)
         if pin:
             index, value = index.pin_memory(), value.pin_memory()
         ls.slot_map.index_put_((index.to(self.device, non_blocking=True),), value.to(self.device, non_blocking=True))
+        self._changed(layer)
+
+    def _changed(self, layer: int) -> None:
         self.version += 1
+        self.layer_version[layer] += 1
