@@ -115,17 +115,18 @@ class SplitBalance:
     Where a call split its misses (each side had some), the device's last launch notes whether it
     had to wait for the CPU's answer. Waiting more often than not says the CPU's share is too
     large; finding the answer there more often than not says it is too small. Every `least_calls`
-    such calls the share moves by `step` × (1/2 − the share of calls that waited), within [0.05,
-    0.95]. A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the
+    such calls the share moves by `STEP` × (1/2 − the share of calls that waited), kept where a call
+    whose k experts all miss still gives each side one (else no call would be split, and nothing
+    would be learned again). A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the
     machine (the CPU's memory bandwidth and cores against the PCIe link), on the expert format (a
     4-bit expert costs the CPU more per byte than a bf16 one) and on the thread count; 0.6 was the
     best fixed share for bf16 experts on an H100 host with 12 worker threads."""
 
     STEP = 0.1
-    LOW, HIGH = 0.05, 0.95
 
-    def __init__(self, share: float, adaptive: bool, least_calls: int = 32):
+    def __init__(self, share: float, adaptive: bool, top_k: int, least_calls: int = 32):
         self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
+        self.low, self.high = 0.6 / top_k, 1 - 0.6 / top_k   # take[k] stays within [1, k - 1]
         self.calls = self.waited = 0
 
     def takes(self, top_k: int) -> list[int]:
@@ -142,7 +143,7 @@ class SplitBalance:
             return False
         late = self.waited / self.calls
         self.calls = self.waited = 0
-        share = min(self.HIGH, max(self.LOW, self.share + self.STEP * (0.5 - late)))
+        share = min(self.high, max(self.low, self.share + self.STEP * (0.5 - late)))
         moved = share != self.share
         self.share = share
         return moved
@@ -182,7 +183,7 @@ class HybridMisses:
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
         # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing order).
         auto = cpu_share in (None, "auto")
-        self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), adaptive=auto and self.gpu_reads)
+        self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), auto and self.gpu_reads, top_k)
         self.take_host = torch.tensor(self.balance.takes(top_k) if self.gpu_reads else list(range(top_k + 1)),
                                       dtype=torch.int32)
         self.take = self.take_host.to(device)

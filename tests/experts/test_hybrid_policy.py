@@ -92,16 +92,18 @@ def test_the_split_moves_toward_the_side_that_waits_less():
     from moestream.experts.hybrid import SplitBalance
 
     for late, direction in ((1.0, -1), (0.0, 1), (0.5, 0)):
-        balance = SplitBalance(0.6, adaptive=True, least_calls=32)
+        balance = SplitBalance(0.6, adaptive=True, top_k=8, least_calls=32)
         assert not balance.observe(16, int(16 * late))                      # too few calls to judge
         moved = balance.observe(16, int(16 * late))
         assert moved == (direction != 0)
         assert (balance.share > 0.6) - (balance.share < 0.6) == direction, late
-    balance = SplitBalance(0.6, adaptive=True, least_calls=1)
-    for _ in range(40):
-        balance.observe(10, 10)                                             # the device always waits
-    assert balance.share == SplitBalance.LOW and balance.takes(8)[8] == 0   # never below 5%
-    fixed = SplitBalance(0.6, adaptive=False, least_calls=1)
+    for top_k in (2, 8):
+        for late, side in ((10, 1), (0, top_k - 1)):                       # the device always / never waits
+            balance = SplitBalance(0.6, adaptive=True, top_k=top_k, least_calls=1)
+            for _ in range(40):
+                balance.observe(10, late)
+            assert balance.takes(top_k)[top_k] == side                      # each side keeps one of k misses
+    fixed = SplitBalance(0.6, adaptive=False, top_k=4, least_calls=1)
     assert not fixed.observe(100, 100) and fixed.share == 0.6               # a share the user set stays
     assert fixed.takes(4) == [0, 1, 1, 2, 2]
 
