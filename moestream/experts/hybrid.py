@@ -117,10 +117,10 @@ class SplitBalance:
     large; finding the answer there more often than not says it is too small. Every `least_calls`
     such calls the share moves by `STEP` × (1/2 − the share of calls that waited), kept where a call
     whose k experts all miss still gives each side one (else no call would be split, and nothing
-    would be learned again). A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the
-    machine (the CPU's memory bandwidth and cores against the PCIe link), on the expert format (a
-    4-bit expert costs the CPU more per byte than a bf16 one) and on the thread count; 0.6 was the
-    best fixed share for bf16 experts on an H100 host with 12 worker threads."""
+    would be learned again). A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best
+    share depends on the machine (the CPU's memory bandwidth and cores against the PCIe link), on
+    the expert format (a 4-bit expert costs the CPU more per byte than a bf16 one) and on the thread
+    count; 0.6 was the best fixed share for bf16 experts on an H100 host with 12 worker threads."""
 
     STEP = 0.1
 
