@@ -22,12 +22,15 @@ Rows past the live ones of a captured batch (its padding) get no experts compute
 larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
 is. Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the
 coldest resident ones by the margin that each layer's `PromotionGauge` sets from what its recent
-promotions were worth (device-side counters, one read-back per refresh). Nobody waits for those
-copies: the victims leave the bank at once, the newcomers join it at the first step after their
+promotions were worth (device-side counters, copied into pinned memory behind the step that fills
+the window and folded at the next, while the device runs it: no read-back and no victim choice sits
+between two steps). Nobody waits for those copies: the victims leave the bank at once, the newcomers join it at the first step after their
 copies landed, and until then both are misses like any other.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -149,6 +152,26 @@ class SplitBalance:
         return moved
 
 
+@dataclass
+class _Snapshot:
+    """The device counters of a refresh window, copied into pinned memory without a wait."""
+
+    expert_counts: Tensor
+    pair_counts: Tensor
+    balance_counts: Tensor
+    error: Tensor
+    tokens: int = 0
+    done: torch.cuda.Event | None = None
+
+    @classmethod
+    def like(cls, *counters: Tensor) -> _Snapshot:
+        pin = counters[0].device.type == "cuda"
+        return cls(*(torch.zeros(c.shape, dtype=c.dtype, pin_memory=pin) for c in counters))
+
+    def landed(self) -> bool:
+        return self.done is None or self.done.query()
+
+
 class HybridMisses:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], host_stacks: dict[int, dict[str, Tensor]], shape: ExpertShape,
@@ -181,11 +204,14 @@ class HybridMisses:
                                                     self.balance_counts[self.layer_index[layer]])
                          for layer, box in self.mailboxes.items()}
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
-        # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing order).
+        # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing
+        # order). The device's copy is the only one read in a step (each post hands the worker its
+        # call's take); the host's is what it was last set to, pinned on CUDA: a move copies it behind
+        # the step in flight, and the next move comes a refresh (8 synchronised steps) later.
         auto = cpu_share in (None, "auto")
         self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), auto and self.gpu_reads, top_k)
         self.take_host = torch.tensor(self.balance.takes(top_k) if self.gpu_reads else list(range(top_k + 1)),
-                                      dtype=torch.int32)
+                                      dtype=torch.int32, pin_memory=device.type == "cuda")
         self.take = self.take_host.to(device)
         self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
@@ -198,10 +224,15 @@ class HybridMisses:
         self._since_refresh = 0
         self._folded = {layer: (0.0, 0) for layer in slots}   # the worker's (busy s, experts) already folded
         self.landings: dict[int, Landing] = {}   # per layer, promotions whose copies are in flight
+        # The counters' snapshot in pinned memory (one at a time: a new one is taken once the last is folded).
+        self._snapshot_buffer = _Snapshot.like(self.expert_counts, self.pair_counts, self.balance_counts, self.error)
+        self._snapshot: _Snapshot | None = None   # taken, not yet folded
+        self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
+        self._balance_window = [0, 0]             # split calls, and those that waited, since the last move
+        self.device = device
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
-        self.worker = StreamWorker(host_stacks, self.mailboxes, self.take_host, top_k, max_tokens, shape.activation,
-                                   threads, specs)
+        self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
 
     def _host_reads(self, fmt: ExpertFormat, stack: dict[str, Tensor]) -> HostReads | QuantHostReads:
         """What a layer's one-token dispatch reads in place: its pinned stacks, less the CPU's take."""
@@ -258,17 +289,31 @@ class HybridMisses:
         self._version = self.slots.version
 
     def after_step(self, tokens: int) -> None:
+        """Every `refresh_every` tokens, snapshot the device counters without waiting (a copy into
+        pinned memory and an event, behind the step just launched); at a later step, once the
+        snapshot has landed, fold it and refresh the bank. Both happen while the device runs a step,
+        so neither the read-back nor the victim choice sits between two steps."""
         self._since_refresh += tokens
-        if self._since_refresh >= self.refresh_every:
-            tokens, self._since_refresh = self._since_refresh, 0
-            self.refresh(tokens)
+        if self._snapshot is not None and self._snapshot.landed():
+            self._fold_snapshot()
+        if self._due_tokens:
+            tokens_due, self._due_tokens = self._due_tokens, 0
+            self._promote(tokens_due)
+        if self._since_refresh >= self.refresh_every and self._snapshot is None:
+            self._snapshot = self._take_snapshot(self._since_refresh)
+            self._since_refresh = 0
 
     def refresh(self, tokens: int = REFRESH_EVERY) -> None:
-        """Fold the counters into the statistics and start taking hotter missed experts in, by the
-        margin each layer's `PromotionGauge` says. Their copies run on the copy stream while decode
-        goes on: until they land (`land`) the victims and the newcomers are served as misses, so no
-        step waits for a promotion (a layer with copies still in flight promotes nothing more)."""
+        """Fold the counters now (waiting for the device) and refresh the bank."""
         self.sync_stats()
+        self._due_tokens = 0
+        self._promote(tokens)
+
+    def _promote(self, tokens: int) -> None:
+        """Take hotter missed experts in, by the margin each layer's `PromotionGauge` says, from the
+        window of counts folded since the last time. Their copies run on the copy stream while
+        decode goes on: until they land (`land`) the victims and the newcomers are served as misses,
+        so no step waits for a promotion (a layer with copies still in flight promotes nothing more)."""
         self.land()
         self._rebalance()
         counts, self._window = self._window, np.zeros_like(self._window)
@@ -300,13 +345,16 @@ class HybridMisses:
                 f"reads the rest in place; take[m] = {self.take_host.tolist()}")
 
     def _rebalance(self) -> None:
-        """Move the split as the balance says (between steps: the worker is idle and the device
-        has run every launch that reads the table; both sides see the new table at the next call)."""
-        calls, waited = self.balance_counts[:, 1:].sum(0).tolist()
-        self.balance_counts[:, 1:].zero_()
+        """Move the split as the balance says. The device's table is the only one (each post tells
+        the worker its call's take), so the new table, copied behind the step in flight, takes
+        effect at the next step on both sides."""
+        calls, waited = self._balance_window
+        self._balance_window = [0, 0]
         if self.balance.observe(calls, waited):
-            self.take_host.copy_(torch.tensor(self.balance.takes(self.top_k), dtype=torch.int32))
-            self.take.copy_(self.take_host)
+            takes = self.balance.takes(self.top_k)
+            if takes != self.take_host.tolist():
+                self.take_host.copy_(torch.tensor(takes, dtype=torch.int32))
+                self.take.copy_(self.take_host, non_blocking=True)
 
     def land(self, wait: bool = False) -> None:
         """Make the promoted experts whose copies have landed resident (all of them with `wait`: the
@@ -333,14 +381,45 @@ class HybridMisses:
                           cpu_bytes=(experts - e0) * nbytes, cpu_s=busy - b0, host_read=gpu_read,
                           host_read_bytes=gpu_read * nbytes)
 
-    def sync_stats(self) -> None:
-        """Fold the device counters into the statistics and the refresh window (one read-back of each
-        counter tensor), and start them again."""
-        error = int(self.error[0])
-        self._window += self.expert_counts.cpu().numpy()
-        pair_counts = self.pair_counts.cpu().tolist()
+    def _take_snapshot(self, tokens: int) -> _Snapshot:
+        """Copy the device counters into pinned memory behind the work queued so far and start them
+        again, without waiting; the snapshot's event says when it has landed."""
+        snap = self._snapshot_buffer
+        pin = self.device.type == "cuda"
+        for dst, src in ((snap.expert_counts, self.expert_counts), (snap.pair_counts, self.pair_counts),
+                         (snap.balance_counts, self.balance_counts), (snap.error, self.error)):
+            dst.copy_(src, non_blocking=pin)
         self.expert_counts.zero_()
         self.pair_counts.zero_()
-        self.check(error)
-        for layer, i in self.layer_index.items():
-            self._fold(layer, pair_counts[i])
+        self.balance_counts[:, 1:].zero_()
+        snap.tokens = tokens
+        snap.done = None
+        if pin:
+            snap.done = torch.cuda.Event()
+            snap.done.record()
+        return snap
+
+    def _fold_snapshot(self) -> None:
+        """Fold the landed snapshot into the statistics, the refresh window and the balance; its
+        window is due for promotions at the next `after_step`."""
+        snap, self._snapshot = self._snapshot, None
+        self.check(int(snap.error[0]))
+        self._window += snap.expert_counts.numpy()
+        calls, waited = snap.balance_counts[:, 1:].sum(0).tolist()
+        self._balance_window = [self._balance_window[0] + calls, self._balance_window[1] + waited]
+        for layer, pairs in zip(self.layer_index, snap.pair_counts.tolist()):
+            self._fold(layer, pairs)
+        self._due_tokens += snap.tokens
+
+    def sync_stats(self) -> None:
+        """Fold everything the device has counted into the statistics and the refresh window (a
+        snapshot on its way first, then the counters now: one read-back of each), and start them
+        again."""
+        if self._snapshot is not None:
+            if self._snapshot.done is not None:
+                self._snapshot.done.synchronize()
+            self._fold_snapshot()
+        self._snapshot = self._take_snapshot(0)
+        if self._snapshot.done is not None:
+            self._snapshot.done.synchronize()
+        self._fold_snapshot()

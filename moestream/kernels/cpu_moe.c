@@ -475,16 +475,17 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
  * computes them; thread 0 publishes the sequence number last. Sequence numbers are counted per
  * layer on the device.
  *
- * Which pairs are the CPU's: those whose expert `outside[e]` marks as not in the bank; in a
- * one-token call only the first `take[m]` of them in routing order (m: how many there are), the
- * device reading the others from host memory by the same rule. The team stays inside one parallel
+ * Which pairs are the CPU's: those whose expert `outside[e]` marks as not in the bank; where the
+ * post's header gives a take (a one-token call the device splits: take[m] of its m such pairs, from
+ * the device's own table) only the first `take` of them in routing order, the device reading the
+ * others from host memory. The device's table is the only one: it can change between any two steps. The team stays inside one parallel
  * region and spins between layers (a sleeping OpenMP team costs a wake-up per layer); after 2 ms
  * without a post it naps 20 µs between polls. */
 
 typedef struct {
     const void *gate_up, *down, *gate_up_bias, *down_bias;   /* host stacks (E, 2I, H), (E, H, I) */
     const uint8_t *outside;                                   /* (E) 1 where the expert is not in the bank */
-    volatile int32_t *post;                                   /* [0] seq, [1] tokens */
+    volatile int32_t *post;                                   /* [0] seq, [1] tokens, [2] take (-1: all) */
     const int32_t *ids;                                       /* (max_tokens, k) */
     const float *weights;                                     /* (max_tokens, k) */
     const void *hidden;                                       /* (max_tokens, H) in the weights' dtype */
@@ -528,7 +529,6 @@ typedef struct {
     StreamLayer *layers;
     int n_layers, dtype, H, I, k, E, max_tokens, act, threads, ncpus;
     float alpha, limit;
-    const int32_t *take;                                      /* (k + 1): the CPU's pairs of a one-token call */
     int32_t *cpus;
     int32_t *last;                                            /* per layer: the last sequence served */
     int32_t *experts, *pair_off, *pair_tok;
@@ -567,20 +567,13 @@ static void nap(void) {
 
 /* Thread 0: the CPU's pairs of layer L's post, grouped by expert into the worker's arrays. */
 static void group_pairs(StreamWorker *w, StreamLayer *L, int T) {
-    int take = T, m = 0;
-    if (T == 1) {
-        for (int j = 0; j < w->k; j++) {
-            int32_t e = L->ids[j];
-            m += e >= 0 && e < w->E && L->outside[e];
-        }
-        take = w->take[m];
-    }
+    const int take = L->post[2];   /* the device's split of this call: -1 = every pair outside the bank */
     int n = 0, taken = 0;
     for (int t = 0; t < T; t++)
         for (int j = 0; j < w->k; j++) {
             int32_t e = L->ids[t * w->k + j];
             if (e < 0 || e >= w->E || !L->outside[e]) continue;
-            if (T == 1 && taken++ >= take) continue;
+            if (take >= 0 && taken++ >= take) continue;
             /* insertion by expert, tokens in order within one: the pairs grouped as run_experts takes them */
             int p = n++;
             while (p > 0 && w->experts[p - 1] > e) {
@@ -743,9 +736,8 @@ static void free_worker(StreamWorker *w) {
 }
 
 /* Start a worker over `layers` (copied); `last_seq` gives each layer's sequence number already
- * served (the posts' current values); `take` (k + 1) stays the caller's, read at every one-token
- * call. Returns the handle, or NULL when no thread could start. */
-void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, const int32_t *take, int n_layers,
+ * served (the posts' current values). Returns the handle, or NULL when no thread could start. */
+void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n_layers,
                        int dtype, int H, int I, int k, int E, int max_tokens, int act, float alpha, float limit,
                        int threads, const int32_t *cpus, int ncpus) {
     StreamWorker *w = calloc(1, sizeof(StreamWorker));
@@ -773,7 +765,6 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, const
     memcpy(w->layers, layers, sizeof(StreamLayer) * n_layers);
     memcpy(w->last, last_seq, sizeof(int32_t) * n_layers);
     if (ncpus > 0) memcpy(w->cpus, cpus, sizeof(int32_t) * ncpus);
-    w->take = take;
     w->n_layers = n_layers;
     w->dtype = dtype;
     w->H = H;

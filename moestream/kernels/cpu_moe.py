@@ -114,7 +114,7 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
                                               p, p, p, p, p, p, p, p, i32, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
-        lib.moe_stream_start.argtypes = [p, p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
+        lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
         lib.moe_stream_start.restype = p
         lib.moe_stream_stop.argtypes = [p]
         lib.moe_stream_stop.restype = None
@@ -312,10 +312,10 @@ def code_table(spec: QuantSpec) -> Tensor:
 
 class Mailbox:
     """One MoE layer's exchange with the worker, in pinned host memory: what the device posts (header
-    [seq, tokens], the routing, the routing weights, the hidden rows) and what the worker answers
-    (header [seq, pairs computed], fp32 rows). `outside` marks the experts not in the bank (1 per
-    expert), which the bank rewrites between steps: the CPU computes their pairs, in one-token calls
-    only the worker's `take` of them."""
+    [seq, tokens, take], the routing, the routing weights, the hidden rows) and what the worker
+    answers (header [seq, pairs computed], fp32 rows). `outside` marks the experts not in the bank
+    (1 per expert), which the bank rewrites between steps: the CPU computes their pairs, where the
+    post's take is not -1 only the first take of them in routing order (the device reads the rest)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
         def empty(n: int, dt: torch.dtype) -> Tensor:
@@ -336,12 +336,10 @@ class StreamWorker:
     """A C thread that serves the CPU's share of every layer's misses as the device posts them (see
     cpu_moe.c): no Python between a layer's post and its answer, so a whole decode step can run as
     one CUDA graph while the CPU computes. One OpenMP team of its own, pinned off the first CPU,
-    spinning while posts come. `take` (top_k + 1,) int32: of a one-token call's m pairs outside the
-    bank, the CPU computes the first take[m] in routing order (the device reads the others); the
-    caller may rewrite it between steps."""
+    spinning while posts come. Which pairs outside the bank are the CPU's, each post says itself
+    (`Mailbox.post[2]`)."""
 
-    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], take: Tensor,
-                 top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
+    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
                  specs: Mapping[int, QuantSpec | None] | None = None):
         """`stacks`: every expert of each layer in host RAM, dense (`gate_up`, `down`, optional
         biases) or, where `specs` gives the layer a quantization spec, packed (`<proj>.qweight`,
@@ -350,8 +348,6 @@ class StreamWorker:
         act = Activation.of(activation)
         specs = specs or {}
         self.layers = list(mailboxes)
-        if take.dtype != torch.int32 or take.device.type != "cpu" or take.numel() != top_k + 1:
-            raise ValueError(f"take must be a ({top_k + 1},) int32 CPU tensor")
         hidden_dtype = next(iter(mailboxes.values())).hidden.dtype
         if hidden_dtype not in DTYPES:
             raise ValueError(f"the CPU expert kernel takes bf16 or fp32 hidden rows, got {hidden_dtype}")
@@ -385,13 +381,13 @@ class StreamWorker:
                 down_bias=_ptr(stack.get("down_bias")), outside=_ptr(box.outside), post=_ptr(box.post),
                 ids=_ptr(box.ids), weights=_ptr(box.weights), hidden=_ptr(box.hidden), result=_ptr(box.result),
                 out=_ptr(box.rows), busy_s=_ptr(box.busy_s), counts=_ptr(box.counts), **quant)
-        self._keep = (stacks, mailboxes, take, tables)
+        self._keep = (stacks, mailboxes, tables)
         last = (ctypes.c_int32 * len(self.layers))(*[int(mailboxes[layer].post[0]) for layer in self.layers])
         cpus = usable_cpus()
         workers = cpus[1:] or cpus
         self.threads = max(1, threads or default_threads(len(cpus)))
         arr = (ctypes.c_int32 * len(workers))(*workers)
-        self._handle = lib.moe_stream_start(structs, last, _ptr(take), len(self.layers), DTYPES[hidden_dtype], H,
+        self._handle = lib.moe_stream_start(structs, last, len(self.layers), DTYPES[hidden_dtype], H,
                                             two_i // 2, top_k, E, max_tokens, ACTIVATION_CODES[act.name], act.alpha,
                                             act.limit, self.threads, arr, len(workers))
         if not self._handle:

@@ -117,6 +117,7 @@ if triton is not None:
         tl.store(box_ids_ptr + p, e, mask=pm)
         tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
         tl.store(hdr_ptr + 1, T)
+        tl.store(hdr_ptr + 2, -1)        # every pair outside the bank is the CPU's, unless split below
         valid = pm & (e >= 0)
         src = tl.load(map_ptr + tl.maximum(e, 0), mask=valid, other=-1)
         in_bank = valid & (src >= 0) & (src < num_slots)
@@ -126,6 +127,7 @@ if triton is not None:
         read = valid & (src >= num_slots)
         if SPLIT:   # one token: the first take[m] of its m pairs outside the bank are the CPU's
             take = tl.load(take_ptr + tl.sum(read.to(tl.int32), axis=0))
+            tl.store(hdr_ptr + 2, take)  # the worker takes the split from here: one table, the device's
             rank = tl.sum((read[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
             read = read & (rank >= take)
         n_read = tl.sum(read.to(tl.int32), axis=0)
@@ -191,7 +193,9 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     box.hidden[:T * H].copy_(hidden[:T].reshape(-1))
     box.post[1] = T
     src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
-    read = split_outside(src, num_slots, cpu_take if T == 1 else None) >= num_slots
+    split = cpu_take is not None and T == 1
+    box.post[2] = int(cpu_take[int((src >= num_slots).sum())]) if split else -1
+    read = split_outside(src, num_slots, cpu_take if split else None) >= num_slots
     valid = flat >= 0
     e = flat[valid].long()
     in_bank = ((src >= 0) & (src < num_slots)).reshape(-1)[valid]

@@ -314,3 +314,36 @@ def test_stats_say_how_the_split_stands(tiny_qwen3, capsys):
     assert cli_main(base + ["--cpu-misses", "0.5"]) == 0
     err = capsys.readouterr().err
     assert "the CPU takes 50%" in err and "fixed by --cpu-misses" in err and "take[m] = [0, 0, 1]" in err
+
+
+def test_a_refresh_reads_its_counters_behind_the_step_and_promotes_at_the_next(tiny_qwen3):
+    """The refresh's counters are snapshotted without a wait when the window fills; the step after
+    folds them and promotes. Statistics read in between still count every pair once."""
+    engine = _hybrid(tiny_qwen3, capacity=2, cpu_misses=0.5)
+    try:
+        bank, config = engine.bank, engine.config
+        hybrid = bank.hybrid_misses
+        hybrid.refresh_every = 2
+        g = torch.Generator().manual_seed(9)
+        layers = list(bank.slots)
+
+        def step():
+            bank.begin_step(True)
+            hidden = torch.randn(1, config.hidden_size, generator=g)
+            ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:config.top_k]])
+            for layer in layers:
+                bank.forward(layer, hidden, ids, torch.rand(1, config.top_k, generator=g).softmax(-1))
+            bank.after_step(1)
+
+        step()
+        assert hybrid._snapshot is None
+        step()                                                              # the window is full: snapshot
+        assert hybrid._snapshot is not None and hybrid._snapshot.tokens == 2
+        assert not hybrid._window.any()                                     # nothing folded yet
+        step()                                                              # folded, then promoted
+        assert hybrid._snapshot is None and hybrid._due_tokens == 0
+        assert not hybrid._window.any()                                     # the window went to the promotions
+        stats = engine.stats()
+        assert stats["hits"] + stats["misses"] == 3 * config.top_k * len(layers)   # every pair counted once
+    finally:
+        engine.close()
