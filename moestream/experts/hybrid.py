@@ -181,7 +181,7 @@ class HybridMisses:
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.host_stacks, self.shape = dispatch, host_stacks, shape
         self.refresh_every, self.max_tokens, self.top_k = refresh_every, max_tokens, top_k
-        device = slots.device
+        device = self.device = slots.device
         E = slots.num_experts
         # The GPU reads experts in place in one-token calls (dense: the one-token launches; quantized:
         # the decode launches), for experts without biases. Elsewhere the CPU computes every miss.
@@ -229,7 +229,6 @@ class HybridMisses:
         self._snapshot: _Snapshot | None = None   # taken, not yet folded
         self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
         self._balance_window = [0, 0]             # split calls, and those that waited, since the last move
-        self.device = device
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
@@ -279,6 +278,10 @@ class HybridMisses:
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts
+        if self.device.type == "cuda":
+            # The worker reads `outside` while a step runs: the last one must be over (it is, where the
+            # caller read its token; this wait only holds for a caller that did not).
+            torch.cuda.current_stream(self.device).synchronize()
         for layer, version in self.slots.layer_version.items():
             if self._layer_version.get(layer) == version:
                 continue                                         # only the layers that changed
