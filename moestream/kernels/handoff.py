@@ -117,7 +117,6 @@ if triton is not None:
         tl.store(box_ids_ptr + p, e, mask=pm)
         tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
         tl.store(hdr_ptr + 1, T)
-        tl.store(hdr_ptr + 2, -1)        # every pair outside the bank is the CPU's, unless split below
         valid = pm & (e >= 0)
         src = tl.load(map_ptr + tl.maximum(e, 0), mask=valid, other=-1)
         in_bank = valid & (src >= 0) & (src < num_slots)
@@ -125,11 +124,12 @@ if triton is not None:
         tl.atomic_add(miss_ptr + e, 1, mask=valid & ~in_bank)
         tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
         read = valid & (src >= num_slots)
+        take = -1                        # every pair outside the bank is the CPU's, unless split:
         if SPLIT:   # one token: the first take[m] of its m pairs outside the bank are the CPU's
             take = tl.load(take_ptr + tl.sum(read.to(tl.int32), axis=0))
-            tl.store(hdr_ptr + 2, take)  # the worker takes the split from here: one table, the device's
             rank = tl.sum((read[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
             read = read & (rank >= take)
+        tl.store(hdr_ptr + 2, take)      # one store: the worker takes the split from here (the device's table)
         n_read = tl.sum(read.to(tl.int32), axis=0)
         n_cpu = tl.sum((valid & ~in_bank & ~read).to(tl.int32), axis=0)
         tl.atomic_add(pairs_ptr + 1, n_read.to(tl.int64))
