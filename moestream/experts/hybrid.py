@@ -82,12 +82,12 @@ class PromotionGauge:
     repeats itself) a missed expert replaces a resident one as soon as it is hotter; where they do
     not (routing without locality, where every copy is bytes taken from the misses' own reads) only
     when it is three times hotter. A replay of the demo trace and of uniform routing through the
-    residency policy (the rule as here, refresh every 8 tokens, 25% bank, promotions serving at
+    residency policy (`benchmarks/refresh_replay.py`; the rule as here, refresh every 8 tokens, 25% bank, promotions serving at
     once) gave hit rates of 83.7% and 25.4% with 0.18 and 0.09 promotions per layer and token,
     against 81.9% and 25.4% with 0.16 and 0.17 for a fixed margin of 1.5. Acting a token after the
     window (the refresh off the critical path) with promotions serving a token after that (their
     copies landing) costs the trace 1.3 points at 8 tokens (82.4%); refreshing every 4 tokens gives
-    85.4% and 25.0% with 0.22 and 0.14 promotions per layer and token."""
+    85.4% and 25.1% with 0.22 and 0.14 promotions per layer and token."""
 
     USEFUL = 2.0               # uses per promotion (over `follow` tokens) from which promotions pay
     EAGER, WARY = 1.0, 3.0     # the margins either side of it
