@@ -11,11 +11,15 @@ Every routed pair of a decode call is served by one of three:
   the layer's last launch adds its rows once they are there.
 
 Nothing here reads the device back, so decode steps run as whole CUDA graphs. In a one-token call
-the split is per call: of its m missing pairs the CPU computes the first take[m] in routing order
-(take[m] = round(cpu_share × m)) and the GPU reads the others; the kernels, the counters and the
-worker apply the same rule to the same routing, so every pair is served once, and the two sides'
-work stays balanced however many of a token's experts miss (quantized experts too: the GPU's dequantizing
-launches read their packed bytes in place, the worker unpacks 8/4/2-bit and NF4 experts). Calls of
+the split is per call: of its m missing pairs the CPU computes the first take[m] in routing order,
+and of dense experts also the intermediate rows [0, cut[m]) of the next one (gate and up rows,
+those columns of down), so that take[m] + cut[m] / I = cpu_share × m holds at any m, one miss
+included; the GPU reads the rest. The kernels, the counters and the worker apply the same rule to
+the same routing (the device's table is the only one: each post hands the worker its call's take
+and cut), so every row is served once, and the two sides' work stays balanced however many of a
+token's experts miss. Quantized experts split in whole experts (take[m] = round(cpu_share × m)):
+the GPU's dequantizing launches read their packed bytes in place, the worker unpacks 8/4/2-bit and
+NF4 experts. Calls of
 more than one token (a batch of streams), and experts with biases, leave every miss to the CPU: the
 kernels of larger calls read slots only.
 Rows past the live ones of a captured batch (its padding) get no experts computed. Calls
@@ -136,8 +140,28 @@ class SplitBalance:
         self.calls = self.waited = 0
 
     def takes(self, top_k: int) -> list[int]:
-        """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses."""
+        """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses, whole experts only."""
         return [round(self.share * m) for m in range(top_k + 1)]
+
+    def split(self, top_k: int, intermediate: int, quantum: int) -> tuple[list[int], list[int]]:
+        """take[m] and cut[m] for m = 0..top_k: of a call's m misses the CPU computes take[m] whole
+        and the intermediate rows [0, cut[m]) of the next (0: none), the device the rest, so the
+        share holds at any m (one miss too, where whole experts leave one side idle). `quantum`:
+        a cut's granularity in rows (0: whole experts, `takes`)."""
+        if not quantum:
+            return self.takes(top_k), [0] * (top_k + 1)
+        takes, cuts = [], []
+        for m in range(top_k + 1):
+            x = self.share * m
+            whole = int(x)
+            cut = round((x - whole) * intermediate / quantum) * quantum
+            if cut >= intermediate:
+                whole, cut = whole + 1, 0
+            if whole >= m:
+                whole, cut = m, 0
+            takes.append(whole)
+            cuts.append(cut)
+        return takes, cuts
 
     def observe(self, calls: int, waited: int) -> bool:
         """Split calls since the last look, and how many of them waited; whether the share moved."""
@@ -198,7 +222,7 @@ class HybridMisses:
         # per expert (use, miss) since the last refresh, per layer pairs (bank, read in place, CPU).
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
-        self.pair_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int64, device=device)
+        self.pair_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int64, device=device)
         self.balance_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int32, device=device)
         self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
         self.gauges = {layer: PromotionGauge() for layer in slots}
@@ -207,15 +231,19 @@ class HybridMisses:
                                                     self.balance_counts[self.layer_index[layer]])
                          for layer, box in self.mailboxes.items()}
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
-        # take[m]: of a one-token call's m missing pairs, how many the CPU computes (the first in routing
-        # order). The device's copy is the only one read in a step (each post hands the worker its
-        # call's take); the host's is what it was last set to, pinned on CUDA: a move copies it behind
-        # the step in flight, and the next move comes a refresh (8 synchronised steps) later.
+        # The split of a one-token call's m missing pairs, as rows of tables indexed by m: dense experts
+        # take[m] whole and the intermediate rows [0, cut[m]) of the next on the CPU (the first in
+        # routing order), quantized ones whole experts only (round(share × m), no cut). The device's
+        # copy is the only one read in a step (each post hands the worker its call's take and cut); the
+        # host's is what it was last set to, pinned on CUDA: a move copies it behind the step in
+        # flight, and the next move comes a refresh (several synchronised steps) later.
         auto = cpu_share in (None, "auto")
         self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), auto and self.gpu_reads, top_k)
-        self.take_host = torch.tensor(self.balance.takes(top_k) if self.gpu_reads else list(range(top_k + 1)),
-                                      dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.take = self.take_host.to(device)
+        I = shape.intermediate
+        self.quantum = next((q for q in (64, 16, 8) if I % q == 0 and I >= 2 * q), 0)   # a cut's granularity
+        self.split_host = torch.tensor(self._split_tables(), dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.split = self.split_host.to(device)
+        self.take, self.cut, self.take_whole, self.no_cut = self.split.unbind(0)
         self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
@@ -236,11 +264,31 @@ class HybridMisses:
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
 
+    def _split_tables(self) -> list[list[int]]:
+        """(take, cut) for dense experts, (take, zeros) for quantized ones; every miss on the CPU
+        where the device reads none in place."""
+        k = self.top_k
+        if not self.gpu_reads:
+            return [list(range(k + 1)), [0] * (k + 1), list(range(k + 1)), [0] * (k + 1)]
+        takes, cuts = self.balance.split(k, self.shape.intermediate, self.quantum)
+        return [takes, cuts, self.balance.takes(k), [0] * (k + 1)]
+
+    def _tables(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The (take, cut) tables a layer's calls split by."""
+        if isinstance(self.slots.formats[layer], QuantizedFormat):
+            return self.take_whole, self.no_cut
+        return self.take, self.cut
+
+    @property
+    def take_host(self) -> Tensor:
+        """The dense experts' take table as last set (host copy)."""
+        return self.split_host[0]
+
     def _host_reads(self, fmt: ExpertFormat, stack: dict[str, Tensor]) -> HostReads | QuantHostReads:
-        """What a layer's one-token dispatch reads in place: its pinned stacks, less the CPU's take."""
+        """What a layer's one-token dispatch reads in place: its pinned stacks, less the CPU's part."""
         if isinstance(fmt, QuantizedFormat):
-            return QuantHostReads(stack, self.take)
-        return HostReads(stack["gate_up"], stack["down"], self.take)
+            return QuantHostReads(stack, self.take_whole)
+        return HostReads(stack["gate_up"], stack["down"], self.take, self.cut)
 
     def close(self) -> None:
         self.worker.close()
@@ -255,8 +303,8 @@ class HybridMisses:
         ls, h = self.slots[layer], self.handoffs[layer]
         one = hidden.shape[0] == 1 and self.gpu_reads
         source = self.one_token_maps[layer] if one else ls.slot_map
-        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.live,
-                     self.take if one else None)
+        take, cut = self._tables(layer) if one else (None, None)
+        handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.live, take, cut)
         extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
         return handoff.collect(h, out, self.error, self.live)
@@ -347,8 +395,10 @@ class HybridMisses:
         if not self.gpu_reads:
             return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
         how = "moved while decoding, by who waited" if self.balance.adaptive else "fixed by --cpu-misses"
+        takes, cuts = self.split_host[0].tolist(), self.split_host[1].tolist()
         return (f"hybrid misses: the CPU takes {self.cpu_share:.0%} of a one-token call's misses ({how}), the device "
-                f"reads the rest in place; take[m] = {self.take_host.tolist()}")
+                f"reads the rest in place; of m misses the CPU computes take[m] = {takes} whole and the "
+                f"intermediate rows [0, cut[m]) of the next, cut[m] = {cuts} (of {self.shape.intermediate})")
 
     def _rebalance(self) -> None:
         """Move the split as the balance says. The device's table is the only one (each post tells
@@ -357,10 +407,10 @@ class HybridMisses:
         calls, waited = self._balance_window
         self._balance_window = [0, 0]
         if self.balance.observe(calls, waited):
-            takes = self.balance.takes(self.top_k)
-            if takes != self.take_host.tolist():
-                self.take_host.copy_(torch.tensor(takes, dtype=torch.int32))
-                self.take.copy_(self.take_host, non_blocking=True)
+            tables = self._split_tables()
+            if tables != self.split_host.tolist():
+                self.split_host.copy_(torch.tensor(tables, dtype=torch.int32))
+                self.split.copy_(self.split_host, non_blocking=True)
 
     def land(self, wait: bool = False) -> None:
         """Make the promoted experts whose copies have landed resident (all of them with `wait`: the
@@ -378,14 +428,17 @@ class HybridMisses:
                                "(restart it, or use --miss-policy fetch)")
 
     def _fold(self, layer: int, pair_counts: list[int]) -> None:
-        bank, gpu_read, on_cpu = pair_counts
+        """One layer's counters into the statistics. A shared pair counts as read by the device; its
+        bytes are split by rows (the worker counts it among the experts it computed)."""
+        bank, gpu_read, on_cpu, shared, cpu_rows = pair_counts
         busy, _, _, experts = self.mailboxes[layer].served()
         b0, e0 = self._folded[layer]
         self._folded[layer] = (busy, experts)
         nbytes = self.expert_bytes[layer]
+        cpu_part = cpu_rows / self.shape.intermediate   # experts' worth of shared rows the CPU computed
         self.stats.record(layer, hits=bank, misses=gpu_read + on_cpu, cpu_served=on_cpu,
-                          cpu_bytes=(experts - e0) * nbytes, cpu_s=busy - b0, host_read=gpu_read,
-                          host_read_bytes=gpu_read * nbytes)
+                          cpu_bytes=round((experts - e0 - shared + cpu_part) * nbytes), cpu_s=busy - b0,
+                          host_read=gpu_read, host_read_bytes=round((gpu_read - cpu_part) * nbytes))
 
     def _take_snapshot(self, tokens: int) -> _Snapshot:
         """Copy the device counters into pinned memory behind the work queued so far and start them

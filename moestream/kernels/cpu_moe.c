@@ -334,7 +334,8 @@ static inline void share_of(long n, int tid, int nth, long *lo, long *hi) {
 static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const Weights *W, const void *gate_up_bias,
                              const void *down_bias, int H, int I, int act, float alpha, float limit, int round_act,
                              int n_used, const int32_t *experts, const int32_t *pair_off, const int32_t *pair_tok,
-                             const float *pair_w, const void *x, float *scratch, void *act_buf, float *out) {
+                             const float *pair_w, const void *x, float *scratch, void *act_buf, float *out,
+                             const int32_t *lim) {
     const int two_i = 2 * I;
     const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -350,8 +351,10 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
         int r1 = r0 + ROWS_PER_TASK < two_i ? r0 + ROWS_PER_TASK : two_i;
         int p0 = pair_off[u], np = pair_off[u + 1] - p0;
         size_t base = (size_t)experts[u] * two_i;
+        const int keep = lim ? lim[u] : I;   /* a shared expert: its intermediate rows [0, keep) only */
         for (int r = r0; r < r1; r++)
-            rows_dot(W, 0, base + r, H, x, H, 0, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+            if ((r < I ? r : r - I) < keep)
+                rows_dot(W, 0, base + r, H, x, H, 0, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
     }
     bar(bar_arg);
     /* 2. the activation in fp32, stored as the down product takes it */
@@ -364,7 +367,8 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
         size_t b = (size_t)experts[u] * two_i;
         float *sums = fast_down ? W->in_sum[1] + (size_t)p * (I / W->group) : NULL;
         if (sums) memset(sums, 0, sizeof(float) * (I / W->group));
-        for (int i = 0; i < I; i++) {
+        const int keep = lim ? lim[u] : I;
+        for (int i = 0; i < keep; i++) {
             float g = h[i], up = h[I + i];
             if (gate_up_bias) {
                 g += widen(gate_up_bias, W->dtype, b + i);
@@ -391,11 +395,16 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
         for (int u = 0; u < n_used; u++) {
             int p0 = pair_off[u], np = pair_off[u + 1] - p0;
             size_t base = (size_t)experts[u] * H;
+            const int keep = lim ? lim[u] : I;   /* dense only: a shared expert's down rows are cut at keep */
             for (int r = r0; r < r1; r++) {
                 for (int c = 0; c < np; c += 64) {
                     int n = np - c < 64 ? np - c : 64;
-                    rows_dot(W, 1, base + r, I, (const char *)act_buf + (size_t)(p0 + c) * I * esize, I, p0 + c,
-                             NULL, n, y, 1);
+                    const void *a = (const char *)act_buf + (size_t)(p0 + c) * I * esize;
+                    if (keep < I)
+                        row_dots((const char *)W->w[1] + (base + r) * (size_t)I * esize, W->dtype, 0, keep, a, I,
+                                 NULL, n, y, 1);
+                    else
+                        rows_dot(W, 1, base + r, I, a, I, p0 + c, NULL, n, y, 1);
                     float bias = down_bias ? widen(down_bias, W->dtype, base + r) : 0.f;
                     for (int j = 0; j < n; j++)
                         out[(size_t)pair_tok[p0 + c + j] * H + r] += pair_w[p0 + c + j] * (y[j] + bias);
@@ -417,7 +426,7 @@ static void run_experts(int threads, const Weights *W, const void *gate_up_bias,
 #pragma omp parallel num_threads(threads)
     run_experts_part(omp_get_thread_num(), omp_get_num_threads(), omp_team_barrier, NULL, W, gate_up_bias, down_bias,
                      H, I, act, alpha, limit, round_act, n_used, experts, pair_off, pair_tok, pair_w, x, scratch,
-                     act_buf, out);
+                     act_buf, out, NULL);
 }
 
 /* Dense experts: gate_up (E, 2I, H), down (E, H, I) and optional biases (E, 2I) / (E, H) in one dtype;
@@ -485,7 +494,7 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
 typedef struct {
     const void *gate_up, *down, *gate_up_bias, *down_bias;   /* host stacks (E, 2I, H), (E, H, I) */
     const uint8_t *outside;                                   /* (E) 1 where the expert is not in the bank */
-    volatile int32_t *post;                                   /* [0] seq, [1] tokens, [2] take (-1: all) */
+    volatile int32_t *post;                                   /* [0] seq, [1] tokens, [2] take (-1: all), [3] cut */
     const int32_t *ids;                                       /* (max_tokens, k) */
     const float *weights;                                     /* (max_tokens, k) */
     const void *hidden;                                       /* (max_tokens, H) in the weights' dtype */
@@ -531,7 +540,7 @@ typedef struct {
     float alpha, limit;
     int32_t *cpus;
     int32_t *last;                                            /* per layer: the last sequence served */
-    int32_t *experts, *pair_off, *pair_tok;
+    int32_t *experts, *pair_off, *pair_tok, *pair_lim, *lim;   /* lim: per used expert, its intermediate rows */
     float *pair_w, *scratch, *xq;                             /* xq: quantized layers' phase-ordered inputs */
     uint16_t *xb, *actb;                                      /* affine 4-bit layers: the inputs as bf16 */
     float *xsum, *actsum;                                     /* and their group sums */
@@ -567,29 +576,39 @@ static void nap(void) {
 
 /* Thread 0: the CPU's pairs of layer L's post, grouped by expert into the worker's arrays. */
 static void group_pairs(StreamWorker *w, StreamLayer *L, int T) {
-    const int take = L->post[2];   /* the device's split of this call: -1 = every pair outside the bank */
+    /* the device's split of this call: -1 = every pair outside the bank; else the first `take` of
+     * them, and intermediate rows [0, cut) of the next one (cut > 0) */
+    const int take = L->post[2], cut = L->post[3];
     int n = 0, taken = 0;
     for (int t = 0; t < T; t++)
         for (int j = 0; j < w->k; j++) {
             int32_t e = L->ids[t * w->k + j];
             if (e < 0 || e >= w->E || !L->outside[e]) continue;
-            if (take >= 0 && taken++ >= take) continue;
+            int lim = w->I;
+            if (take >= 0) {
+                const int rank = taken++;
+                if (rank > take || (rank == take && (cut <= 0 || cut >= w->I))) continue;
+                if (rank == take) lim = cut;
+            }
             /* insertion by expert, tokens in order within one: the pairs grouped as run_experts takes them */
             int p = n++;
             while (p > 0 && w->experts[p - 1] > e) {
                 w->experts[p] = w->experts[p - 1];
                 w->pair_tok[p] = w->pair_tok[p - 1];
                 w->pair_w[p] = w->pair_w[p - 1];
+                w->pair_lim[p] = w->pair_lim[p - 1];
                 p--;
             }
             w->experts[p] = e;
             w->pair_tok[p] = t;
             w->pair_w[p] = L->weights[t * w->k + j];
+            w->pair_lim[p] = lim;
         }
     int used = 0;
     for (int p = 0; p < n; p++)   /* the sorted expert column → distinct experts and their pair offsets */
         if (p == 0 || w->experts[p] != w->experts[p - 1]) {
             w->pair_off[used] = p;
+            w->lim[used] = w->pair_lim[p];   /* a one-token call: one pair per expert */
             w->experts[used++] = w->experts[p];
         }
     w->pair_off[used] = n;
@@ -713,7 +732,7 @@ static void *stream_main(void *arg) {
                                  L->quantized ? ACT_SWIGLU : w->act, w->alpha, w->limit,
                                  L->quantized && w->dtype == W_BF16, w->job_used, w->experts, w->pair_off,
                                  w->pair_tok, w->pair_w, L->quantized ? (const void *)w->xq : L->hidden, w->scratch,
-                                 w->act_buf, L->out);
+                                 w->act_buf, L->out, L->quantized ? NULL : w->lim);
                 spin_barrier(&arrival);
             }
             if (tid == 0) {
@@ -731,6 +750,7 @@ static void *stream_main(void *arg) {
 
 static void free_worker(StreamWorker *w) {
     free(w->layers); free(w->last); free(w->cpus); free(w->experts); free(w->pair_off); free(w->pair_tok);
+    free(w->pair_lim); free(w->lim);
     free(w->pair_w); free(w->scratch); free(w->xq); free(w->xb); free(w->xsum); free(w->actb); free(w->actsum);
     free(w->act_buf); free(w);
 }
@@ -750,6 +770,8 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n
     w->pair_off = malloc(sizeof(int32_t) * (pairs + 1));
     w->pair_tok = malloc(sizeof(int32_t) * pairs);
     w->pair_w = malloc(sizeof(float) * pairs);
+    w->pair_lim = malloc(sizeof(int32_t) * pairs);
+    w->lim = malloc(sizeof(int32_t) * pairs);
     w->scratch = malloc(sizeof(float) * pairs * 2 * I);
     w->act_buf = malloc(sizeof(float) * pairs * I);
     w->xq = malloc(sizeof(float) * (size_t)max_tokens * H);
@@ -758,6 +780,7 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n
     w->actb = malloc(sizeof(uint16_t) * pairs * I);
     w->actsum = malloc(sizeof(float) * pairs * I);
     if (!w->layers || !w->last || !w->cpus || !w->experts || !w->pair_off || !w->pair_tok || !w->pair_w ||
+        !w->pair_lim || !w->lim ||
         !w->scratch || !w->act_buf || !w->xq || !w->xb || !w->xsum || !w->actb || !w->actsum) {
         free_worker(w);
         return NULL;

@@ -68,18 +68,24 @@ def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP
 
 
 @triton.jit
-def _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr,
+def _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr,
              SPLIT: tl.constexpr, K_PAD: tl.constexpr):
-    """Sources of all K_PAD pairs (`_slot_of`); with SPLIT, of the m pairs whose source is the host
-    stack, the first take[m] in routing order are the CPU's (-1 here), as `split_outside` says."""
+    """Sources of all K_PAD pairs (`_slot_of`) and the first intermediate row each computes; with
+    SPLIT, of the m pairs whose source is the host stack, the first take[m] in routing order are the
+    CPU's (-1 here) and the next starts at row cut[m] (the CPU computes its rows below), as
+    `split_outside_cut` says."""
     offs = tl.arange(0, K_PAD)
     src = _slot_of(ids_ptr, map_ptr, offs, top_k, stride_id, num_slots, num_host, HAS_MAP)
+    lo = tl.zeros((K_PAD,), dtype=tl.int32)
     if SPLIT:
         outside = src >= num_slots
-        take = tl.load(take_ptr + tl.sum(outside.to(tl.int32), axis=0))
+        m = tl.sum(outside.to(tl.int32), axis=0)
+        take = tl.load(take_ptr + m)
+        cut = tl.load(cut_ptr + m)
         rank = tl.sum((outside[None, :] & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+        lo = tl.where(outside & (rank == take), cut, 0)
         src = tl.where(outside & (rank < take), -1, src)
-    return src
+    return src, lo
 
 
 @triton.jit
@@ -91,7 +97,7 @@ def _expert_offset(src, num_slots, host_off, stride_e):
 
 
 @triton.jit
-def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_ptr,
+def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_ptr, cut_ptr,
                           I, H, num_slots, num_host, host_off, top_k, stride_id, stride_be, stride_bn, stride_cm, stride_bias, alpha, limit,
                           HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -99,12 +105,18 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
     if SPLIT:
-        src = _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT, K_PAD)
-        slot = tl.sum(tl.where(tl.arange(0, K_PAD) == j, src, 0), axis=0)
+        src, lo = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP,
+                           SPLIT, K_PAD)
+        pick = tl.arange(0, K_PAD) == j
+        slot = tl.sum(tl.where(pick, src, 0), axis=0)
+        first = tl.sum(tl.where(pick, lo, 0), axis=0)
     else:
         slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
+        first = 0
     if slot < 0:
         return
+    if (tl.program_id(1) + 1) * BLOCK_N <= first:
+        return                           # rows the CPU computes (the down launch never reads them)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % I).to(tl.int64)     # past I: wrap (store masked), loads stay unmasked along N
     offs_k = tl.arange(0, BLOCK_K)
@@ -140,7 +152,7 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_
 
 
 @triton.jit
-def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr, take_ptr,
+def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr, take_ptr, cut_ptr,
                        H, I, num_slots, num_host, host_off, top_k, stride_id, stride_w, stride_am, stride_be, stride_bn, stride_om,
                        stride_bias,
                        HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, K_PAD: tl.constexpr,
@@ -153,7 +165,8 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    slot = _sources(ids_ptr, map_ptr, take_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT, K_PAD)
+    slot, lo = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT,
+                        K_PAD)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0).to(tl.int64)
     b_ptrs = (b_ptr + _expert_offset(slot, num_slots, host_off, stride_be)[:, None, None]
@@ -165,6 +178,8 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
             am = valid[:, None]
         else:
             am = valid[:, None] & ((k0 + offs_k) < I)[None, :]
+        if SPLIT:                         # a shared pair's rows below its cut are the CPU's: not read
+            am = am & ((k0 + offs_k)[None, :] >= lo[:, None])
         w = tl.load(b_ptrs, mask=am[:, None, :], other=0.0)
         a = tl.load(a_ptrs, mask=am, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]
@@ -209,26 +224,30 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
               config: TokenConfig | None = None, host: HostReads | None = None) -> Tensor:
     """hidden (1, H), slots gate_up (S, 2I, H) and down (S, H, I), ids and weights (1, k) →
     (1, H) in hidden's dtype (`reduce`), or the (1, k, H) fp32 pair rows, zero where unrouted.
-    `host`: stacks in pinned memory, which sources S + e read in place, less its `cpu_take`.
+    `host`: stacks in pinned memory, which sources S + e read in place, less its `cpu_take` (and the
+    rows below `cpu_cut` of the pair it shares).
     Inputs are validated by the caller (`fused_moe_with_config`)."""
     cfg = config or DEFAULT_TOKEN_CONFIG
     k = ids.shape[1]
     S, H, I = gate_up.shape[0], hidden.shape[1], intermediate
-    num_host, gu_host, down_host, take = 0, 0, 0, None
+    num_host, gu_host, down_host, take, cut = 0, 0, 0, None, None
     if host is not None:
-        num_host, take = host.gate_up.shape[0], host.cpu_take
+        num_host, take, cut = host.gate_up.shape[0], host.cpu_take, host.cpu_cut
         gu_host, down_host = host_offset(host.gate_up, gate_up), host_offset(host.down, down)
     split = take is not None
     ids1, w1 = ids.reshape(k), weights.reshape(k)
     has_map = slot_map is not None
     smap = slot_map if has_map else ids1
-    take = take if split else ids1          # an unread placeholder pointer
+    if split and cut is None:
+        cut = torch.zeros_like(take)        # whole experts only
+    take = take if split else ids1          # unread placeholder pointers
+    cut = cut if split else ids1
     has_bias = biases is not None
     gu_bias, down_bias = biases if has_bias else (gate_up, down)
     inter = torch.empty((k, I), dtype=hidden.dtype, device=hidden.device)
     gu = _tile(cfg.gate_up, H)
     _token_gate_up_kernel[(k, triton.cdiv(I, gu.block_n))](
-        hidden, gate_up, inter, ids1, smap, gu_bias, take,
+        hidden, gate_up, inter, ids1, smap, gu_bias, take, cut,
         I, H, S, num_host, gu_host, k, ids1.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         gu_bias.stride(0) if has_bias else 0, float(alpha), float(limit),
         HAS_MAP=has_map, HAS_BIAS=has_bias, ACTIVATION=activation_code,
@@ -240,7 +259,7 @@ def token_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weight
         out = torch.zeros((k, H), dtype=torch.float32, device=hidden.device)
     dn = _tile(cfg.down, I)
     _token_down_kernel[(triton.cdiv(H, dn.block_n),)](
-        inter, down, out, ids1, smap, w1, down_bias, take,
+        inter, down, out, ids1, smap, w1, down_bias, take, cut,
         H, I, S, num_host, down_host, k, ids1.stride(0), w1.stride(0), inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         down_bias.stride(0) if has_bias else 0,
         HAS_MAP=has_map, HAS_BIAS=has_bias, REDUCE=reduce, K_PAD=triton.next_power_of_2(k),

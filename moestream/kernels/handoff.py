@@ -75,7 +75,8 @@ class LayerHandoff:
     seq: Tensor          # (1,) int32 on the device: the layer's sequence number
     use: Tensor          # (E,) int32: routed pairs per expert since the last refresh
     miss: Tensor         # (E,) int32: of those, pairs not served by the bank
-    pairs: Tensor        # (3,) int64: pairs served by the bank, read from host memory, computed by the CPU
+    pairs: Tensor        # (5,) int64: pairs served by the bank, read from host memory (shared ones too),
+                         # computed by the CPU; pairs shared by both, and the CPU's intermediate rows of those
     balance: Tensor      # (3,) int32: the last post split its misses between both sides (0/1); calls that
                          # did; of those, calls whose device side waited for the CPU's answer
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
@@ -99,7 +100,7 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
-    def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, use_ptr, miss_ptr, pairs_ptr,
+    def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, cut_ptr, use_ptr, miss_ptr, pairs_ptr,
                      balance_ptr, hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
                      T, H, top_k, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
         T = tl.minimum(T, tl.load(live_ptr))   # rows past the live ones pad a captured batch: nobody's
@@ -125,16 +126,25 @@ if triton is not None:
         tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
         read = valid & (src >= num_slots)
         take = -1                        # every pair outside the bank is the CPU's, unless split:
-        if SPLIT:   # one token: the first take[m] of its m pairs outside the bank are the CPU's
-            take = tl.load(take_ptr + tl.sum(read.to(tl.int32), axis=0))
+        cut = 0
+        shared = 0
+        if SPLIT:   # one token: the first take[m] of its m pairs outside the bank are the CPU's, and
+            # the intermediate rows [0, cut[m]) of the next one (the device computes the rest of it)
+            m = tl.sum(read.to(tl.int32), axis=0)
+            take = tl.load(take_ptr + m)
+            cut = tl.load(cut_ptr + m)
+            shared = ((cut > 0) & (take < m)).to(tl.int32)
             rank = tl.sum((read[None, :] & (p[None, :] < p[:, None])).to(tl.int32), axis=1)
             read = read & (rank >= take)
-        tl.store(hdr_ptr + 2, take)      # one store: the worker takes the split from here (the device's table)
+        tl.store(hdr_ptr + 2, take)      # one store each: the worker takes the split from here (the device's table)
+        tl.store(hdr_ptr + 3, cut)
         n_read = tl.sum(read.to(tl.int32), axis=0)
         n_cpu = tl.sum((valid & ~in_bank & ~read).to(tl.int32), axis=0)
         tl.atomic_add(pairs_ptr + 1, n_read.to(tl.int64))
         tl.atomic_add(pairs_ptr + 2, n_cpu.to(tl.int64))
-        tl.store(balance_ptr, ((n_read > 0) & (n_cpu > 0)).to(tl.int32))   # both sides have work
+        tl.atomic_add(pairs_ptr + 3, shared.to(tl.int64))
+        tl.atomic_add(pairs_ptr + 4, (shared * cut).to(tl.int64))
+        tl.store(balance_ptr, ((n_read > 0) & ((n_cpu + shared) > 0)).to(tl.int32))   # both sides have work
         seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
         tl.debug_barrier()
         tl.store(hdr_ptr, seq)
@@ -164,11 +174,13 @@ if triton is not None:
 
 
 def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_map: Tensor, num_slots: int,
-         live: Tensor, cpu_take: Tensor | None = None) -> None:
+         live: Tensor, cpu_take: Tensor | None = None, cpu_cut: Tensor | None = None) -> None:
     """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights, of which
     the first `live` ((1,) int32 on the device) rows are real (a captured batch pads the rest);
     `source_map` is the map the GPU's dispatch reads (a slot, or num_slots + e: outside the bank)
-    and `cpu_take` the one-token split (`HostReads`), which sort the pairs for the counters."""
+    and `cpu_take` / `cpu_cut` the one-token split (`HostReads`), which sort the pairs for the
+    counters and which the post hands the worker (header [2] take, [3] cut; a shared pair counts as
+    read by the device)."""
     T, H = hidden.shape
     k = ids.shape[-1]
     if T * H > h.box.hidden.numel() or T * k > h.box.ids.numel():
@@ -176,8 +188,11 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     if h.alias is not None:
         a = h.alias
         split = cpu_take is not None
+        if split and cpu_cut is None:
+            raise ValueError("a split post needs its cut table too (zeros where no pair is shared)")
         _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
-                           source_map, cpu_take if split else source_map, h.use, h.miss, h.pairs, h.balance,
+                           source_map, cpu_take if split else source_map, cpu_cut if split else source_map,
+                           h.use, h.miss, h.pairs, h.balance,
                            a["post"], a["ids"],
                            a["weights"], a["hidden"], live, T, H, k, num_slots, SPLIT=split,
                            BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(T * k)), num_warps=4)
@@ -194,7 +209,11 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     box.post[1] = T
     src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
     split = cpu_take is not None and T == 1
-    box.post[2] = int(cpu_take[int((src >= num_slots).sum())]) if split else -1
+    m = int((src >= num_slots).sum())
+    take = int(cpu_take[m]) if split else -1
+    cut = int(cpu_cut[m]) if split and cpu_cut is not None else 0
+    box.post[2], box.post[3] = take, cut
+    shared = int(split and cut > 0 and take < m)
     read = split_outside(src, num_slots, cpu_take if split else None) >= num_slots
     valid = flat >= 0
     e = flat[valid].long()
@@ -203,8 +222,8 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     h.miss.index_add_(0, e, (~in_bank).to(torch.int32))
     n_read = read.sum()
     n_cpu = valid.sum() - in_bank.sum() - n_read
-    h.pairs += torch.stack((in_bank.sum(), n_read, n_cpu))
-    h.balance[0] = int(n_read > 0 and n_cpu > 0)
+    h.pairs += torch.stack((in_bank.sum(), n_read, n_cpu, torch.tensor(shared), torch.tensor(shared * cut)))
+    h.balance[0] = int(n_read > 0 and n_cpu + shared > 0)
     cpu_moe.publish(box.post, seq)
 
 

@@ -162,22 +162,57 @@ class HostReads:
     """Every expert of a layer in (pinned) host memory, which slot id S + e reads in place (stacks
     (E, 2*I, H) and (E, H, I), the slots' dtype, no biases). With `cpu_take` ((k + 1,) int32), a
     one-token call's pairs outside the slots are split: of its m such pairs, the first cpu_take[m]
-    in routing order are computed elsewhere (a CPU worker) and contribute nothing here."""
+    in routing order are computed elsewhere (a CPU worker) and contribute nothing here. With
+    `cpu_cut` too, the next pair is shared: the CPU computes its intermediate rows [0, cpu_cut[m])
+    (gate and up rows, and those columns of down), the device the rest."""
 
     gate_up: Tensor
     down: Tensor
     cpu_take: Tensor | None = None
+    cpu_cut: Tensor | None = None   # (k + 1,) int32: the CPU also computes intermediate rows [0, cpu_cut[m])
+                                    # of the pair after its cpu_take[m] (0: none), the device the rest of them
 
 
 def split_outside(ids: Tensor, num_slots: int, cpu_take: Tensor | None) -> Tensor:
     """(T, k) sources with `HostReads.cpu_take`'s pairs set to -1: per row, of the m sources at or past
     num_slots, the first cpu_take[m] in order."""
+    return split_outside_cut(ids, num_slots, cpu_take, None)[0]
+
+
+def split_outside_cut(ids: Tensor, num_slots: int, cpu_take: Tensor | None,
+                      cpu_cut: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """`split_outside`, and with `cpu_cut` the first intermediate row each pair's device part starts
+    at ((T, k) int64: cpu_cut[m] for the pair right after the CPU's take[m] of a row's m sources past
+    num_slots, 0 elsewhere), or None."""
     if cpu_take is None:
-        return ids
+        return ids, None
     outside = (ids >= num_slots).long()
-    take = cpu_take.to(ids.device).long()[outside.sum(1)]
+    m = outside.sum(1)
+    take = cpu_take.to(ids.device).long()[m]
     rank = outside.cumsum(1) - outside
-    return torch.where((outside > 0) & (rank < take[:, None]), -1, ids)
+    split = torch.where((outside > 0) & (rank < take[:, None]), -1, ids)
+    if cpu_cut is None:
+        return split, None
+    cut = cpu_cut.to(ids.device).long()[m]
+    lo = torch.where((outside > 0) & (rank == take[:, None]), cut[:, None], 0)
+    return split, lo
+
+
+def _pairs_from(lo_pairs: Tensor, hidden: Tensor, gate_up: Tensor, down: Tensor, ids: Tensor, weights: Tensor,
+                activation) -> Tensor:
+    """(T, k, H) fp32 rows of the pairs with a cut (lo > 0): expert ids[t, j]'s intermediate rows
+    [lo, I) only, times the routing weight; zero elsewhere."""
+    T, k = ids.shape
+    I = down.shape[-1]
+    act = get_activation(activation)
+    out = torch.zeros(T, k, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for t, j in (lo_pairs > 0).nonzero().tolist():
+        e, lo = int(ids[t, j]), int(lo_pairs[t, j])
+        rows = torch.cat([gate_up[e, lo:I], gate_up[e, I + lo:]])
+        h = act(torch.nn.functional.linear(hidden[t:t + 1], rows).float())
+        y = torch.nn.functional.linear(h.to(hidden.dtype), down[e, :, lo:]).float()
+        out[t, j] = y[0] * weights[t, j].float()
+    return out
 
 
 def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
@@ -215,11 +250,15 @@ def moe_reference(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tenso
         if gate_up_bias is not None:
             raise ValueError("experts read from a host stack take no biases")
         S = gate_up.shape[0]
-        ids = split_outside(slot_ids.long().reshape(hidden.shape[0], -1), S, host.cpu_take)
+        ids, lo = split_outside_cut(slot_ids.long().reshape(hidden.shape[0], -1), S, host.cpu_take, host.cpu_cut)
         host_gate_up, host_down = host.gate_up.to(hidden.device), host.down.to(hidden.device)   # plainly: a reference
-        pairs = (moe_reference(hidden, gate_up, down, torch.where(ids < S, ids, -1), weights, activation, reduce=False)
-                 + moe_reference(hidden, host_gate_up, host_down, torch.where(ids >= S, ids - S, -1), weights,
+        whole = ids if lo is None else torch.where(lo > 0, -1, ids)
+        pairs = (moe_reference(hidden, gate_up, down, torch.where(whole < S, whole, -1), weights, activation,
+                               reduce=False)
+                 + moe_reference(hidden, host_gate_up, host_down, torch.where(whole >= S, whole - S, -1), weights,
                                  activation, reduce=False))
+        if lo is not None and bool((lo > 0).any()):   # the device's rows of a pair the CPU shares
+            pairs = pairs + _pairs_from(lo, hidden, host_gate_up, host_down, ids - S, weights, activation)
         return sum_pairs_reference(pairs, hidden.dtype) if reduce else pairs
     T, H, S, I, k = check_moe_inputs(hidden, gate_up, down, slot_ids, weights)
     check_expert_biases(gate_up_bias, down_bias, S, H, I, gate_up.dtype)

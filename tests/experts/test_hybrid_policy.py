@@ -124,9 +124,39 @@ def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident,
         start = hybrid.cpu_share
         assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
         assert (hybrid.cpu_share < start) if answer_late else (hybrid.cpu_share > start)
-        assert hybrid.take_host.tolist() == hybrid.balance.takes(engine.config.top_k)
-        assert torch.equal(hybrid.take.cpu(), hybrid.take_host)
-        assert all(read.cpu_take is hybrid.take for read in hybrid.host_reads.values())
+        takes, cuts = hybrid.balance.split(engine.config.top_k, engine.bank.store.shape.intermediate, hybrid.quantum)
+        assert hybrid.split_host.tolist()[:2] == [takes, cuts]
+        assert torch.equal(hybrid.split.cpu(), hybrid.split_host)
+        assert all(read.cpu_take is hybrid.take and read.cpu_cut is hybrid.cut for read in hybrid.host_reads.values())
+    finally:
+        engine.close()
+
+
+def test_one_miss_is_shared_by_both_sides(tiny_qwen3, resident, monkeypatch):
+    """At a share of one half a call with one miss gives the CPU the expert's first half of its
+    intermediate rows and the device the rest (the post tells the worker the cut); the tokens stay
+    the resident model's, and the device's bytes count only its rows of a shared expert."""
+    from moestream.kernels import handoff
+
+    _, want = resident
+    cuts = []
+    post = handoff.post
+
+    def spy(h, *args, **kwargs):
+        post(h, *args, **kwargs)
+        cuts.append(int(h.box.post[3]))
+
+    monkeypatch.setattr(handoff, "post", spy)
+    engine = _hybrid(tiny_qwen3, cpu_misses=0.5)
+    try:
+        hybrid = engine.bank.hybrid_misses
+        I = engine.bank.store.shape.intermediate
+        assert hybrid.quantum and hybrid.split_host[1].tolist()[1] == I // 2     # one miss: half and half
+        assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert I // 2 in cuts                                               # calls shared an expert
+        stats = engine.stats()
+        nbytes = engine.bank.formats[0].nbytes(engine.bank.store.shape)
+        assert 0 < stats["host_read_bytes"] < stats["host_read"] * nbytes
     finally:
         engine.close()
 

@@ -98,7 +98,8 @@ def test_token_kernels_compile(has_map, activation, bias, reduce, split):
     ids = {"ids_ptr": "*i32", "map_ptr": "*i32"}
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "ACTIVATION": activation, "BLOCK_N": 2, "BLOCK_K": 2048,
               "EVEN_K": True, "SPLIT": split, "K_PAD": 8, "USE_PDL": True}
-    sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16", "take_ptr": "*i32"},
+    sig = _sig({"x_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", **ids, "bias_ptr": "*bf16", "take_ptr": "*i32",
+                "cut_ptr": "*i32"},
                ["I", "H", "num_slots", "num_host", "host_off", "top_k", "stride_id", "stride_be", "stride_bn",
                 "stride_cm", "stride_bias"], FLOATS, consts)
     sig["host_off"] = "i64"   # host stacks sit far from the slots in the address space
@@ -107,7 +108,7 @@ def test_token_kernels_compile(has_map, activation, bias, reduce, split):
     consts = {"HAS_MAP": has_map, "HAS_BIAS": bias, "REDUCE": reduce, "K_PAD": 8, "BLOCK_N": 4, "BLOCK_K": 128,
               "EVEN_K": False, "SPLIT": split, "USE_PDL": True}
     sig = _sig({"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16" if reduce else "*fp32", **ids,
-                "w_ptr": "*fp32", "bias_ptr": "*bf16", "take_ptr": "*i32"},
+                "w_ptr": "*fp32", "bias_ptr": "*bf16", "take_ptr": "*i32", "cut_ptr": "*i32"},
                ["H", "I", "num_slots", "num_host", "host_off", "top_k", "stride_id", "stride_w", "stride_am",
                 "stride_be", "stride_bn", "stride_om", "stride_bias"], [], consts)
     sig["host_off"] = "i64"
@@ -122,7 +123,7 @@ def test_handoff_kernels_compile(split):
 
     consts = {"SPLIT": split, "BLOCK": 1024, "PAIRS": 16}
     sig = _sig({"seq_ptr": "*i32", "hidden_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "map_ptr": "*i32",
-                "take_ptr": "*i32", "use_ptr": "*i32", "miss_ptr": "*i32", "pairs_ptr": "*i64", "balance_ptr": "*i32",
+                "take_ptr": "*i32", "cut_ptr": "*i32", "use_ptr": "*i32", "miss_ptr": "*i32", "pairs_ptr": "*i64", "balance_ptr": "*i32",
                 "hdr_ptr": "*i32",
                 "box_ids_ptr": "*i32", "box_w_ptr": "*fp32", "box_hidden_ptr": "*bf16", "live_ptr": "*i32"},
                ["T", "H", "top_k", "num_slots"], [], consts)

@@ -111,7 +111,55 @@ def check_host_reads(device: str, dtype: torch.dtype) -> None:
                            moe_reference(hidden, full_gu, full_down, kept, weights))
 
 
+def check_shared_pair(device: str, dtype: torch.dtype) -> None:
+    """A pair the CPU shares (`HostReads.cpu_cut`): the launches compute its intermediate rows from
+    the cut on, reading none below it; that part plus the rows below the cut computed apart give the
+    whole expert (to rounding), and the reference's host form agrees with the launches."""
+    from moestream.kernels.fused_moe_triton import fused_moe_with_config
+    from moestream.kernels.moe_reference import get_activation
+
+    H, I, S, E, k = 96, 64, 4, 12, 6
+    g = torch.Generator().manual_seed(8)
+    host_gu = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    host_down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+    if device == "cuda":
+        host_gu, host_down = host_gu.pin_memory(), host_down.pin_memory()
+    resident = [3, 7, 1, 10]
+    gate_up, down = host_gu[resident].to(device), host_down[resident].to(device)
+    hidden = torch.randn(1, H, generator=g).to(device, dtype)
+    ids = torch.tensor([[7, 2, 10, 5, 11, -1]], dtype=torch.int32, device=device)
+    weights = torch.rand(1, k, generator=g).softmax(dim=1).to(device)
+    source = torch.full((E + 1,), -1, dtype=torch.int32)
+    source[resident] = torch.arange(S, dtype=torch.int32)
+    source[2], source[5] = S + 2, S + 5                        # pairs 1 and 3 are outside the slots
+    source = source.to(device)
+    act = get_activation("swiglu")
+    for take2, cut2, shared, whole_cpu in ((0, 16, 1, []), (1, 48, 3, [1]), (1, 0, None, [1])):
+        take = torch.tensor([0, 0, take2, 2, 2, 2, 2], dtype=torch.int32, device=device)
+        cut = torch.tensor([0, 0, cut2, 0, 0, 0, 0], dtype=torch.int32, device=device)
+        host = HostReads(host_gu, host_down, take, cut)
+        out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
+        ref = moe_reference(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
+        tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
+        assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol, (take2, cut2)
+        # add what the CPU computes: whole pairs, and the shared pair's rows below the cut
+        cpu = torch.zeros(1, H, dtype=torch.float32, device=device)
+        for j in whole_cpu + ([shared] if shared is not None else []):
+            e = int(ids[0, j])
+            rows = slice(0, cut2 if j == shared else I)
+            gu = torch.cat([host_gu[e, rows], host_gu[e, I + rows.start:I + rows.stop]]).to(device)
+            h = act(torch.nn.functional.linear(hidden, gu).float())
+            cpu += torch.nn.functional.linear(h.to(dtype), host_down[e, :, rows].to(device)).float() * weights[0, j]
+        full_ids = ids.clone()
+        full_ids[0, 4] = -1                                    # expert 11 has no source anywhere
+        full = moe_reference(hidden, host_gu.to(device), host_down.to(device), full_ids, weights)
+        got = out.float() + cpu
+        assert float((got - full.float()).norm() / full.float().norm()) < 3 * tol, (take2, cut2)
+
+
 def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
     for dtype in dtypes:
         check_token_path(device, dtype)
         check_host_reads(device, dtype)
+        if device == "cuda" or dtype == dtypes[0]:   # the interpreter is slow: one dtype there
+            check_shared_pair(device, dtype)
