@@ -9,8 +9,8 @@ prompt does; then every `--every` tokens the window's use and miss counts go thr
 own code (`PromotionGauge`, `choose_promotions`), `--act-lag` tokens after the window closes (a
 refresh off the critical path acts on the next step), and each promotion serves hits `--land-lag`
 tokens later (its copy landing). A layer with promotions in flight promotes nothing more, as in
-`HybridMisses`. Prints hit rates and promotions per layer and token; hit rates depend on routing,
-not on the device.
+`HybridMisses`. Prints hit rates, promotions per layer and token, and how the layer calls spread
+over their number of misses; all depend on routing, not on the device.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class _Layer:
 
 
 def replay(rows: np.ndarray, num_experts: int, capacity: int, prompt: int, every: int, act_lag: int,
-           land_lag: int) -> tuple[int, int, int]:
-    """One layer's decode: (hits, pairs, promotions)."""
+           land_lag: int, misses_per_call: np.ndarray | None = None) -> tuple[int, int, int]:
+    """One layer's decode: (hits, pairs, promotions); `misses_per_call[m]` counts the calls that
+    missed m of their experts, where given."""
     layer = 0
     policy = LCPPolicy(num_experts)
     seen, counts = np.unique(rows[:prompt], return_counts=True)
@@ -56,12 +57,16 @@ def replay(rows: np.ndarray, num_experts: int, capacity: int, prompt: int, every
         for left, experts in [x for x in landing if x[0] <= 0]:
             slots[layer].where.update({e: -1 for e in experts})
         landing = [x for x in landing if x[0] > 0]
+        missed = 0
         for e in row:
             pairs += 1
             hit = int(e) in slots[layer].where
             hits += hit
+            missed += not hit
             use[e] += 1
             miss[e] += not hit
+        if misses_per_call is not None:
+            misses_per_call[missed] += 1
         policy.advance(1)
         landing = [(left - 1, experts) for left, experts in landing]
         if (i + 1) % every == 0:
@@ -115,15 +120,19 @@ def main() -> None:
                 for name, per_layer in (("trace", [ids[:n, layer % ids.shape[1]] for layer in range(args.layers)]),
                                         ("uniform", list(uniform))):
                     h = p = pr = 0
+                    calls = np.zeros(k + 1, np.int64)
                     for rows in per_layer:
-                        a, b, c = replay(rows, E, args.capacity, args.prompt_tokens, every, act_lag, land_lag)
+                        a, b, c = replay(rows, E, args.capacity, args.prompt_tokens, every, act_lag, land_lag, calls)
                         h, p, pr = h + a, p + b, pr + c
-                    row[name] = {"hit_rate": h / p, "promotions_per_layer_token": pr / (args.layers * args.gen_tokens)}
+                    row[name] = {"hit_rate": h / p, "promotions_per_layer_token": pr / (args.layers * args.gen_tokens),
+                                 "calls_by_misses": (calls / calls.sum()).round(3).tolist()}
                 results.append(row)
                 print(f"every {every}, act lag {act_lag}, land lag {land_lag}: "
                       f"trace {row['trace']['hit_rate']:.1%} hits, {row['trace']['promotions_per_layer_token']:.3f} "
                       f"promotions | uniform {row['uniform']['hit_rate']:.1%}, "
                       f"{row['uniform']['promotions_per_layer_token']:.3f}", flush=True)
+                print(f"  share of layer calls missing m = 0, 1, ... experts: trace {row['trace']['calls_by_misses']}"
+                      f" | uniform {row['uniform']['calls_by_misses']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"capacity": args.capacity, "rows": results}, indent=1))
 
