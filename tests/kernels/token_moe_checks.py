@@ -64,17 +64,15 @@ def check_token_path(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(none, torch.zeros_like(none))
 
 
-def check_host_reads(device: str, dtype: torch.dtype) -> None:
-    """Experts read in place from a host stack (map values S + e) give the bits of the same experts
-    held in slots, and the reference's host form agrees."""
-    from moestream.kernels.fused_moe_triton import fused_moe_with_config
-
-    H, I, S, E, k = 96, 40, 4, 12, 6
-    g = torch.Generator().manual_seed(7)
-    pin = device == "cuda"
+def _host_case(device: str, dtype: torch.dtype, H: int, I: int, seed: int):
+    """12 experts in host stacks (pinned on CUDA), 4 of them in slots; one token routed to 6 pairs:
+    pairs 1 and 3 (experts 2 and 5) read from the host stacks, expert 11 with no source, one -1.
+    Returns host_gu, host_down, gate_up, down, hidden, ids, weights and the source map."""
+    S, E, k = 4, 12, 6
+    g = torch.Generator().manual_seed(seed)
     host_gu = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
     host_down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
-    if pin:
+    if device == "cuda":
         host_gu, host_down = host_gu.pin_memory(), host_down.pin_memory()
     resident = [3, 7, 1, 10]                                    # slot s holds expert resident[s]
     gate_up, down = host_gu[resident].to(device), host_down[resident].to(device)
@@ -84,7 +82,16 @@ def check_host_reads(device: str, dtype: torch.dtype) -> None:
     source = torch.full((E + 1,), -1, dtype=torch.int32)
     source[resident] = torch.arange(S, dtype=torch.int32)
     source[2], source[5] = S + 2, S + 5                        # read from the host stack; 11: no source
-    source = source.to(device)
+    return host_gu, host_down, gate_up, down, hidden, ids, weights, source.to(device)
+
+
+def check_host_reads(device: str, dtype: torch.dtype) -> None:
+    """Experts read in place from a host stack (map values S + e) give the bits of the same experts
+    held in slots, and the reference's host form agrees."""
+    from moestream.kernels.fused_moe_triton import fused_moe_with_config
+
+    H, I, S, E, k = 96, 40, 4, 12, 6
+    host_gu, host_down, gate_up, down, hidden, ids, weights, source = _host_case(device, dtype, H, I, seed=7)
     host = HostReads(host_gu, host_down)
     out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
     # The same experts all in slots: identity map over a full device copy.
@@ -118,21 +125,8 @@ def check_shared_pair(device: str, dtype: torch.dtype) -> None:
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
     from moestream.kernels.moe_reference import get_activation
 
-    H, I, S, E, k = 96, 64, 4, 12, 6
-    g = torch.Generator().manual_seed(8)
-    host_gu = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
-    host_down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
-    if device == "cuda":
-        host_gu, host_down = host_gu.pin_memory(), host_down.pin_memory()
-    resident = [3, 7, 1, 10]
-    gate_up, down = host_gu[resident].to(device), host_down[resident].to(device)
-    hidden = torch.randn(1, H, generator=g).to(device, dtype)
-    ids = torch.tensor([[7, 2, 10, 5, 11, -1]], dtype=torch.int32, device=device)
-    weights = torch.rand(1, k, generator=g).softmax(dim=1).to(device)
-    source = torch.full((E + 1,), -1, dtype=torch.int32)
-    source[resident] = torch.arange(S, dtype=torch.int32)
-    source[2], source[5] = S + 2, S + 5                        # pairs 1 and 3 are outside the slots
-    source = source.to(device)
+    H, I = 96, 64
+    host_gu, host_down, gate_up, down, hidden, ids, weights, source = _host_case(device, dtype, H, I, seed=8)
     act = get_activation("swiglu")
     for take2, cut2, shared, whole_cpu in ((0, 16, 1, []), (1, 48, 3, [1]), (1, 0, None, [1])):
         take = torch.tensor([0, 0, take2, 2, 2, 2, 2], dtype=torch.int32, device=device)
