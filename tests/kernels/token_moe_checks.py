@@ -90,7 +90,7 @@ def check_host_reads(device: str, dtype: torch.dtype) -> None:
     held in slots, and the reference's host form agrees."""
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
 
-    H, I, S, E, k = 96, 40, 4, 12, 6
+    H, I = 96, 40
     host_gu, host_down, gate_up, down, hidden, ids, weights, source = _host_case(device, dtype, H, I, seed=7)
     host = HostReads(host_gu, host_down)
     out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
