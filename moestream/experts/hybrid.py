@@ -19,17 +19,19 @@ the same routing (the device's table is the only one: each post hands the worker
 and cut), so every row is served once, and the two sides' work stays balanced however many of a
 token's experts miss. Quantized experts split in whole experts (take[m] = round(cpu_share × m)):
 the GPU's dequantizing launches read their packed bytes in place, the worker unpacks 8/4/2-bit and
-NF4 experts. Calls of
-more than one token (a batch of streams), and experts with biases, leave every miss to the CPU: the
-kernels of larger calls read slots only.
-Rows past the live ones of a captured batch (its padding) get no experts computed. Calls
-larger than the mailboxes (prompts) go through the fetch policy, whose staging leaves the bank as it
-is. Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the
-coldest resident ones by the margin that each layer's `PromotionGauge` sets from what its recent
-promotions were worth (device-side counters, copied into pinned memory behind the step that fills
-the window and folded at the next, while the device runs it: no read-back and no victim choice sits
-between two steps). Nobody waits for those copies: the victims leave the bank at once, the newcomers join it at the first step after their
-copies landed, and until then both are misses like any other.
+NF4 experts. The share moves while decoding (`SplitBalance`) unless the user fixes it. Calls of
+more than one token (a batch of streams), and experts with biases, leave every miss to the CPU:
+the kernels of larger calls read slots only. Rows past the live ones of a captured batch (its
+padding) get no experts computed. Calls larger than the mailboxes (prompts) go through the fetch
+policy, whose staging leaves the bank as it is.
+
+Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the coldest
+resident ones by the margin that each layer's `PromotionGauge` sets from what its recent
+promotions were worth. The device-side counters are copied into pinned memory behind the step
+that fills the window and folded at the next, while the device runs it: no read-back and no
+victim choice sits between two steps. Nobody waits for the promotions' copies either: the victims
+leave the bank at once, the newcomers join it at the first step after their copies landed, and
+until then both are misses like any other.
 """
 
 from __future__ import annotations
