@@ -73,7 +73,7 @@ class ExpertBank:
             staging_slots, self.prefetcher, host_stacks, 0.0 if hybrid else (cpu_misses or 0.0))
         self.hybrid_misses = HybridMisses(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, host_stacks, store.shape,
-            self.top_k, "auto" if cpu_misses in (None, "auto") else float(cpu_misses), cpu_threads) if hybrid else None
+            self.top_k, cpu_misses, cpu_threads) if hybrid else None
         self.skip = (SkipPolicy(self.slots, self.transfers, self.policy, self.stats, self._dispatch, refresh_every)
                      if miss_policy == "skip" and not self.fully_resident else None)
         self.decoding = False   # set per step by the runtime: skip applies to decode steps only

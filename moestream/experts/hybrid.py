@@ -204,11 +204,11 @@ class _Snapshot:
 class HybridMisses:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], host_stacks: dict[int, dict[str, Tensor]], shape: ExpertShape,
-                 top_k: int, cpu_share: float | str = "auto", threads: int | None = None,
+                 top_k: int, cpu_share: float | str | None = "auto", threads: int | None = None,
                  refresh_every: int = REFRESH_EVERY, max_tokens: int = HYBRID_MAX_TOKENS):
         check_hybrid(slots.formats, shape, host_stacks)
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
-        self.dispatch, self.host_stacks, self.shape = dispatch, host_stacks, shape
+        self.dispatch, self.shape = dispatch, shape
         self.refresh_every, self.max_tokens, self.top_k = refresh_every, max_tokens, top_k
         device = self.device = slots.device
         E = slots.num_experts
@@ -220,8 +220,9 @@ class HybridMisses:
         dtype = next(iter(slots.formats.values())).dtype
         self.mailboxes = {layer: Mailbox(E, top_k, shape.hidden, max_tokens, dtype, pin=device.type == "cuda")
                           for layer in slots}
-        # Device-side counters of every layer in two tensors, read in one copy each per refresh:
-        # per expert (use, miss) since the last refresh, per layer pairs (bank, read in place, CPU).
+        # Device-side counters of every layer in three tensors, copied out once each per refresh: per
+        # expert (use, miss); per layer pairs (bank, read in place, CPU, shared, the CPU's rows of the
+        # shared ones); per layer split calls (see `LayerHandoff.balance`).
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
         self.pair_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int64, device=device)

@@ -312,10 +312,11 @@ def code_table(spec: QuantSpec) -> Tensor:
 
 class Mailbox:
     """One MoE layer's exchange with the worker, in pinned host memory: what the device posts (header
-    [seq, tokens, take], the routing, the routing weights, the hidden rows) and what the worker
+    [seq, tokens, take, cut], the routing, the routing weights, the hidden rows) and what the worker
     answers (header [seq, pairs computed], fp32 rows). `outside` marks the experts not in the bank
     (1 per expert), which the bank rewrites between steps: the CPU computes their pairs, where the
-    post's take is not -1 only the first take of them in routing order (the device reads the rest)."""
+    post's take is not -1 only the first take of them in routing order, and the intermediate rows
+    [0, cut) of the next where cut > 0 (the device computes the rest)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
         def empty(n: int, dt: torch.dtype) -> Tensor:

@@ -37,15 +37,15 @@ class QuantHostReads:
         return self.stacks["gate_up.qweight"].shape[0]
 
 
-def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor, spec: QuantSpec,
+def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor | None, spec: QuantSpec,
                      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """gate_up (n, 2I, H) and down (n, H, I) of the slots `index`, dequantized to `dtype`."""
+    """gate_up (n, 2I, H) and down (n, H, I) of the slots `index` (None: every one), dequantized to `dtype`."""
+    pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
     out = []
     for proj in PROJECTIONS:
         biases = slots.get(f"{proj}.biases")
-        out.append(dequantize(slots[f"{proj}.qweight"].index_select(0, index),
-                              slots[f"{proj}.scales"].index_select(0, index),
-                              biases.index_select(0, index) if biases is not None else None, spec, dtype))
+        out.append(dequantize(pick(slots[f"{proj}.qweight"]), pick(slots[f"{proj}.scales"]),
+                              pick(biases) if biases is not None else None, spec, dtype))
     return out[0], out[1]
 
 
@@ -67,7 +67,7 @@ def quant_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: T
     in_slots, outside = used[used < S], used[used >= S] - S
     parts = {name: torch.cat([t.index_select(0, in_slots), host.stacks[name].index_select(0, outside.cpu()).to(t.device)])
              if len(outside) else t.index_select(0, in_slots) for name, t in slots.items()}
-    gate_up, down = dequantize_slots(parts, torch.arange(used.numel(), device=used.device), spec, hidden.dtype)
+    gate_up, down = dequantize_slots(parts, None, spec, hidden.dtype)   # parts holds just the used experts
     remap = torch.full((S + num_host + 1,), -1, dtype=torch.int64, device=hidden.device)
     remap[used] = torch.arange(used.numel(), device=hidden.device)   # used is sorted: slots, then host experts
     local = torch.where(valid, flat, torch.full_like(flat, S + num_host))
