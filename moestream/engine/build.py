@@ -23,7 +23,7 @@ from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_b
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
 from moestream.experts.bank import ExpertBank
-from moestream.experts.format import DenseFormat, QuantizedFormat
+from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
@@ -133,12 +133,10 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
 
 def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> bool:
     """Whether `--miss-policy auto` takes the hybrid policy: a bounded bank on a GPU, every expert in
-    pinned host RAM, bf16/fp32 experts (quantized ones take hybrid when asked for by name), the CPU
-    worker's kernel built, one device, and no fetch-only option asked for (prefetch). Elsewhere
-    auto is the fetch policy."""
+    pinned host RAM in a format the CPU worker reads (bf16/fp32, 8/4/2-bit, NF4), the worker's
+    kernel built, one device, and no fetch-only option asked for (prefetch). Elsewhere auto is the
+    fetch policy."""
     if plan.memory.fully_resident or plan.device.type != "cuda" or sharded or cfg.bank.prefetch:
-        return False
-    if not all(isinstance(fmt, DenseFormat) for fmt in formats.values()):
         return False
     if getattr(tier, "layers", None) is None:
         return False

@@ -56,7 +56,8 @@ from moestream.kernels.moe_reference import HostReads
 from moestream.kernels.quant_moe_reference import QuantHostReads
 
 HYBRID_MAX_TOKENS = 16       # decode batches up to this many streams; larger calls take the fetch policy
-DEFAULT_CPU_SHARE = 0.6      # of a one-token call's missing pairs, the CPU's share
+DEFAULT_CPU_SHARE = 0.6      # of a one-token call's missing pairs, the CPU's share (dense experts)
+QUANTIZED_CPU_SHARE = 0.5    # the same for quantized experts (a 4-bit byte costs the CPU more to decode)
 PROMOTE_MOST = 4             # experts copied into a layer per refresh, at most
 REFRESH_EVERY = 4            # tokens between refreshes (see `PromotionGauge` for the replays behind it)
 ALL_ROWS = 1 << 30           # live rows of a call when none are padding
@@ -125,16 +126,19 @@ class SplitBalance:
     """The CPU's share of a one-token call's misses, moved until both sides finish together.
 
     Where a call split its misses (each side had some), the device's last launch notes whether it
-    had to wait for the CPU's answer. Waiting more often than not says the CPU's share is too
-    large; finding the answer there more often than not says it is too small. Every `least_calls`
-    such calls the share moves by `STEP` × (1/2 − the share of calls that waited), kept where a call
-    whose k experts all miss still gives each side one (else no call would be split, and nothing
-    would be learned again). A share the user fixes (`--cpu-misses 0.6`) stays fixed. The best
-    share depends on the machine (the CPU's memory bandwidth and cores against the PCIe link), on
-    the expert format (a 4-bit expert costs the CPU more per byte than a bf16 one) and on the thread
-    count; 0.6 was the best fixed share for bf16 experts on an H100 host with 12 worker threads."""
+    had to wait for the CPU's answer (any wait at all). Every `least_calls` such calls the share
+    moves by `STEP` × (`TARGET_WAITED` − the share of calls that waited), kept where a call whose k
+    experts all miss still gives each side one (else no call would be split, and nothing would be
+    learned again). The target is not one half: the CPU's answer carries a fixed latency (the
+    worker sees the post, then publishes its rows) that the device's side does not, so the
+    fastest split is one where the device waits briefly in most calls. On an H100 host the best
+    fixed shares (0.6 for bf16 experts, 0.5 for int4) had the device wait in 60-90% of split calls,
+    and a tenth less CPU share had it wait in 5-20% and ran 8% slower (BENCHMARKS.md). A share the
+    user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the machine (the CPU's
+    memory bandwidth and cores against the PCIe link), on the expert format and the thread count."""
 
     STEP = 0.1
+    TARGET_WAITED = 0.75
 
     def __init__(self, share: float, adaptive: bool, top_k: int, least_calls: int = 32):
         self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
@@ -175,7 +179,7 @@ class SplitBalance:
             return False
         late = self.waited / self.calls
         self.calls = self.waited = 0
-        share = min(self.high, max(self.low, self.share + self.STEP * (0.5 - late)))
+        share = min(self.high, max(self.low, self.share + self.STEP * (self.TARGET_WAITED - late)))
         moved = share != self.share
         self.share = share
         return moved
@@ -241,7 +245,9 @@ class HybridMisses:
         # host's is what it was last set to, pinned on CUDA: a move copies it behind the step in
         # flight, and the next move comes a refresh (several synchronised steps) later.
         auto = cpu_share in (None, "auto")
-        self.balance = SplitBalance(DEFAULT_CPU_SHARE if auto else float(cpu_share), auto and self.gpu_reads, top_k)
+        quantized = any(isinstance(fmt, QuantizedFormat) for fmt in slots.formats.values())
+        start = QUANTIZED_CPU_SHARE if quantized else DEFAULT_CPU_SHARE
+        self.balance = SplitBalance(start if auto else float(cpu_share), auto and self.gpu_reads, top_k)
         I = shape.intermediate
         self.quantum = next((q for q in (64, 16, 8) if I % q == 0 and I >= 2 * q), 0)   # a cut's granularity
         self.split_host = torch.tensor(self._split_tables(), dtype=torch.int32, pin_memory=device.type == "cuda")

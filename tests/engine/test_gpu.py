@@ -80,15 +80,19 @@ def test_quantized_experts_on_gpu_match_the_cpu_engine_and_fetch_stays_exact(tin
 def test_quantized_hybrid_misses_are_exact_on_gpu(tiny_quant, fmt):
     """Quantized misses split between the CPU worker and the dequantizing launches reading the pinned
     stacks in place: the tokens of the fully resident quantized model (fp32), every expert off the
-    GPU included."""
+    GPU included. The default policy (auto) takes hybrid for them too, from the quantized share."""
+    from moestream.experts.hybrid import QUANTIZED_CPU_SHARE
+
     prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9)]
     full = moestream.load(tiny_quant, device="cuda", dtype="float32", experts=fmt)
     expected = [full.generate(p, max_tokens=16, ignore_eos=True) for p in prompts]
-    for cap in (1, 2, 5):
+    fixed = {"miss_policy": "hybrid", "cpu_misses": 0.5}
+    for cap, kw in ((1, fixed), (2, fixed), (5, {})):
         engine = moestream.load(tiny_quant, device="cuda", dtype="float32", experts=fmt, capacity=cap,
-                                miss_policy="hybrid", host_tier="pinned", cpu_misses=0.5)
+                                host_tier="pinned", **kw)
         try:
-            assert engine.bank.hybrid_misses.gpu_reads
+            assert engine.bank.miss_policy == "hybrid" and engine.bank.hybrid_misses.gpu_reads
+            assert engine.bank.hybrid_misses.cpu_share == (0.5 if kw else QUANTIZED_CPU_SHARE)
             assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in prompts] == expected, cap
             stats = engine.stats()
             assert stats["host_read"] > 0 and stats["cpu_served"] > 0

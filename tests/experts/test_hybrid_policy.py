@@ -92,7 +92,7 @@ def test_promotions_turn_wary_where_they_do_not_pay():
 def test_the_split_moves_toward_the_side_that_waits_less():
     from moestream.experts.hybrid import SplitBalance
 
-    for late, direction in ((1.0, -1), (0.0, 1), (0.5, 0)):
+    for late, direction in ((1.0, -1), (0.0, 1), (SplitBalance.TARGET_WAITED, 0)):
         balance = SplitBalance(0.6, adaptive=True, top_k=8, least_calls=32)
         assert not balance.observe(16, int(16 * late))                      # too few calls to judge
         moved = balance.observe(16, int(16 * late))

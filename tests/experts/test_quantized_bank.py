@@ -120,6 +120,25 @@ def test_hybrid_policy_serves_quantized_misses_on_both_sides(tiny_quant, fmt, sh
             engine.close()
 
 
+def test_the_default_split_starts_where_the_format_runs_best(tiny_quant):
+    """--cpu-misses auto starts quantized experts at a smaller CPU share than dense ones (decoding
+    4-bit codes costs the CPU more per byte); a share given by the user is kept."""
+    from moestream.experts.hybrid import DEFAULT_CPU_SHARE, QUANTIZED_CPU_SHARE
+
+    kw = dict(capacity=2, host_tier="pinned", miss_policy="hybrid", discovery=False)
+    for experts, start in (("int4", QUANTIZED_CPU_SHARE), (None, DEFAULT_CPU_SHARE)):
+        engine = _load(tiny_quant, experts=experts, **kw)
+        try:
+            assert engine.bank.hybrid_misses.cpu_share == start and engine.bank.hybrid_misses.balance.adaptive
+        finally:
+            engine.close()
+    engine = _load(tiny_quant, experts="int4", cpu_misses=0.7, **kw)
+    try:
+        assert engine.bank.hybrid_misses.cpu_share == 0.7 and not engine.bank.hybrid_misses.balance.adaptive
+    finally:
+        engine.close()
+
+
 def test_hybrid_policy_refuses_formats_its_worker_cannot_read(tiny_quant):
     with pytest.raises(InputError, match="does not compute int3"):
         _load(tiny_quant, experts="int3", capacity=2, host_tier="pinned", miss_policy="hybrid", discovery=False)
