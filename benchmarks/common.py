@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from moestream.fileio import write_json_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -94,4 +96,4 @@ def write_result(out: Path, name: str, result: dict) -> None:
     result["machine"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     result["date"] = time.strftime("%Y-%m-%d")
     result["torch"] = torch.__version__
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    write_json_atomic(out / f"{name}.json", result, indent=2)   # a script killed mid-write leaves the last whole file

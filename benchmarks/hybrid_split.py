@@ -94,6 +94,7 @@ def main() -> None:
                             capacity=args.capacity, host_tier="pinned", miss_policy="hybrid",
                             **({} if on_cpu else {"max_context": 4096}))
     hybrid = engine.bank.hybrid_misses
+    fmt = engine.bank.formats[0].name
     start, quantum, every = hybrid.balance.share, hybrid.quantum, hybrid.refresh_every
     waits = [0, 0]
     observe = hybrid.balance.observe
@@ -120,9 +121,9 @@ def main() -> None:
                        "split_calls": waits[0], "waited": waits[1], "share_at_end": hybrid.balance.share}
                 rows.append(row)
                 log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+                write_result(args.out, "hybrid_split", {"rows": rows, "variants": [asdict(v) for v in variants],
+                                                         "capacity": args.capacity, "format": fmt})   # rows so far
     engine.close()
-    write_result(args.out, "hybrid_split", {"rows": rows, "variants": [asdict(v) for v in variants],
-                                             "capacity": args.capacity, "format": engine.bank.formats[0].name})
 
 
 if __name__ == "__main__":
