@@ -1,16 +1,17 @@
 """Bank hit rates of the hybrid policy's refresh rule, replayed on the CPU (no model, no GPU).
 
     python benchmarks/refresh_replay.py [--trace benchmarks/traces/demo_heldout_trace.json]
-        [--every 4 8] [--act-lag 0 1] [--land-lag 0 1] [--capacity 32] [--json out.json]
+        [--every 4 8] [--act-lag 0 1] [--land-lag 0 1] [--capacity 32] [--gen-tokens 128] [--json out.json]
 
 Routing (per layer): the trace's ids (its layers mapped modulo onto 24), or uniform top-k draws.
 The first `--prompt-tokens` tokens seed the residency policy and fill the bank with its ranking, as a
 prompt does; then every `--every` tokens the window's use and miss counts go through the policy's
 own code (`PromotionGauge`, `choose_promotions`), `--act-lag` tokens after the window closes (a
 refresh off the critical path acts on the next step), and each promotion serves hits `--land-lag`
-tokens later (its copy landing). A layer with promotions in flight promotes nothing more, as in
-`HybridMisses`. Prints hit rates, promotions per layer and token, and how the layer calls spread
-over their number of misses; all depend on routing, not on the device.
+tokens later (its copy landing); `--every 0` keeps the prompt's fill. A layer with promotions in
+flight promotes nothing more, as in `HybridMisses`. Prints hit rates, promotions per layer and
+token, and how the layer calls spread over their number of misses; all depend on routing, not on
+the device.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def replay(rows: np.ndarray, num_experts: int, capacity: int, prompt: int, every
             misses_per_call[missed] += 1
         policy.advance(1)
         landing = [(left - 1, experts) for left, experts in landing]
-        if (i + 1) % every == 0:
+        if every and (i + 1) % every == 0:
             pending.append((act_lag, use.copy(), miss.copy(), every))
             use[:], miss[:] = 0, 0
         due = [p for p in pending if p[0] <= 0]
@@ -98,7 +99,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--gen-tokens", type=int, default=128)
-    ap.add_argument("--every", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--every", type=int, nargs="+", default=[4, 8], help="tokens between refreshes (0: never)")
     ap.add_argument("--act-lag", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--land-lag", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--seed", type=int, default=0)

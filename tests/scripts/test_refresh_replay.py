@@ -30,3 +30,5 @@ def test_new_experts_are_taken_in_at_a_window_end_and_each_token_of_lag_costs_th
         hits, _, promoted = replay(rows, num_experts=16, capacity=k, prompt=prompt, every=4, act_lag=act_lag,
                                    land_lag=land_lag)
         assert promoted == k and hits == base - (act_lag + land_lag) * k, (act_lag, land_lag)
+    kept, _, none = replay(rows, num_experts=16, capacity=k, prompt=prompt, every=0, act_lag=0, land_lag=0)
+    assert none == 0 and kept == 0                          # never refreshed: the prompt's fill misses them all
