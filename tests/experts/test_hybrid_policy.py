@@ -69,12 +69,13 @@ def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
 
 def test_promotions_turn_wary_where_they_do_not_pay():
     """A promoted expert used once in its next 16 tokens (routing without locality) makes the gauge
-    ask three times the victim's priority; one used on most tokens keeps it eager."""
+    ask `WARY` times the victim's priority; one used on most tokens keeps it eager."""
     import numpy as np
 
     from moestream.experts.hybrid import PromotionGauge
 
-    for uses_in_16, margin in ((0, 3.0), (1, 3.0), (12, 1.0)):
+    assert PromotionGauge.WARY > PromotionGauge.EAGER
+    for uses_in_16, margin in ((0, PromotionGauge.WARY), (1, PromotionGauge.WARY), (12, PromotionGauge.EAGER)):
         gauge = PromotionGauge(follow=16)
         assert gauge.margin == 1.0                                          # eager to start
         for expert in range(12):                                            # a promotion, then two periods
