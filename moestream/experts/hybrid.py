@@ -131,9 +131,9 @@ class SplitBalance:
     experts all miss still gives each side one (else no call would be split, and nothing would be
     learned again). The target is not one half: the CPU's answer carries a fixed latency (the
     worker sees the post, then publishes its rows) that the device's side does not, so the
-    fastest split is one where the device waits briefly in most calls. On an H100 host the best
-    fixed shares (0.6 for bf16 experts, 0.5 for int4) had the device wait in 60-90% of split calls,
-    and a tenth less CPU share had it wait in 5-20% and ran 8% slower (BENCHMARKS.md). A share the
+    fastest split is one where the device waits briefly in most calls. On one H100 host the best
+    fixed shares (0.7 for bf16 experts, 0.6 for int4) had the device wait in 59-81% of split calls,
+    and a tenth less CPU share had it wait in 2-17% and ran 7-14% slower (BENCHMARKS.md). A share the
     user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the machine (the CPU's
     memory bandwidth and cores against the PCIe link), on the expert format and the thread count."""
 
