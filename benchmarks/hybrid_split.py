@@ -11,14 +11,18 @@ expert shared by both sides), `everyN` refreshes the bank every N tokens instead
 `nopromote` never promotes. Each row gives decode tok/s, the bank's hit rate, the bytes per token
 copied into the bank, computed by the CPU and read in place by the GPU, and how many split calls
 had the device wait for the CPU's answer (the balance's signal). Uniform routing: `--temperature 1`
-sampling, 512-token prompt; trace: the demo model's held-out trace, greedy, 256-token prompt (the
-bank keeps what earlier rows promoted: trace rows after the first start warm). The engine's
-experts are those of the checkpoint (a converted one gives quantized rows).
+sampling, 512-token prompt; trace: the demo model's held-out trace, greedy, 256-token prompt.
+Every row draws the same routing (the RNG is seeded per row). By default a row starts with the
+bank the last one left (under the trace, later rows start warm: the replay repeats the same
+tokens); `--cold` puts the bank and the residency policy back as they were after loading before
+each row, so every row starts as a freshly loaded engine does. The engine's experts are those of
+the checkpoint (a converted one gives quantized rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -31,7 +35,7 @@ from benchmarks.common import log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
-from moestream.experts.hybrid import HybridMisses  # noqa: E402
+from moestream.experts.hybrid import HybridMisses, PromotionGauge  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "traces" / "demo_heldout_trace.json"
 NEVER = 1 << 40
@@ -73,6 +77,21 @@ def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, ev
     hybrid.split.copy_(hybrid.split_host)
 
 
+def cold_start(engine, policy_state: dict) -> None:
+    """The bank and its residency policy as they were after loading (benchmark-only): the policy's
+    counts restored, each layer's slots refilled with its initial experts, the refresh window and
+    the promotion gauges started again."""
+    bank, hybrid = engine.bank, engine.bank.hybrid_misses
+    hybrid.land(wait=True)
+    bank.policy.__dict__.update(copy.deepcopy(policy_state))
+    hybrid.gauges = {layer: PromotionGauge() for layer in hybrid.gauges}
+    hybrid._window[:] = 0
+    hybrid._since_refresh = hybrid._due_tokens = 0
+    hybrid._balance_window = [0, 0]
+    bank.fill()
+    hybrid.sync_maps()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", type=Path, required=True)
@@ -86,6 +105,7 @@ def main() -> None:
                                                        "0.7", "0.65", "auto", "0.6:nopromote"])
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[512, 256], help="uniform, trace")
     ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--cold", action="store_true", help="start every row from the bank as loaded")
     args = ap.parse_args()
     variants = [Variant.parse(v) for v in args.variants]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -95,6 +115,7 @@ def main() -> None:
                             **({} if on_cpu else {"max_context": 4096}))
     hybrid = engine.bank.hybrid_misses
     fmt = engine.bank.formats[0].name
+    policy_state = copy.deepcopy(engine.bank.policy.__dict__)
     start, quantum, every = hybrid.balance.share, hybrid.quantum, hybrid.refresh_every
     waits = [0, 0]
     observe = hybrid.balance.observe
@@ -111,8 +132,11 @@ def main() -> None:
         prompt, temperature = (args.prompt_tokens[0], 1.0) if kind == "uniform" else (args.prompt_tokens[1], 0.0)
         for rnd in range(args.rounds):
             for variant in variants:
+                if args.cold:
+                    cold_start(engine, policy_state)
                 apply(hybrid, variant, start, quantum, every)
                 waits[:] = [0, 0]
+                torch.manual_seed(0)   # the same routing draws for every row
                 r = run_bench(engine, prompt, args.gen_tokens, temperature=temperature, routing=routing)
                 row = {"routing": kind, "variant": variant.name, "round": rnd, "decode_tok_s": r.decode_tok_s,
                        "hit_rate": r.decode_hit_rate, "copied_mb": r.decode_bytes_per_token / 1e6,
@@ -122,7 +146,8 @@ def main() -> None:
                 rows.append(row)
                 log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
                 write_result(args.out, "hybrid_split", {"rows": rows, "variants": [asdict(v) for v in variants],
-                                                         "capacity": args.capacity, "format": fmt})   # rows so far
+                                                         "capacity": args.capacity, "format": fmt,
+                                                         "cold": args.cold})   # rows so far
     engine.close()
 
 

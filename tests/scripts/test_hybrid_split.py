@@ -25,6 +25,26 @@ def test_each_variant_runs_with_its_own_split_and_refresh(tiny_qwen3, tmp_path):
     assert all(r["decode_tok_s"] > 0 and 0 <= r["hit_rate"] <= 1 for r in rows.values())
 
 
+def _rows(folder, out, *extra):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(folder),
+                          "--out", str(out), "--device", "cpu", "--capacity", "3", "--rounds", "1",
+                          "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "12",
+                          "--variants", "0.5", "0.5", "0.5", *extra], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads((out / "hybrid_split.json").read_text())["rows"]
+
+
+def test_cold_rows_start_from_the_bank_as_loaded(tiny_qwen3, tmp_path):
+    """With --cold every row starts from the loaded bank and draws the same routing, so the same
+    variant gives the same hits and copies each time; without it the bank carries over."""
+    cold = _rows(tiny_qwen3, tmp_path / "cold", "--cold")
+    assert len({(r["hit_rate"], r["copied_mb"]) for r in cold}) == 1
+    warm = _rows(tiny_qwen3, tmp_path / "warm")
+    assert warm[0]["hit_rate"] == cold[0]["hit_rate"]                  # the first row starts as loaded either way
+    assert len({(r["hit_rate"], r["copied_mb"]) for r in warm}) > 1    # later ones start where the last left it
+
+
 def test_a_bad_variant_is_refused_in_one_line(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(tmp_path),
                           "--out", str(tmp_path), "--variants", "0.6:fast"], capture_output=True, text=True, timeout=60, check=False)
