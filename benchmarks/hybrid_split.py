@@ -9,8 +9,9 @@ A variant is `SHARE[:whole][:everyN][:nopromote]`: the CPU's share of a one-toke
 (`auto`: the default balance, from its starting share), `whole` splits whole experts only (no
 expert shared by both sides), `everyN` refreshes the bank every N tokens instead of the default,
 `nopromote` never promotes. Each row gives decode tok/s, the bank's hit rate, the bytes per token
-copied into the bank, computed by the CPU and read in place by the GPU, and how many split calls
-had the device wait for the CPU's answer (the balance's signal). Uniform routing: `--temperature 1`
+copied into the bank, computed by the CPU and read in place by the GPU, the CPU worker's busy
+time per token, and how many split calls had the device wait for the CPU's answer (the
+balance's signal). Uniform routing: `--temperature 1`
 sampling, 512-token prompt; trace: the demo model's held-out trace, greedy, 256-token prompt.
 Every row draws the same routing (the RNG is seeded per row). By default a row starts with the
 bank the last one left (under the trace, later rows start warm: the replay repeats the same
@@ -142,6 +143,7 @@ def main() -> None:
                        "hit_rate": r.decode_hit_rate, "copied_mb": r.decode_bytes_per_token / 1e6,
                        "cpu_mb": r.decode_cpu_bytes_per_token / 1e6,
                        "read_mb": r.decode_host_read_bytes_per_token / 1e6,
+                       "cpu_busy_ms": r.decode_cpu_busy_s_per_token * 1e3,
                        "split_calls": waits[0], "waited": waits[1], "share_at_end": hybrid.balance.share}
                 rows.append(row)
                 log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))

@@ -84,7 +84,8 @@ def main() -> None:
             log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "miss_policy", "cpu_misses",
                                                 "decode_tok_s", "ttft_s", "prefill_tok_s", "decode_hit_rate",
                                                 "decode_bytes_per_token", "decode_cpu_bytes_per_token",
-                                                "decode_host_read_bytes_per_token", "host_gb_s", "peak_device_bytes",
+                                                "decode_host_read_bytes_per_token", "decode_cpu_busy_s_per_token",
+                                                "host_gb_s", "peak_device_bytes",
                                                 "load_s")}))
             first, conv = False, None
             engine.close()

@@ -36,6 +36,8 @@ class BenchResult:
     decode_cpu_bytes_per_token: float   # expert bytes the CPU read from host RAM per token (hybrid misses)
     decode_cpu_share: float             # share of the decode misses the CPU computed
     decode_host_read_bytes_per_token: float   # expert bytes the GPU read in place from host RAM per token (hybrid)
+    decode_cpu_busy_s_per_token: float  # time the CPU spent computing missed experts per token (its share of the
+                                        # token: × decode_tok_s), the worker's rate: cpu bytes ÷ this
     prefill_bytes: float
     peak_device_bytes: int
     budget_bytes: int | None
@@ -56,6 +58,8 @@ class BenchResult:
                                     f"{self.decode_cpu_bytes_per_token / 1e9:.3f} GB read by the CPU "
                                     f"({self.decode_cpu_share:.0%} of the misses), "
                                     f"{self.decode_host_read_bytes_per_token / 1e9:.3f} GB read in place by the device"),
+                ("CPU busy per token", f"{self.decode_cpu_busy_s_per_token * 1000:.2f} ms "
+                                       f"({self.decode_cpu_busy_s_per_token * self.decode_tok_s:.0%} of the token)"),
                 ("peak device memory", format_bytes(self.peak_device_bytes)
                  + (f" (budget {format_bytes(self.budget_bytes)})" if self.budget_bytes else ""))]
         w = max(len(r[0]) for r in rows)
@@ -110,6 +114,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         decode_cpu_bytes_per_token=(total.cpu_bytes - at_first.cpu_bytes) / decode_steps,
         decode_cpu_share=((total.cpu_served - at_first.cpu_served) / max(1, total.misses - at_first.misses)),
         decode_host_read_bytes_per_token=(total.host_read_bytes - at_first.host_read_bytes) / decode_steps,
+        decode_cpu_busy_s_per_token=(total.cpu_s - at_first.cpu_s) / decode_steps,
         prefill_bytes=float(at_first.bytes_copied), peak_device_bytes=int(peak), budget_bytes=plan.budget,
         graph_pool_bytes=int(graph_bytes),
         routing="model" if routing is None else routing.label)

@@ -136,7 +136,13 @@ def test_bench_reports_hit_rate_and_bytes(tiny_qwen3, tmp_path, capsys):
 
     data = json.loads(path.read_text())
     assert 0 <= data["decode_hit_rate"] <= 1 and data["gen_tokens"] == 8 and data["capacity"] == 3
+    assert data["decode_cpu_busy_s_per_token"] == 0                     # fetch: the CPU computes no miss
     assert "decode" in capsys.readouterr().out
+    assert cli_main(["bench", str(tiny_qwen3), "--device", "cpu", "--capacity", "3", "--prompt-tokens", "12",
+                     "--gen-tokens", "8", "--miss-policy", "hybrid", "--host-tier", "pinned", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["decode_cpu_bytes_per_token"] > 0 and data["decode_cpu_busy_s_per_token"] > 0   # the worker's time
+    assert "CPU busy per token" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("capacity", [2, 4, 7])
