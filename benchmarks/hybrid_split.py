@@ -74,8 +74,7 @@ def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, ev
     hybrid.balance.calls = hybrid.balance.waited = 0
     hybrid.quantum = 0 if variant.whole else quantum
     hybrid.refresh_every = variant.every or every
-    hybrid.split_host.copy_(torch.tensor(hybrid._split_tables(), dtype=torch.int32))
-    hybrid.split.copy_(hybrid.split_host)
+    hybrid.write_split()
 
 
 def cold_start(engine, policy_state: dict) -> None:

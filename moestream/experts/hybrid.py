@@ -255,6 +255,9 @@ class HybridMisses:
         self.take, self.cut, self.take_whole, self.no_cut = self.split.unbind(0)
         self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
+        # each layer's (take, cut): views of `split`, so a move of the share reaches them in place
+        self.layer_tables = {layer: (self.take_whole, self.no_cut) if isinstance(fmt, QuantizedFormat)
+                             else (self.take, self.cut) for layer, fmt in slots.formats.items()}
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.live = torch.full((1,), ALL_ROWS, dtype=torch.int32, device=device)
         self._live_value = ALL_ROWS
@@ -282,12 +285,6 @@ class HybridMisses:
         takes, cuts = self.balance.split(k, self.shape.intermediate, self.quantum)
         return [takes, cuts, self.balance.takes(k), [0] * (k + 1)]
 
-    def _tables(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The (take, cut) tables a layer's calls split by."""
-        if isinstance(self.slots.formats[layer], QuantizedFormat):
-            return self.take_whole, self.no_cut
-        return self.take, self.cut
-
     @property
     def take_host(self) -> Tensor:
         """The dense experts' take table as last set (host copy)."""
@@ -312,7 +309,7 @@ class HybridMisses:
         ls, h = self.slots[layer], self.handoffs[layer]
         one = hidden.shape[0] == 1 and self.gpu_reads
         source = self.one_token_maps[layer] if one else ls.slot_map
-        take, cut = self._tables(layer) if one else (None, None)
+        take, cut = self.layer_tables[layer] if one else (None, None)
         handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.live, take, cut)
         extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
@@ -416,10 +413,15 @@ class HybridMisses:
         calls, waited = self._balance_window
         self._balance_window = [0, 0]
         if self.balance.observe(calls, waited):
-            tables = self._split_tables()
-            if tables != self.split_host.tolist():
-                self.split_host.copy_(torch.tensor(tables, dtype=torch.int32))
-                self.split.copy_(self.split_host, non_blocking=True)
+            self.write_split()
+
+    def write_split(self) -> None:
+        """Rewrite the split tables from the balance's share (and `quantum`), copied behind the step
+        in flight where they changed."""
+        tables = self._split_tables()
+        if tables != self.split_host.tolist():
+            self.split_host.copy_(torch.tensor(tables, dtype=torch.int32))
+            self.split.copy_(self.split_host, non_blocking=True)
 
     def land(self, wait: bool = False) -> None:
         """Make the promoted experts whose copies have landed resident (all of them with `wait`: the

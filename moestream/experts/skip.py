@@ -97,10 +97,9 @@ def choose_promotions(slots: SlotTable, policy: ResidencyPolicy, layer: int, mis
 
 
 def promote_missed(slots: SlotTable, policy: ResidencyPolicy, transfers: Transfers, stats: BankStats, layer: int,
-                   misses: np.ndarray, uses: np.ndarray) -> list[int]:
-    """`choose_promotions`, then copy them in (the host waits). Returns the experts copied in."""
+                   misses: np.ndarray, uses: np.ndarray) -> None:
+    """`choose_promotions`, then copy them in (the host waits)."""
     pairs = choose_promotions(slots, policy, layer, misses, uses)
     if pairs:
         done = slots.install(layer, [h for h, _ in pairs], [v for _, v in pairs], transfers)
         stats.record(layer, bytes_copied=done.bytes_copied, evictions=done.evictions, copy_wait_s=done.wait_s)
-    return [h for h, _ in pairs]

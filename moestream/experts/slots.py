@@ -83,8 +83,7 @@ class SlotTable:
                  device: torch.device):
         """`formats`: the expert format of every MoE layer (layers may differ, e.g. the first and last at 8 bits)."""
         self.capacity, self.num_experts, self.formats, self.device = capacity, num_experts, formats, device
-        self.version = 0   # bumped on every change of residency: maps derived from it know when to rebuild
-        self.layer_version = {layer: 0 for layer in formats}   # the same, per layer (rebuild only what changed)
+        self.layer_version = {layer: 0 for layer in formats}   # bumped on every change of a layer's residency
         self.layers: dict[int, LayerSlots] = {
             layer: LayerSlots(fmt.empty(shape, capacity, device=device),
                               torch.full((num_experts + 1,), -1, dtype=torch.int32, device=device), [-1] * capacity, {})
@@ -179,5 +178,9 @@ class SlotTable:
         self._changed(layer)
 
     def _changed(self, layer: int) -> None:
-        self.version += 1
         self.layer_version[layer] += 1
+
+    @property
+    def version(self) -> int:
+        """Changes of residency so far, all layers: maps derived from the bank know when to rebuild."""
+        return sum(self.layer_version.values())

@@ -340,7 +340,8 @@ class StreamWorker:
     spinning while posts come. Which pairs outside the bank are the CPU's, each post says itself
     (`Mailbox.post[2]`)."""
 
-    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int, max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
+    def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int,
+                 max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
                  specs: Mapping[int, QuantSpec | None] | None = None):
         """`stacks`: every expert of each layer in host RAM, dense (`gate_up`, `down`, optional
         biases) or, where `specs` gives the layer a quantization spec, packed (`<proj>.qweight`,

@@ -92,8 +92,6 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     operands = None
     if host is not None:
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))
-        if path != "decode":
-            raise ValueError(f"experts read from host stacks take the decode path, not the {path} path")
-        slot_ids = split_slots(slot_ids, S, host.cpu_take)
+        slot_ids = split_slots(slot_ids, S, host.cpu_take)   # run_paths refuses a path other than decode
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
                      quant=(gate_up, down), reduce=reduce, host=operands)
