@@ -616,7 +616,20 @@ static void group_pairs(StreamWorker *w, StreamLayer *L, int T) {
     w->job_pairs = n;
 }
 
-/* Thread 0: wait for the next post (or stop) and set up its job; returns 0 on stop. */
+/* Thread 0: answer layer L's post with what the job put into its rows (`job_pairs` pairs). */
+static void answer(StreamWorker *w, StreamLayer *L) {
+    L->result[1] = w->job_pairs;
+    __atomic_store_n((int32_t *)&L->result[0], w->job_seq, __ATOMIC_RELEASE);
+    L->busy_s[0] += now_s() - w->job_t0;
+    L->counts[0] += 1;
+    L->counts[1] += w->job_pairs;
+    L->counts[2] += w->job_used;
+}
+
+/* Thread 0: wait for the next post (or stop) and set up its job; returns 0 on stop. A post with no
+ * pair for the CPU is answered here, without waking the team: every job the team sees ends in a
+ * barrier, so thread 0 never hands out a job before every thread has finished the last one (a
+ * team thread still on its way out of a job must not see the generation counter move twice). */
 static int next_job(StreamWorker *w) {
     double idle_since = -1.0;
     long polls = 0;
@@ -631,7 +644,13 @@ static int next_job(StreamWorker *w) {
             w->job_t0 = now_s();
             group_pairs(w, L, T);
             memset(L->out, 0, (size_t)T * w->H * sizeof(float));
-            if (L->quantized && w->job_used) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
+            w->job_seq = seq;
+            if (!w->job_used) {
+                answer(w, L);
+                idle_since = -1.0;
+                continue;
+            }
+            if (L->quantized) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
                 const int v = 8 / L->bits, per = w->H / v, G = w->H / L->group;
                 const int fast = w->dtype == W_BF16 && L->bits == 4 && L->group % 64 == 0 && w->H % L->group == 0 &&
                                  affine_codes(L->table);
@@ -651,7 +670,6 @@ static int next_job(StreamWorker *w) {
                 }
             }
             w->job_layer = l;
-            w->job_seq = seq;
             w->job_tokens = T;
             return 1;
         }
@@ -707,7 +725,7 @@ static void *stream_main(void *arg) {
             seen++;
             if (w->job_layer < 0) break;
             StreamLayer *L = &w->layers[w->job_layer];
-            if (w->job_used) {
+            {   /* next_job hands the team only jobs with pairs */
                 Weights W = {0};
                 W.dtype = w->dtype;
                 W.w[0] = L->gate_up;
@@ -735,14 +753,7 @@ static void *stream_main(void *arg) {
                                  w->act_buf, L->out, L->quantized ? NULL : w->lim);
                 spin_barrier(&arrival);
             }
-            if (tid == 0) {
-                L->result[1] = w->job_pairs;
-                __atomic_store_n((int32_t *)&L->result[0], w->job_seq, __ATOMIC_RELEASE);
-                L->busy_s[0] += now_s() - w->job_t0;
-                L->counts[0] += 1;
-                L->counts[1] += w->job_pairs;
-                L->counts[2] += w->job_used;
-            }
+            if (tid == 0) answer(w, L);
         }
     }
     return NULL;
@@ -807,12 +818,19 @@ void *moe_stream_start(const StreamLayer *layers, const int32_t *last_seq, int n
     return w;
 }
 
-void moe_stream_stop(void *handle) {
+/* Stop a worker: it finishes the job in hand. Returns 0, or -1 when it has not stopped within
+ * `timeout_s` (its team is stuck); the worker is then left running, its memory kept, so that a
+ * caller shutting down is told instead of waiting forever. */
+int moe_stream_stop(void *handle, double timeout_s) {
     StreamWorker *w = (StreamWorker *)handle;
-    if (!w) return;
+    if (!w) return 0;
     w->stop = 1;
-    pthread_join(w->thread, NULL);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)timeout_s;
+    if (pthread_timedjoin_np(w->thread, NULL, &until) != 0) return -1;
     free_worker(w);
+    return 0;
 }
 
 /* Wait until layer `l`'s result carries `seq` (the CPU side of a device-side wait: eager calls on

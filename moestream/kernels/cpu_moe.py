@@ -116,8 +116,8 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts_quant.restype = None
         lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
         lib.moe_stream_start.restype = p
-        lib.moe_stream_stop.argtypes = [p]
-        lib.moe_stream_stop.restype = None
+        lib.moe_stream_stop.argtypes = [p, ctypes.c_double]
+        lib.moe_stream_stop.restype = i32
         lib.moe_stream_wait.argtypes = [p, i32, ctypes.c_double]
         lib.moe_stream_wait.restype = i32
         lib.moe_stream_publish.argtypes = [p, i32]
@@ -396,11 +396,13 @@ class StreamWorker:
             raise RuntimeError("the CPU expert worker thread could not start")
         self._lib = lib
 
-    def close(self) -> None:
-        """Stop the thread (it finishes the layer it is serving)."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (it finishes the layer it is serving); raises when it does not stop in
+        `timeout_s` (a stuck team is left running rather than waited on forever)."""
         if self._handle:
-            self._lib.moe_stream_stop(self._handle)
-            self._handle = None
+            handle, self._handle = self._handle, None
+            if self._lib.moe_stream_stop(handle, timeout_s) != 0:
+                raise RuntimeError(f"the CPU expert worker did not stop within {timeout_s:g} s; it is left running")
 
     def __del__(self) -> None:
         self.close()

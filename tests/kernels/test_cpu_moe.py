@@ -163,3 +163,35 @@ def test_affine_4bit_with_bf16_inputs_takes_bf16_dot_products(name, monkeypatch)
     plain = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec, out_dtype=torch.float32)
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
     assert not torch.equal(fast, torch.zeros_like(fast))
+
+
+def test_the_stream_worker_answers_every_post_when_most_have_no_cpu_work():
+    """Posts whose pairs are all in the bank are answered by the worker's first thread alone; the
+    team must still take every later job together. Twice as many team threads as cores, so some are
+    descheduled while posts come quickly: a team thread left behind by an empty post once ran a job
+    twice and deadlocked the team (answers stopped and `close` never returned)."""
+    E, H, I, k = 6, 64, 48, 2
+    stack = _experts(E, H, I, torch.float32, bias=False, seed=3)
+    box = cpu_moe.Mailbox(E, k, H, max_tokens=1, dtype=torch.float32, pin=False)
+    box.outside.copy_(torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.uint8))   # experts 0-2 are the CPU's
+    threads = 2 * len(cpu_moe.usable_cpus()) + 2
+    worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=1, threads=threads)
+    g = torch.Generator().manual_seed(4)
+    try:
+        for seq in range(1, 401):
+            cpu_side = seq % 4 == 0   # three posts in four have nothing for the CPU
+            ids = torch.randperm(3, generator=g)[:k].to(torch.int32) + (0 if cpu_side else 3)
+            x, w = torch.randn(1, H, generator=g), torch.rand(1, k, generator=g)
+            box.ids[:k].copy_(ids)
+            box.weights[:k].copy_(w[0])
+            box.hidden[:H].copy_(x[0])
+            box.post[1], box.post[2], box.post[3] = 1, -1, 0
+            cpu_moe.publish(box.post, seq)
+            assert cpu_moe.wait_answer(box.result, seq, timeout_s=20.0), f"post {seq} was not answered"
+            assert int(box.result[1]) == (k if cpu_side else 0)
+            if cpu_side:
+                want = moe_reference(x, stack["gate_up"], stack["down"], ids[None], w, "swiglu")
+                torch.testing.assert_close(box.rows[:H].view(1, H), want, rtol=1e-5, atol=1e-5)
+    finally:
+        worker.close()
+    assert box.served()[1] == 400
