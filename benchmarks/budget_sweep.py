@@ -4,7 +4,7 @@
         [--routing model|uniform|trace --trace benchmarks/traces/demo_heldout_trace.json]
         [--prefetch on|off|both] [--pin-profile P --pin-top-k K] [--hf-offload] [--max-context 4096]
 
-Each budget is what `plan_memory` says its capacity needs; one pinned host tier is filled once and
+Each budget is what `plan_memory` says its capacity needs with the cache layout the engine picks; one pinned host tier is filled once and
 shared by every budget's bank. Also measured: the pinned host→device bandwidth, from which each
 row's transfer roofline (bandwidth ÷ bytes missed per token) follows. `--hf-offload` adds HF
 transformers + accelerate offload at the 25% budget as the peer. Results: `$OUT/budget_sweep.json`.
@@ -47,12 +47,13 @@ def budgets(args) -> dict:
             tier = PinnedHostTier(probe.bank.store, probe.bank.formats)
             log(f"pinned host tier: {format_bytes(tier.nbytes())} in {time.perf_counter() - t1:.1f} s")
             config = probe.config
+            kv = probe.plan.memory   # the cache layout the engine picks (paged: its blocks count in the budget)
             del probe
             torch.cuda.empty_cache()
         least = 1 if policy == "hybrid" else 0   # hybrid serves any miss off the device; 0: top-k
         cap = max(least or config.top_k, round(config.num_experts * frac))
-        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context,
-                             min_capacity=least).total_bytes
+        budget = plan_memory(config, torch.bfloat16, capacity=cap, max_context=args.max_context, min_capacity=least,
+                             kv_blocks=kv.kv_blocks, kv_block_size=kv.kv_block_size or 16).total_bytes
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         pinned = _pins_from_profile(args.pin_profile, args.pin_top_k, config) if args.pin_top_k else None

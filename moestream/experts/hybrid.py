@@ -143,7 +143,8 @@ class SplitBalance:
     def __init__(self, share: float, adaptive: bool, top_k: int, least_calls: int = 32):
         self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
         self.low, self.high = 0.6 / top_k, 1 - 0.6 / top_k   # take[k] stays within [1, k - 1]
-        self.calls = self.waited = 0
+        self.calls = self.waited = self.wait_us = 0
+        self.wait_us_per_call: float | None = None
 
     def takes(self, top_k: int) -> list[int]:
         """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses, whole experts only."""
@@ -169,16 +170,20 @@ class SplitBalance:
             cuts.append(cut)
         return takes, cuts
 
-    def observe(self, calls: int, waited: int) -> bool:
-        """Split calls since the last look, and how many of them waited; whether the share moved."""
-        if not self.adaptive:
-            return False
+    def observe(self, calls: int, waited: int, wait_us: int = 0) -> bool:
+        """Split calls since the last look, how many of them waited and the µs they waited in all;
+        whether the share moved. `wait_us_per_call` keeps the last full window's mean wait (what the
+        share costs the device; reported, not yet steered by)."""
         self.calls += calls
         self.waited += waited
+        self.wait_us += wait_us
         if self.calls < self.least_calls:
             return False
         late = self.waited / self.calls
-        self.calls = self.waited = 0
+        self.wait_us_per_call = self.wait_us / self.calls
+        self.calls = self.waited = self.wait_us = 0
+        if not self.adaptive:
+            return False
         share = min(self.high, max(self.low, self.share + self.STEP * (self.TARGET_WAITED - late)))
         moved = share != self.share
         self.share = share
@@ -230,7 +235,7 @@ class HybridMisses:
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
         self.pair_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int64, device=device)
-        self.balance_counts = torch.zeros(len(self.layer_index), 3, dtype=torch.int32, device=device)
+        self.balance_counts = torch.zeros(len(self.layer_index), 4, dtype=torch.int32, device=device)
         self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
         self.gauges = {layer: PromotionGauge() for layer in slots}
         self.handoffs = {layer: LayerHandoff.create(box, *self.expert_counts[self.layer_index[layer]],
@@ -271,7 +276,7 @@ class HybridMisses:
         self._snapshot_buffer = _Snapshot.like(self.expert_counts, self.pair_counts, self.balance_counts, self.error)
         self._snapshot: _Snapshot | None = None   # taken, not yet folded
         self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
-        self._balance_window = [0, 0]             # split calls, and those that waited, since the last move
+        self._balance_window = [0, 0, 0]          # split calls, those that waited and the µs waited, since the last move
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
@@ -402,17 +407,19 @@ class HybridMisses:
             return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
         how = "moved while decoding, by who waited" if self.balance.adaptive else "fixed by --cpu-misses"
         takes, cuts = self.split_host[0].tolist(), self.split_host[1].tolist()
+        waited = self.balance.wait_us_per_call
         return (f"hybrid misses: the CPU takes {self.cpu_share:.0%} of a one-token call's misses ({how}), the device "
                 f"reads the rest in place; of m misses the CPU computes take[m] = {takes} whole and the "
-                f"intermediate rows [0, cut[m]) of the next, cut[m] = {cuts} (of {self.shape.intermediate})")
+                f"intermediate rows [0, cut[m]) of the next, cut[m] = {cuts} (of {self.shape.intermediate})"
+                + (f"; the device waited {waited:.0f} µs per split call for the CPU's rows" if waited is not None else ""))
 
     def _rebalance(self) -> None:
         """Move the split as the balance says. The device's table is the only one (each post tells
         the worker its call's take), so the new table, copied behind the step in flight, takes
         effect at the next step on both sides."""
-        calls, waited = self._balance_window
-        self._balance_window = [0, 0]
-        if self.balance.observe(calls, waited):
+        calls, waited, wait_us = self._balance_window
+        self._balance_window = [0, 0, 0]
+        if self.balance.observe(calls, waited, wait_us):
             self.write_split()
 
     def write_split(self) -> None:
@@ -475,8 +482,7 @@ class HybridMisses:
         snap, self._snapshot = self._snapshot, None
         self.check(int(snap.error[0]))
         self._window += snap.expert_counts.numpy()
-        calls, waited = snap.balance_counts[:, 1:].sum(0).tolist()
-        self._balance_window = [self._balance_window[0] + calls, self._balance_window[1] + waited]
+        self._balance_window = [a + b for a, b in zip(self._balance_window, snap.balance_counts[:, 1:].sum(0).tolist())]
         for layer, pairs in zip(self.layer_index, snap.pair_counts.tolist()):
             self._fold(layer, pairs)
         self._due_tokens += snap.tokens

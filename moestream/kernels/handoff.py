@@ -12,8 +12,8 @@ missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the ha
   carries the sequence number (volatile loads of pinned memory, a bounded number of polls: a
   worker that never answers sets the error flag instead of hanging the GPU), then adds the CPU's
   fp32 rows to the layer's output in place. Where the post split its misses between both sides,
-  it counts the call, and whether the answer was not there yet (the device waited for the CPU):
-  the hybrid policy moves the split by how often that happens.
+  it counts the call, whether the answer was not there yet (the device waited for the CPU) and
+  for how long: the hybrid policy moves the split by how often that happens.
 
 Mailboxes live in pinned host memory, which shares the device's virtual address space; the
 kernels get CUDA aliases of those tensors (`device_alias`). On the CPU (tests, CPU-only runs) the
@@ -22,6 +22,7 @@ same protocol runs eagerly in torch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,6 +36,7 @@ from moestream.kernels.moe_reference import split_outside
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
 except ImportError:   # CPU-only installs: the torch path below serves them
     triton = None
 
@@ -77,8 +79,9 @@ class LayerHandoff:
     miss: Tensor         # (E,) int32: of those, pairs not served by the bank
     pairs: Tensor        # (5,) int64: pairs served by the bank, read from host memory (shared ones too),
                          # computed by the CPU; pairs shared by both, and the CPU's intermediate rows of those
-    balance: Tensor      # (3,) int32: the last post split its misses between both sides (0/1); calls that
-                         # did; of those, calls whose device side waited for the CPU's answer
+    balance: Tensor      # (4,) int32: the last post split its misses between both sides (0/1); calls that
+                         # did; of those, calls whose device side waited for the CPU's answer, and the
+                         # µs it waited in all
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
 
     @classmethod
@@ -156,12 +159,14 @@ if triton is not None:
         seq = tl.load(seq_ptr)
         flag = tl.load(hdr_ptr, volatile=True)
         polls = 0
+        t0 = globaltimer()
         while (flag != seq) & (polls < max_polls):
             flag = tl.load(hdr_ptr, volatile=True)
             polls += 1
-        if (tl.program_id(0) == 0) & (tl.load(balance_ptr) != 0):   # a split call: who finished first
+        if (tl.program_id(0) == 0) & (tl.load(balance_ptr) != 0):   # a split call: who finished first, by how much
             tl.atomic_add(balance_ptr + 1, 1)
             tl.atomic_add(balance_ptr + 2, (polls > 0).to(tl.int32))
+            tl.atomic_add(balance_ptr + 3, ((globaltimer() - t0 + 500) // 1000).to(tl.int32))
         flag = _fence_sys(flag)          # the answer's rows after its flag
         if flag != seq:
             tl.atomic_max(error_ptr, 1)
@@ -238,11 +243,14 @@ def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor
                                                               num_warps=4)
         return out
     seq = int(h.seq[0])
-    if h.balance[0]:
+    split, t0 = bool(h.balance[0]), time.perf_counter()
+    if split:
         h.balance[1] += 1
         h.balance[2] += int(not cpu_moe.answered(h.box.result, seq))
     if not cpu_moe.wait_answer(h.box.result, seq, timeout_s=10.0):
         raise RuntimeError("the CPU expert worker did not answer within 10 s; it may have stopped")
+    if split:
+        h.balance[3] += round((time.perf_counter() - t0) * 1e6)
     T = min(T, int(live[0]))
     if int(h.box.result[1]) > 0:
         out[:T].copy_((out[:T].float() + h.box.rows[:T * H].view(T, H)).to(out.dtype))

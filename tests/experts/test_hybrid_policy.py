@@ -110,6 +110,20 @@ def test_the_split_moves_toward_the_side_that_waits_less():
     assert fixed.takes(4) == [0, 1, 1, 2, 2]
 
 
+def test_the_balance_reports_how_long_the_device_waited_per_split_call():
+    from moestream.experts.hybrid import SplitBalance
+
+    for adaptive in (True, False):
+        balance = SplitBalance(0.6, adaptive=adaptive, top_k=8, least_calls=32)
+        assert balance.wait_us_per_call is None
+        balance.observe(16, 8, 900)
+        assert balance.wait_us_per_call is None                             # a window is 32 calls
+        balance.observe(16, 8, 700)
+        assert balance.wait_us_per_call == 50.0
+        balance.observe(40, 0, 0)
+        assert balance.wait_us_per_call == 0.0
+
+
 @pytest.mark.parametrize("answer_late", [True, False])
 def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident, answer_late, monkeypatch):
     """With the default share ("auto") the split follows who waited; the worker and the kernels read
