@@ -4,8 +4,8 @@
         [--routing model|uniform|trace --trace benchmarks/traces/demo_heldout_trace.json]
         [--prefetch on|off|both] [--pin-profile P --pin-top-k K] [--hf-offload] [--max-context 4096]
 
-Each budget is what `plan_memory` says its capacity needs with the cache layout the engine picks; one pinned host tier is filled once and
-shared by every budget's bank. Also measured: the pinned host→device bandwidth, from which each
+Each budget is what `plan_memory` says its capacity needs with the cache layout the engine picks;
+one pinned host tier is filled once and shared by every budget's bank. Also measured: the pinned host→device bandwidth, from which each
 row's transfer roofline (bandwidth ÷ bytes missed per token) follows. `--hf-offload` adds HF
 transformers + accelerate offload at the 25% budget as the peer. Results: `$OUT/budget_sweep.json`.
 Routing is stated per row: the model's own, uniform (synthetic worst case) or a replayed trace.
