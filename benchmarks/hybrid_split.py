@@ -10,9 +10,9 @@ A variant is `SHARE[:whole][:everyN][:nopromote]`: the CPU's share of a one-toke
 expert shared by both sides), `everyN` refreshes the bank every N tokens instead of the default,
 `nopromote` never promotes. Each row gives decode tok/s, the bank's hit rate, the bytes per token
 copied into the bank, computed by the CPU and read in place by the GPU, the CPU worker's busy
-time per token, how many split calls had the device wait for the CPU's answer (the
-balance's signal) and how long it waited on average. Uniform routing: `--temperature 1`
-sampling, 512-token prompt; trace: the demo model's held-out trace, greedy, 256-token prompt.
+time per token, how many split calls had the device wait for the CPU's answer, how long it
+waited per call and what share of the calls' time (post to answer) that was: the balance's
+signal. Uniform routing: `--temperature 1` sampling, 512-token prompt; trace: the demo model's held-out trace, greedy, 256-token prompt.
 Every row draws the same routing (the RNG is seeded per row). By default a row starts with the
 bank the last one left (under the trace, later rows start warm: the replay repeats the same
 tokens); `--cold` puts the bank and the residency policy back as they were after loading before
@@ -71,7 +71,7 @@ def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, ev
     these once, at load)."""
     hybrid.balance.share = start if variant.share is None else variant.share
     hybrid.balance.adaptive = variant.share is None
-    hybrid.balance.calls = hybrid.balance.waited = hybrid.balance.wait_us = 0
+    hybrid.balance.calls = hybrid.balance.waited = hybrid.balance.wait_us = hybrid.balance.span_us = 0
     hybrid.quantum = 0 if variant.whole else quantum
     hybrid.refresh_every = variant.every or every
     hybrid.write_split()
@@ -87,7 +87,7 @@ def cold_start(engine, policy_state: dict) -> None:
     hybrid.gauges = {layer: PromotionGauge() for layer in hybrid.gauges}
     hybrid._window[:] = 0
     hybrid._since_refresh = hybrid._due_tokens = 0
-    hybrid._balance_window = [0, 0, 0]
+    hybrid._balance_window = [0, 0, 0, 0]
     bank.fill()
     hybrid.sync_maps()
 
@@ -117,14 +117,12 @@ def main() -> None:
     fmt = engine.bank.formats[0].name
     policy_state = copy.deepcopy(engine.bank.policy.__dict__)
     start, quantum, every = hybrid.balance.share, hybrid.quantum, hybrid.refresh_every
-    waits = [0, 0, 0]
+    waits = [0, 0, 0, 0]
     observe = hybrid.balance.observe
 
-    def counting(calls: int, waited: int, wait_us: int = 0) -> bool:   # the balance's signal, for every variant
-        waits[0] += calls
-        waits[1] += waited
-        waits[2] += wait_us
-        return observe(calls, waited, wait_us)
+    def counting(*window: int) -> bool:   # the balance's signal, counted for every variant
+        waits[:] = [a + b for a, b in zip(waits, window)]
+        return observe(*window)
 
     hybrid.balance.observe = counting
     rows = []
@@ -136,7 +134,7 @@ def main() -> None:
                 if args.cold:
                     cold_start(engine, policy_state)
                 apply(hybrid, variant, start, quantum, every)
-                waits[:] = [0, 0, 0]
+                waits[:] = [0, 0, 0, 0]
                 torch.manual_seed(0)   # the same routing draws for every row
                 r = run_bench(engine, prompt, args.gen_tokens, temperature=temperature, routing=routing)
                 row = {"routing": kind, "variant": variant.name, "round": rnd, "decode_tok_s": r.decode_tok_s,
@@ -145,7 +143,8 @@ def main() -> None:
                        "read_mb": r.decode_host_read_bytes_per_token / 1e6,
                        "cpu_busy_ms": r.decode_cpu_busy_s_per_token * 1e3,
                        "split_calls": waits[0], "waited": waits[1],
-                       "wait_us_per_call": waits[2] / max(waits[0], 1), "share_at_end": hybrid.balance.share}
+                       "wait_us_per_call": waits[2] / max(waits[0], 1), "wait_share": waits[2] / max(waits[3], 1),
+                       "share_at_end": hybrid.balance.share}
                 rows.append(row)
                 log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
                 write_result(args.out, "hybrid_split", {"rows": rows, "variants": [asdict(v) for v in variants],

@@ -125,26 +125,30 @@ class PromotionGauge:
 class SplitBalance:
     """The CPU's share of a one-token call's misses, moved until both sides finish together.
 
-    Where a call split its misses (each side had some), the device's last launch notes whether it
-    had to wait for the CPU's answer (any wait at all). Every `least_calls` such calls the share
-    moves by `STEP` × (`TARGET_WAITED` − the share of calls that waited), kept where a call whose k
-    experts all miss still gives each side one (else no call would be split, and nothing would be
-    learned again). The target is not one half: the CPU's answer carries a fixed latency (the
-    worker sees the post, then publishes its rows) that the device's side does not, so the
-    fastest split is one where the device waits briefly in most calls. On one H100 host the best
-    fixed shares (0.7 for bf16 experts, 0.6 for int4) had the device wait in 59-81% of split calls,
-    and a tenth less CPU share had it wait in 2-17% and ran 7-14% slower (BENCHMARKS.md). A share the
-    user fixes (`--cpu-misses 0.6`) stays fixed. The best share depends on the machine (the CPU's
-    memory bandwidth and cores against the PCIe link), on the expert format and the thread count."""
+    Where a call split its misses (each side had some), the device's last launch notes how long it
+    waited for the CPU's answer and how long the call took from its post to that answer. Every
+    `least_calls` such calls the share moves by up to `STEP`, toward the device waiting
+    `TARGET_WAIT` of the calls' time: up while it waits less, down while it waits more (at twice
+    the target or beyond, the whole step down). The share stays where a call whose k experts all
+    miss still gives each side one (else no call would be split, and nothing would be learned
+    again). The target is not zero: the CPU's answer carries a fixed latency (the worker sees the
+    post, then publishes its rows) that the device's side does not, so the fastest split is one
+    where the device waits briefly. On one H100 host (BENCHMARKS.md, machine F) the fastest fixed
+    shares had the device wait ~7-10% of a split call (bf16: 52 µs of ~730 under uniform routing,
+    32 of ~350 under the trace) and the next share up 25-28%, 10-15% slower; how often it waited
+    (the signal before) did not tell those apart. A share the user fixes (`--cpu-misses 0.6`)
+    stays fixed. The best share depends on the machine (the CPU's memory bandwidth and cores
+    against the PCIe link), on the expert format and the thread count."""
 
-    STEP = 0.1
-    TARGET_WAITED = 0.75
+    STEP = 0.05
+    TARGET_WAIT = 0.08
 
     def __init__(self, share: float, adaptive: bool, top_k: int, least_calls: int = 32):
         self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
         self.low, self.high = 0.6 / top_k, 1 - 0.6 / top_k   # take[k] stays within [1, k - 1]
-        self.calls = self.waited = self.wait_us = 0
+        self.calls = self.waited = self.wait_us = self.span_us = 0
         self.wait_us_per_call: float | None = None
+        self.wait_share: float | None = None
 
     def takes(self, top_k: int) -> list[int]:
         """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses, whole experts only."""
@@ -170,21 +174,23 @@ class SplitBalance:
             cuts.append(cut)
         return takes, cuts
 
-    def observe(self, calls: int, waited: int, wait_us: int = 0) -> bool:
-        """Split calls since the last look, how many of them waited and the µs they waited in all;
-        whether the share moved. `wait_us_per_call` keeps the last full window's mean wait (what the
-        share costs the device; reported, not yet steered by)."""
+    def observe(self, calls: int, waited: int, wait_us: int = 0, span_us: int = 0) -> bool:
+        """Split calls since the last look, how many of them waited, the µs they waited and the µs
+        from their posts to their answers, in all; whether the share moved. The last full window's
+        mean wait per call and its share of the calls' time are kept for `--stats`."""
         self.calls += calls
         self.waited += waited
         self.wait_us += wait_us
+        self.span_us += span_us
         if self.calls < self.least_calls:
             return False
-        late = self.waited / self.calls
         self.wait_us_per_call = self.wait_us / self.calls
-        self.calls = self.waited = self.wait_us = 0
-        if not self.adaptive:
+        self.wait_share = self.wait_us / self.span_us if self.span_us > 0 else None
+        self.calls = self.waited = self.wait_us = self.span_us = 0
+        if not self.adaptive or self.wait_share is None:
             return False
-        share = min(self.high, max(self.low, self.share + self.STEP * (self.TARGET_WAITED - late)))
+        pull = min(1.0, max(-1.0, 1.0 - self.wait_share / self.TARGET_WAIT))
+        share = min(self.high, max(self.low, self.share + self.STEP * pull))
         moved = share != self.share
         self.share = share
         return moved
@@ -235,7 +241,7 @@ class HybridMisses:
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
         self.pair_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int64, device=device)
-        self.balance_counts = torch.zeros(len(self.layer_index), 4, dtype=torch.int32, device=device)
+        self.balance_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int32, device=device)
         self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
         self.gauges = {layer: PromotionGauge() for layer in slots}
         self.handoffs = {layer: LayerHandoff.create(box, *self.expert_counts[self.layer_index[layer]],
@@ -276,7 +282,7 @@ class HybridMisses:
         self._snapshot_buffer = _Snapshot.like(self.expert_counts, self.pair_counts, self.balance_counts, self.error)
         self._snapshot: _Snapshot | None = None   # taken, not yet folded
         self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
-        self._balance_window = [0, 0, 0]          # split calls, those that waited and the µs waited, since the last move
+        self._balance_window = [0, 0, 0, 0]       # split calls, those that waited, µs waited, µs post to answer
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
@@ -405,21 +411,21 @@ class HybridMisses:
         """--stats: how one-token calls split their misses now."""
         if not self.gpu_reads:
             return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
-        how = "moved while decoding, by who waited" if self.balance.adaptive else "fixed by --cpu-misses"
+        how = "moved while decoding, by how long the device waits" if self.balance.adaptive else "fixed by --cpu-misses"
         takes, cuts = self.split_host[0].tolist(), self.split_host[1].tolist()
-        waited = self.balance.wait_us_per_call
+        waited, share = self.balance.wait_us_per_call, self.balance.wait_share
         return (f"hybrid misses: the CPU takes {self.cpu_share:.0%} of a one-token call's misses ({how}), the device "
                 f"reads the rest in place; of m misses the CPU computes take[m] = {takes} whole and the "
                 f"intermediate rows [0, cut[m]) of the next, cut[m] = {cuts} (of {self.shape.intermediate})"
-                + (f"; the device waited {waited:.0f} µs per split call for the CPU's rows" if waited is not None else ""))
+                + (f"; the device waited {waited:.0f} µs per split call for the CPU's rows"
+                   + (f" ({share:.0%} of the call)" if share is not None else "") if waited is not None else ""))
 
     def _rebalance(self) -> None:
         """Move the split as the balance says. The device's table is the only one (each post tells
         the worker its call's take), so the new table, copied behind the step in flight, takes
         effect at the next step on both sides."""
-        calls, waited, wait_us = self._balance_window
-        self._balance_window = [0, 0, 0]
-        if self.balance.observe(calls, waited, wait_us):
+        window, self._balance_window = self._balance_window, [0, 0, 0, 0]
+        if self.balance.observe(*window):
             self.write_split()
 
     def write_split(self) -> None:

@@ -12,8 +12,9 @@ missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the ha
   carries the sequence number (volatile loads of pinned memory, a bounded number of polls: a
   worker that never answers sets the error flag instead of hanging the GPU), then adds the CPU's
   fp32 rows to the layer's output in place. Where the post split its misses between both sides,
-  it counts the call, whether the answer was not there yet (the device waited for the CPU) and
-  for how long: the hybrid policy moves the split by how often that happens.
+  it counts the call, whether the answer was not there yet (the device waited for the CPU), for
+  how long, and how long the call took from its post to the answer: the hybrid policy moves the
+  split until the wait is a small share of the call.
 
 Mailboxes live in pinned host memory, which shares the device's virtual address space; the
 kernels get CUDA aliases of those tensors (`device_alias`). On the CPU (tests, CPU-only runs) the
@@ -79,9 +80,10 @@ class LayerHandoff:
     miss: Tensor         # (E,) int32: of those, pairs not served by the bank
     pairs: Tensor        # (5,) int64: pairs served by the bank, read from host memory (shared ones too),
                          # computed by the CPU; pairs shared by both, and the CPU's intermediate rows of those
-    balance: Tensor      # (4,) int32: the last post split its misses between both sides (0/1); calls that
-                         # did; of those, calls whose device side waited for the CPU's answer, and the
-                         # µs it waited in all
+    balance: Tensor      # (5,) int32: the last post split its misses between both sides (0/1); calls that
+                         # did; of those, calls whose device side waited for the CPU's answer, the µs it
+                         # waited in all, and the µs from their posts to their answers in all
+    stamp: Tensor        # (1,) int64: when the last post was published (ns; the device's clock on CUDA)
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
 
     @classmethod
@@ -92,7 +94,8 @@ class LayerHandoff:
         if device.type == "cuda":
             alias = {name: device_alias(getattr(box, name), device)
                      for name in ("post", "ids", "weights", "hidden", "result", "rows")}
-        return cls(box, torch.zeros(1, dtype=torch.int32, device=device), use, miss, pairs, balance, alias)
+        return cls(box, torch.zeros(1, dtype=torch.int32, device=device), use, miss, pairs, balance,
+                   torch.zeros(1, dtype=torch.int64, device=device), alias)
 
 
 if triton is not None:
@@ -104,7 +107,7 @@ if triton is not None:
 
     @triton.jit
     def _post_kernel(seq_ptr, hidden_ptr, ids_ptr, w_ptr, map_ptr, take_ptr, cut_ptr, use_ptr, miss_ptr, pairs_ptr,
-                     balance_ptr, hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
+                     balance_ptr, stamp_ptr, hdr_ptr, box_ids_ptr, box_w_ptr, box_hidden_ptr, live_ptr,
                      T, H, top_k, num_slots, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PAIRS: tl.constexpr):
         T = tl.minimum(T, tl.load(live_ptr))   # rows past the live ones pad a captured batch: nobody's
         n_hidden = T * H
@@ -151,10 +154,11 @@ if triton is not None:
         seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
         tl.debug_barrier()
         tl.store(hdr_ptr, seq)
+        tl.store(stamp_ptr, globaltimer())
 
     @triton.jit
-    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, live_ptr, balance_ptr, T, H, max_polls,
-                        BLOCK: tl.constexpr):
+    def _collect_kernel(seq_ptr, hdr_ptr, rows_ptr, out_ptr, error_ptr, live_ptr, balance_ptr, stamp_ptr, T, H,
+                        max_polls, BLOCK: tl.constexpr):
         n = tl.minimum(T, tl.load(live_ptr)) * H   # padding rows get nothing added
         seq = tl.load(seq_ptr)
         flag = tl.load(hdr_ptr, volatile=True)
@@ -164,9 +168,11 @@ if triton is not None:
             flag = tl.load(hdr_ptr, volatile=True)
             polls += 1
         if (tl.program_id(0) == 0) & (tl.load(balance_ptr) != 0):   # a split call: who finished first, by how much
+            t1 = globaltimer()
             tl.atomic_add(balance_ptr + 1, 1)
             tl.atomic_add(balance_ptr + 2, (polls > 0).to(tl.int32))
-            tl.atomic_add(balance_ptr + 3, ((globaltimer() - t0 + 500) // 1000).to(tl.int32))
+            tl.atomic_add(balance_ptr + 3, ((t1 - t0 + 500) // 1000).to(tl.int32))
+            tl.atomic_add(balance_ptr + 4, ((t1 - tl.load(stamp_ptr) + 500) // 1000).to(tl.int32))
         flag = _fence_sys(flag)          # the answer's rows after its flag
         if flag != seq:
             tl.atomic_max(error_ptr, 1)
@@ -197,7 +203,7 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
             raise ValueError("a split post needs its cut table too (zeros where no pair is shared)")
         _post_kernel[(1,)](h.seq, hidden.contiguous(), ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
                            source_map, cpu_take if split else source_map, cpu_cut if split else source_map,
-                           h.use, h.miss, h.pairs, h.balance,
+                           h.use, h.miss, h.pairs, h.balance, h.stamp,
                            a["post"], a["ids"],
                            a["weights"], a["hidden"], live, T, H, k, num_slots, SPLIT=split,
                            BLOCK=POST_BLOCK, PAIRS=max(16, triton.next_power_of_2(T * k)), num_warps=4)
@@ -230,6 +236,7 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     h.pairs += torch.stack((in_bank.sum(), n_read, n_cpu, torch.tensor(shared), torch.tensor(shared * cut)))
     h.balance[0] = int(n_read > 0 and n_cpu + shared > 0)
     cpu_moe.publish(box.post, seq)
+    h.stamp[0] = time.perf_counter_ns()
 
 
 def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor:
@@ -239,18 +246,18 @@ def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor
     T, H = out.shape
     if h.alias is not None:
         _collect_kernel[(triton.cdiv(T * H, COLLECT_BLOCK),)](h.seq, h.alias["result"], h.alias["rows"], out, error,
-                                                              live, h.balance, T, H, MAX_POLLS, BLOCK=COLLECT_BLOCK,
-                                                              num_warps=4)
+                                                              live, h.balance, h.stamp, T, H, MAX_POLLS,
+                                                              BLOCK=COLLECT_BLOCK, num_warps=4)
         return out
     seq = int(h.seq[0])
-    split, t0 = bool(h.balance[0]), time.perf_counter()
-    if split:
-        h.balance[1] += 1
-        h.balance[2] += int(not cpu_moe.answered(h.box.result, seq))
+    split, t0 = bool(h.balance[0]), time.perf_counter_ns()
+    late = split and not cpu_moe.answered(h.box.result, seq)
     if not cpu_moe.wait_answer(h.box.result, seq, timeout_s=10.0):
         raise RuntimeError("the CPU expert worker did not answer within 10 s; it may have stopped")
     if split:
-        h.balance[3] += round((time.perf_counter() - t0) * 1e6)
+        t1 = time.perf_counter_ns()
+        h.balance[1:] += torch.tensor([1, int(late), round((t1 - t0) / 1e3) if late else 0,
+                                       round((t1 - int(h.stamp[0])) / 1e3)], dtype=h.balance.dtype)
     T = min(T, int(live[0]))
     if int(h.box.result[1]) > 0:
         out[:T].copy_((out[:T].float() + h.box.rows[:T * H].view(T, H)).to(out.dtype))

@@ -93,20 +93,27 @@ def test_promotions_turn_wary_where_they_do_not_pay():
 def test_the_split_moves_toward_the_side_that_waits_less():
     from moestream.experts.hybrid import SplitBalance
 
-    for late, direction in ((1.0, -1), (0.0, 1), (SplitBalance.TARGET_WAITED, 0)):
+    target = SplitBalance.TARGET_WAIT
+    for wait, direction in ((3 * target, -1), (0.0, 1), (target, 0)):       # the device's wait, share of a call
         balance = SplitBalance(0.6, adaptive=True, top_k=8, least_calls=32)
-        assert not balance.observe(16, int(16 * late))                      # too few calls to judge
-        moved = balance.observe(16, int(16 * late))
+        assert not balance.observe(16, 16, round(16_000 * wait), 16_000)    # too few calls to judge
+        moved = balance.observe(16, 16, round(16_000 * wait), 16_000)
         assert moved == (direction != 0)
-        assert (balance.share > 0.6) - (balance.share < 0.6) == direction, late
+        assert (balance.share > 0.6) - (balance.share < 0.6) == direction, wait
+        assert balance.wait_share == pytest.approx(wait)
+    far, near = (SplitBalance(0.6, adaptive=True, top_k=8, least_calls=1) for _ in range(2))
+    far.observe(10, 10, 500, 1000)                                          # waited half the call: a whole step
+    near.observe(10, 10, round(1000 * target * 1.5), 1000)                  # just past the target: half a step
+    assert far.share == pytest.approx(0.6 - SplitBalance.STEP)
+    assert near.share == pytest.approx(0.6 - SplitBalance.STEP / 2)
     for top_k in (2, 8):
-        for late, side in ((10, 1), (0, top_k - 1)):                       # the device always / never waits
+        for wait, side in ((900, 1), (0, top_k - 1)):                      # the device always / never waits
             balance = SplitBalance(0.6, adaptive=True, top_k=top_k, least_calls=1)
             for _ in range(40):
-                balance.observe(10, late)
+                balance.observe(10, 10 if wait else 0, wait, 1000)
             assert balance.takes(top_k)[top_k] == side                      # each side keeps one of k misses
     fixed = SplitBalance(0.6, adaptive=False, top_k=4, least_calls=1)
-    assert not fixed.observe(100, 100) and fixed.share == 0.6               # a share the user set stays
+    assert not fixed.observe(100, 100, 50_000, 60_000) and fixed.share == 0.6   # a share the user set stays
     assert fixed.takes(4) == [0, 1, 1, 2, 2]
 
 
@@ -115,23 +122,33 @@ def test_the_balance_reports_how_long_the_device_waited_per_split_call():
 
     for adaptive in (True, False):
         balance = SplitBalance(0.6, adaptive=adaptive, top_k=8, least_calls=32)
-        assert balance.wait_us_per_call is None
-        balance.observe(16, 8, 900)
+        assert balance.wait_us_per_call is None and balance.wait_share is None
+        balance.observe(16, 8, 900, 8000)
         assert balance.wait_us_per_call is None                             # a window is 32 calls
-        balance.observe(16, 8, 700)
-        assert balance.wait_us_per_call == 50.0
-        balance.observe(40, 0, 0)
-        assert balance.wait_us_per_call == 0.0
+        balance.observe(16, 8, 700, 8000)
+        assert balance.wait_us_per_call == 50.0 and balance.wait_share == 0.1
+        balance.observe(40, 0, 0, 4000)
+        assert balance.wait_us_per_call == 0.0 and balance.wait_share == 0.0
 
 
 @pytest.mark.parametrize("answer_late", [True, False])
 def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident, answer_late, monkeypatch):
-    """With the default share ("auto") the split follows who waited; the worker and the kernels read
-    the same table after every move, so the tokens stay the resident model's."""
+    """With the default share ("auto") the split follows how long the device waited; the worker and
+    the kernels read the same table after every move, so the tokens stay the resident model's."""
+    import time
+
     from moestream.kernels import cpu_moe
 
     _, want = resident
+    wait_answer = cpu_moe.wait_answer
+
+    def waiting(header, seq, timeout_s=30.0):   # late: the answer comes 2 ms after the device asks for it
+        time.sleep(0.002)
+        return wait_answer(header, seq, timeout_s)
+
     monkeypatch.setattr(cpu_moe, "answered", lambda header, seq: not answer_late)
+    if answer_late:
+        monkeypatch.setattr(cpu_moe, "wait_answer", waiting)
     engine = _hybrid(tiny_qwen3)
     try:
         hybrid = engine.bank.hybrid_misses
