@@ -140,7 +140,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
                         "while decoding until both sides finish together)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
                    help="threads the CPU computes missed experts with (--cpu-misses, --miss-policy hybrid; default: "
-                        "three of every four cores this process may use)")
+                        "every core this process may use but one)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")

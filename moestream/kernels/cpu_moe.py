@@ -143,11 +143,12 @@ def usable_cpus() -> list[int]:
 
 
 def default_threads(cpus: int) -> int:
-    """Three of every four cores: the kernel is bound by memory bandwidth, which a 16-core host's
-    DRAM delivers to 12 threads as well as to 16, and the cores left over keep the Python thread
-    that drives the GPU and the CUDA driver's threads off the kernel's (12 threads gave 10% more
-    decode speed than 16 with every miss on the CPU; BENCHMARKS.md)."""
-    return max(1, (3 * cpus) // 4)
+    """Every core but one: the hybrid policy's decode steps run as CUDA graphs, so the thread driving
+    the GPU needs one core and the kernel, which reads DRAM and works on the CPU's share while the
+    GPU reads its own in place, gains from the rest. At a 25% bank under uniform routing 15 of 16
+    threads decoded 8-11% faster than 12 on two H100 hosts (BENCHMARKS.md); 12 had been chosen when
+    the CPU computed every miss alone (10% above 16 then)."""
+    return max(1, cpus - 1)
 
 
 def set_threads(threads: int | None = None) -> int:
