@@ -124,13 +124,13 @@ def test_handoff_kernels_compile(split):
     consts = {"SPLIT": split, "BLOCK": 1024, "PAIRS": 16}
     sig = _sig({"seq_ptr": "*i32", "hidden_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "map_ptr": "*i32",
                 "take_ptr": "*i32", "cut_ptr": "*i32", "use_ptr": "*i32", "miss_ptr": "*i32", "pairs_ptr": "*i64", "balance_ptr": "*i32",
-                "hdr_ptr": "*i32",
+                "stamp_ptr": "*i64", "hdr_ptr": "*i32",
                 "box_ids_ptr": "*i32", "box_w_ptr": "*fp32", "box_hidden_ptr": "*bf16", "live_ptr": "*i32"},
                ["T", "H", "top_k", "num_slots"], [], consts)
     triton.compile(ASTSource(fn=_post_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
     consts = {"BLOCK": 1024}
     sig = _sig({"seq_ptr": "*i32", "hdr_ptr": "*i32", "rows_ptr": "*fp32", "out_ptr": "*bf16", "error_ptr": "*i32",
-                "live_ptr": "*i32", "balance_ptr": "*i32"}, ["T", "H", "max_polls"], [], consts)
+                "live_ptr": "*i32", "balance_ptr": "*i32", "stamp_ptr": "*i64"}, ["T", "H", "max_polls"], [], consts)
     triton.compile(ASTSource(fn=_collect_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
 
