@@ -71,7 +71,7 @@ def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, ev
     these once, at load)."""
     hybrid.balance.share = start if variant.share is None else variant.share
     hybrid.balance.adaptive = variant.share is None
-    hybrid.balance.calls = hybrid.balance.waited = hybrid.balance.wait_us = hybrid.balance.span_us = 0
+    hybrid.balance.calls = hybrid.balance.wait_us = hybrid.balance.span_us = 0
     hybrid.quantum = 0 if variant.whole else quantum
     hybrid.refresh_every = variant.every or every
     hybrid.write_split()

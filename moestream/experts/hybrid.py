@@ -146,7 +146,7 @@ class SplitBalance:
     def __init__(self, share: float, adaptive: bool, top_k: int, least_calls: int = 32):
         self.share, self.adaptive, self.least_calls = float(share), adaptive, least_calls
         self.low, self.high = 0.6 / top_k, 1 - 0.6 / top_k   # take[k] stays within [1, k - 1]
-        self.calls = self.waited = self.wait_us = self.span_us = 0
+        self.calls = self.wait_us = self.span_us = 0
         self.wait_us_per_call: float | None = None
         self.wait_share: float | None = None
 
@@ -175,18 +175,18 @@ class SplitBalance:
         return takes, cuts
 
     def observe(self, calls: int, waited: int, wait_us: int = 0, span_us: int = 0) -> bool:
-        """Split calls since the last look, how many of them waited, the µs they waited and the µs
-        from their posts to their answers, in all; whether the share moved. The last full window's
-        mean wait per call and its share of the calls' time are kept for `--stats`."""
+        """Split calls since the last look, how many of them waited (the device counts it for the
+        benchmarks; the share follows the µs), the µs they waited and the µs from their posts to
+        their answers, in all; whether the share moved. The last full window's mean wait per call
+        and its share of the calls' time are kept for `--stats`."""
         self.calls += calls
-        self.waited += waited
         self.wait_us += wait_us
         self.span_us += span_us
         if self.calls < self.least_calls:
             return False
         self.wait_us_per_call = self.wait_us / self.calls
         self.wait_share = self.wait_us / self.span_us if self.span_us > 0 else None
-        self.calls = self.waited = self.wait_us = self.span_us = 0
+        self.calls = self.wait_us = self.span_us = 0
         if not self.adaptive or self.wait_share is None:
             return False
         pull = min(1.0, max(-1.0, 1.0 - self.wait_share / self.TARGET_WAIT))
