@@ -4,12 +4,13 @@ With --ab-fused, first the CUDA-graph decode with the fused small ops (norms, q/
 router top-k) on and off, alternating (on, off, off, on: figures drift between runs), same process,
 same weights, the model's own routing. With --graph-profile, the per-kernel
 time and the gaps between kernels inside the graph replays themselves. With --ab-pdl, the same alternation with programmatic dependent launch
-(kernels/pdl.py) on and off. With --ab-kv, the same alternation between the two KV
+(kernels/pdl.py) on and off; with --ab-token-quant, with a packed checkpoint's one-token quantized
+experts path (kernels/fused_moe_token_quant.py) on and off. With --ab-kv, the same alternation between the two KV
 layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant]
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--ab-kv", action="store_true", help="decode tok/s with the rows and the paged KV layout")
     ap.add_argument("--ab-pdl", action="store_true",
                     help="decode tok/s with programmatic dependent launch on and off (Hopper)")
+    ap.add_argument("--ab-token-quant", action="store_true",
+                    help="the same alternation with quantized experts' one-token path on and off (the decode path)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     ap.add_argument("--graph-profile", action="store_true",
                     help="per-kernel time and the gaps between kernels inside decode graph replays instead")
@@ -65,6 +68,10 @@ def main() -> None:
         from moestream.kernels.pdl import programmatic_launch
 
         ab_switch(engine, prompt, args.steps, "programmatic launch", programmatic_launch)
+    if args.ab_token_quant:
+        from moestream.kernels.fused_moe_token_quant import one_token_quant
+
+        ab_switch(engine, prompt, args.steps, "one-token quantized path", one_token_quant)
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)

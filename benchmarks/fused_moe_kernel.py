@@ -23,11 +23,13 @@ sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `c
 decode path at T=1. At T=1 the "token" rows are the one-token path, which `fused_moe` takes there.
 
 `--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
-the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched.
+the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched;
+at T=1 also the decode path (`decode_path_us`) beside the one-token path auto takes. With
+`--tune-token` it first sweeps the quantized one-token tiles (refreshes `QUANT_TOKEN_CONFIG`).
 
 Usage:
     python benchmarks/fused_moe_kernel.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
-                                         [--tune] [--tune-decode]
+                                         [--tune] [--tune-decode] [--tune-token] [--format int4]
 """
 
 from __future__ import annotations
@@ -214,8 +216,31 @@ def tune_token(bank, routings: list[tuple]) -> tuple[dict, float, float]:
     return asdict(best), best_ms, decode_ms
 
 
+def tune_token_quant(qbank: dict, spec, routings: list[tuple]) -> tuple[dict, float, float]:
+    """`tune_token` for quantized experts (fused_moe_token_quant.py): returns (best config, its time,
+    the decode path's), each timed cold on the whole call."""
+    from dataclasses import asdict, replace
+
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+    from moestream.kernels.fused_moe_token import TokenTile
+    from moestream.kernels.fused_moe_token_quant import QUANT_TOKEN_CONFIG
+
+    measure = skipping(lambda cfg: time_cold_graph_ms(
+        lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec, config=cfg), routings, replays=5))
+    decode_ms = time_cold_graph_ms(lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec, path="decode"), routings)
+    variants = [lambda c, t=TokenTile(bn, bk, w): replace(c, gate_up=t)
+                for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (2, 4, 8))]
+    variants += [lambda c, t=TokenTile(bn, bk, w): replace(c, down=t)
+                 for bn, bk, w in itertools.product((1, 2, 4, 8), (128, 256, 512), (2, 4, 8))]
+    best, best_ms, default_ms = coordinate_search(QUANT_TOKEN_CONFIG, measure, variants)
+    print(f"T=1 {spec.name}: best token {best} {best_ms * 1e3:.1f} us (cold; default {default_ms * 1e3:.1f} us), "
+          f"decode path {decode_ms * 1e3:.1f} us", flush=True)
+    return asdict(best), best_ms, decode_ms
+
+
 def quant_rows(args) -> None:
-    """The dequantizing kernel against bf16 at each T, cold (16 routings per graph)."""
+    """The dequantizing kernel against bf16 at each T, cold (16 routings per graph); at T = 1 also the
+    decode path the one-token path replaced (`--tune-token`: sweep the one-token tiles first)."""
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
     from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
     from moestream.quant import parse_quant, quantize
@@ -232,6 +257,10 @@ def quant_rows(args) -> None:
     q_expert = sum(t[0].numel() * t.element_size() for t in qbank.values())
     print(f"{spec.name}: {q_expert / 1e6:.2f} MB per expert (bf16 {3 * H * I * 2 / 1e6:.2f} MB)")
     rows = []
+    if args.tune_token:
+        routings = [make_routing(1, H, S, k, seed=1000 + i) for i in range(COLD_ROUTINGS)]
+        cfg, ms, decode_ms = tune_token_quant(qbank, spec, routings)
+        rows.append({"T": 1, "format": spec.name, "tuned_token": cfg, "token_us": ms * 1e3, "decode_us": decode_ms * 1e3})
     for T in args.tokens:
         cold = [make_routing(T, H, S, k, seed=1000 * T + i) for i in range(COLD_ROUTINGS)]
         used = sum(int(r[1].unique().numel()) for r in cold) / len(cold)
@@ -243,6 +272,9 @@ def quant_rows(args) -> None:
         rows.append({"T": T, "format": spec.name, "bf16_us": bf * 1e3, "quant_us": q * 1e3,
                      "quant_GB_per_s": used * q_expert / q / 1e6, "bf16_GB_per_s": used * 3 * H * I * 2 / bf / 1e6,
                      "rel_diff_vs_bf16": err})
+        if T == 1:   # the path T = 1 took before the one-token kernels, where the format has them
+            dq = time_cold_graph_ms(lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec, path="decode"), cold)
+            rows[-1].update(decode_path_us=dq * 1e3, decode_path_GB_per_s=used * q_expert / dq / 1e6)
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +297,8 @@ def main() -> None:
     parser.add_argument("--tune-decode", action="store_true",
                         help="sweep decode tiles at T=1 and T=8 (cold graph timing)")
     parser.add_argument("--tune-token", action="store_true",
-                        help="sweep the one-token path's tiles (T=1, cold graph timing) and stop")
+                        help="sweep the one-token path's tiles (T=1, cold graph timing) and stop; with --format, "
+                             "the quantized one-token tiles, then the format's rows")
     parser.add_argument("--format", default=None, help="also time quantized experts in this format (e.g. int4)")
     args = parser.parse_args()
     if not fused_moe_available():

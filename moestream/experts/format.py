@@ -277,13 +277,14 @@ class QuantizedFormat(ExpertFormat):
         from moestream import kernels
 
         spec = self.spec
-        run = kernels.fused_moe_quant if self.uses_kernels(device, shape) else kernels.quant_moe_reference
+        if self.uses_kernels(device, shape):   # the kernels read the slot map themselves (one token)
+            return functools.partial(kernels.fused_moe_quant, spec=spec)
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
             if slot_map is not None:
                 slot_ids = slot_map[slot_ids]
-            return run(hidden, slots, slot_ids, weights, spec, reduce=reduce, host=host)
+            return kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec, reduce=reduce, host=host)
         return dispatch
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:

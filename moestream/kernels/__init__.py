@@ -83,11 +83,11 @@ def fused_moe_available() -> bool:
 
 
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True,
-                    host=None) -> Tensor:
+                    host=None, slot_map: Tensor | None = None) -> Tensor:
     """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`
-    (`host`: a `QuantHostReads`, read in place by calls of a few tokens)."""
+    (`host`: a `QuantHostReads`, read in place by calls of a few tokens), plus `slot_map` as `fused_moe`'s."""
     return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec, reduce=reduce,
-                                                             host=host)
+                                                             host=host, slot_map=slot_map)
 
 
 @functools.lru_cache(maxsize=None)

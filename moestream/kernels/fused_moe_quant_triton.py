@@ -23,7 +23,8 @@ from moestream.quant.normal import codebook
 
 from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
 from .fused_moe_decode import HostOperand, QuantOperand
-from .fused_moe_token import host_offset
+from .fused_moe_token import TokenConfig, host_offset
+from .fused_moe_token_quant import takes_token_path, token_moe_quant
 from .quant_moe_reference import QuantHostReads
 
 __all__ = ["fused_moe_quant", "quant_operand"]
@@ -77,18 +78,33 @@ def host_operand(host: QuantHostReads, slots: Mapping[str, Tensor], proj: str, s
 
 
 def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                    spec: QuantSpec, config: MoeConfig | DecodeConfig | None = None, path: str = "auto",
-                    reduce: bool = True, host: QuantHostReads | None = None) -> Tensor:
-    """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). With
-    `host`, slot ids S + e read expert e of its pinned stacks in place (the decode path: calls of a
-    few tokens), less the pairs its `cpu_take` leaves to the CPU."""
+                    spec: QuantSpec, config: MoeConfig | DecodeConfig | TokenConfig | None = None, path: str = "auto",
+                    reduce: bool = True, host: QuantHostReads | None = None, slot_map: Tensor | None = None) -> Tensor:
+    """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). One token
+    takes the one-token path (fused_moe_token_quant.py) where its format has one, else the decode
+    path; larger calls the decode or grouped path. With `slot_map`, `slot_ids` are expert ids, looked
+    up in that expert → slot table (in the kernels on the one-token path). With `host`, slot ids
+    S + e read expert e of its pinned stacks in place (calls of a few tokens), less the pairs its
+    `cpu_take` leaves to the CPU."""
     gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
     S, two_i, _ = gate_up.qweight.shape
     T, k = slot_ids.shape
     for t in (gate_up.qweight, gate_up.scales, down.qweight, slot_ids, weights):
         if t.device != hidden.device:
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
-    path = resolve_path(path, config, T, k, one_token=False)
+    if slot_map is not None and slot_map.device != hidden.device:
+        raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
+    one_token = takes_token_path(spec, hidden.shape[1], two_i // 2)
+    path = resolve_path(path, config, T, k, one_token=one_token)
+    if path == "token":
+        reads = None
+        if host is not None:
+            reads = ((quant_operand(host.stacks, "gate_up", spec), quant_operand(host.stacks, "down", spec)),
+                     host.cpu_take)
+        return token_moe_quant(hidden, gate_up, down, slot_ids, weights, two_i // 2, slot_map=slot_map,
+                               reduce=reduce, config=config, host=reads)
+    if slot_map is not None:
+        slot_ids = slot_map[slot_ids.long()]
     operands = None
     if host is not None:
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))

@@ -323,7 +323,8 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
 
 def resolve_path(path: str, config, num_tokens: int, top_k: int, one_token: bool = True) -> str:
     """The path a call takes: given, implied by the config's type, or `choose_path`. `one_token`:
-    whether the one-token path exists for the bank (dense experts)."""
+    whether the one-token path exists for the bank (dense experts, and quantized formats with a
+    one-token kernel)."""
     if path not in _PATHS:
         raise ValueError(f"path must be one of {_PATHS}, got {path!r}")
     configs = {"token": TokenConfig, "decode": DecodeConfig, "grouped": MoeConfig}
@@ -332,7 +333,7 @@ def resolve_path(path: str, config, num_tokens: int, top_k: int, one_token: bool
         path = implied[0] if implied else choose_path(num_tokens, top_k, one_token)
     if path == "token" and (num_tokens != 1 or not one_token):
         raise ValueError(f"the token path takes one token of a dense bank, got {num_tokens} tokens"
-                         + ("" if one_token else " of quantized experts"))
+                         + ("" if one_token else " of quantized experts whose format has one"))
     wanted = configs[path]
     if config is not None and not isinstance(config, wanted):
         raise TypeError(f"the {path} path takes a {wanted.__name__}, got {type(config).__name__}")

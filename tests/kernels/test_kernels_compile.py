@@ -193,3 +193,40 @@ def test_split_slots_kernel_compiles():
     sig = _sig({"slot_ptr": "*i32", "take_ptr": "*i32", "out_ptr": "*i32"}, ["n", "top_k", "num_slots"], [], consts)
     triton.compile(ASTSource(fn=_split_slots_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("bits,group,nf", [(4, 64, False), (8, 32, False), (2, 32, False), (4, 64, True)])
+@pytest.mark.parametrize("reduce", [True, False])
+@pytest.mark.parametrize("split", [False, True])
+def test_quant_token_kernels_compile(bits, group, nf, reduce, split):
+    """One token's quantized experts: the packed words unpacked by planes, for each format the path serves."""
+    from moestream.kernels.fused_moe_token_quant import (QUANT_TOKEN_CONFIG, _planes_kernel, _qtoken_down_kernel,
+                                                          _qtoken_gate_up_kernel)
+
+    consts = {"BITS": bits, "NF": nf, "BLOCK": 1024, "USE_PDL": True}
+    triton.compile(ASTSource(fn=_planes_kernel, signature=_sig({"x_ptr": "*bf16", "out_ptr": "*fp32"}, ["H"], [], consts),
+                             constexprs=consts), target=H100, options={"num_warps": 4})
+
+    quant = {"q_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "code_ptr": "*fp32" if nf else "*bf16"}
+    ids = {"ids_ptr": "*i32", "map_ptr": "*i32", "take_ptr": "*i32", "cut_ptr": "*i32"}
+    tile = QUANT_TOKEN_CONFIG.gate_up
+    consts = {"HAS_MAP": True, "ACTIVATION": 0, "BITS": bits, "GROUP": group, "NF": nf, "BLOCK_N": tile.block_n,
+              "BLOCK_K": tile.block_k, "EVEN_K": True, "SPLIT": split, "K_PAD": 8, "OUT_DTYPE": triton.language.bfloat16,
+              "USE_PDL": True}
+    sig = _sig({"x_ptr": "*fp32", **quant, "c_ptr": "*fp32", **ids},
+               ["I", "H", "num_slots", "num_host", "host_q", "host_s", "host_z", "top_k", "stride_id", "stride_qe",
+                "stride_qn", "stride_se", "stride_sn", "stride_cm"], [], consts)
+    sig.update(host_q="i64", host_s="i64", host_z="i64")   # host stacks sit far from the slots
+    triton.compile(ASTSource(fn=_qtoken_gate_up_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": tile.num_warps})
+    tile = QUANT_TOKEN_CONFIG.down
+    consts = {"HAS_MAP": True, "REDUCE": reduce, "K_PAD": 8, "BITS": bits, "GROUP": group, "NF": nf,
+              "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "EVEN_K": False, "SPLIT": split, "USE_PDL": True}
+    sig = _sig({"a_ptr": "*fp32", **quant, "out_ptr": "*bf16" if reduce else "*fp32", "ids_ptr": "*i32",
+                "map_ptr": "*i32", "w_ptr": "*fp32", "take_ptr": "*i32", "cut_ptr": "*i32"},
+               ["H", "I", "num_slots", "num_host", "host_q", "host_s", "host_z", "top_k", "stride_id", "stride_w",
+                "stride_am", "stride_qe", "stride_qn", "stride_se", "stride_sn", "stride_om"], [], consts)
+    sig.update(host_q="i64", host_s="i64", host_z="i64")
+    kernel = triton.compile(ASTSource(fn=_qtoken_down_kernel, signature=sig, constexprs=consts), target=H100,
+                            options={"num_warps": tile.num_warps, "enable_fp_fusion": False})
+    assert kernel.metadata.shared <= SMEM

@@ -1,0 +1,46 @@
+"""One token's quantized experts (the one-token path of packed banks): compiled on a GPU, under the
+interpreter on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant_token_checks import CASES, check_quant_token
+from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+
+from moestream.kernels import fused_moe_quant_available
+from moestream.kernels.fused_moe_token_quant import token_path_supported
+from moestream.quant import parse_quant
+
+
+def test_the_one_token_path_covers_the_common_formats_and_leaves_the_rest_to_the_decode_path():
+    assert all(token_path_supported(parse_quant(f), 2048, 768) for f in ("int4", "int4-g128", "int8", "int2", "nf4"))
+    assert not token_path_supported(parse_quant("int3"), 2048, 768), "3-bit values straddle the words"
+    assert not token_path_supported(parse_quant("nf3"), 2048, 768)
+    assert not token_path_supported(parse_quant("int4-g128"), 2880, 2880), "a ragged last group"
+
+
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+def test_quant_token_path_under_interpreter():
+    """Two small cases in fp32: affine 4-bit with a partial last K step, and NF4 (the interpreter takes
+    ~20 s a case; the GPU test takes every case in three dtypes)."""
+    checks = Path(__file__).with_name("quant_token_checks.py")
+    result = run_under_interpreter(f"""
+        import sys, torch
+        sys.path.insert(0, {str(checks.parent)!r})
+        from {checks.stem} import check_quant_token
+        check_quant_token("cpu", torch.float32, "int4-g32", 96, 32)
+        check_quant_token("cpu", torch.float32, "nf4-g32", 64, 32)
+        print("interpreter ok")
+    """, timeout=600)
+    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(not fused_moe_quant_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("fmt,H,I", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quant_token_path_on_gpu(fmt, H, I, dtype):
+    check_quant_token("cuda", dtype, fmt, H, I)
