@@ -190,6 +190,15 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     if HAS_BIAS:
         y += tl.load(bias_ptr + slot[:, None] * stride_bias + rows[None, :], mask=valid[:, None],
                      other=0.0).to(tl.float32)
+    store_pair_rows(y, w_ptr, stride_w, valid, out_ptr, stride_om, offs_n, H, REDUCE, K_PAD, BLOCK_N)
+
+
+@triton.jit
+def store_pair_rows(y, w_ptr, stride_w, valid, out_ptr, stride_om, offs_n, H, REDUCE: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The down launches' epilogue: each pair's (K_PAD, BLOCK_N) fp32 row times its routing weight,
+    then (REDUCE) summed into columns offs_n of out, or written as pair rows of out (`stride_om`)."""
+    offs_j = tl.arange(0, K_PAD)
     y = y * tl.load(w_ptr + offs_j * stride_w, mask=valid, other=0.0).to(tl.float32)[:, None]
     if REDUCE:
         # Pair by pair from 0, as `_sum_over_k_kernel` adds written rows (extracting row j is exact:

@@ -46,7 +46,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_decode import QuantOperand
-from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources
+from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources, store_pair_rows
 from .moe_activation import activate
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
@@ -264,15 +264,7 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
         a_ptrs += W
     release_consumer(USE_PDL)
     y = tl.reshape(tl.sum(acc, axis=1), (K_PAD, BLOCK_N))        # (pair, column)
-    y = y * tl.load(w_ptr + offs_j * stride_w, mask=valid, other=0.0).to(tl.float32)[:, None]
-    if REDUCE:
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for j in tl.static_range(K_PAD):
-            total += tl.sum(tl.where(offs_j[:, None] == j, y, 0.0), axis=0)
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
-    else:
-        tl.store(out_ptr + offs_j[:, None] * stride_om + offs_n[None, :], y,
-                 mask=valid[:, None] & (offs_n < H)[None, :])
+    store_pair_rows(y, w_ptr, stride_w, valid, out_ptr, stride_om, offs_n, H, REDUCE, K_PAD, BLOCK_N)
 
 
 def _words(t: Tensor) -> Tensor:

@@ -4,11 +4,12 @@ path and themselves; one body for the GPU test (compiled) and the CPU test (Trit
 from __future__ import annotations
 
 import torch
+from quant_host_checks import _stacks
 
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
 from moestream.kernels.fused_moe_token_quant import token_path_supported
 from moestream.kernels.quant_moe_reference import QuantHostReads, quant_moe_reference
-from moestream.quant import parse_quant, quantize
+from moestream.quant import parse_quant
 
 # (format, H, I): the common 4-bit case with whole K steps, and widths whose last K step is partial
 CASES = (("int4-g64", 128, 64), ("int4-g32", 192, 96), ("int8-g32", 192, 96), ("int2-g32", 128, 96),
@@ -17,15 +18,6 @@ CASES = (("int4-g64", 128, 64), ("int4-g32", 192, 96), ("int8-g32", 192, 96), ("
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-
-
-def _stacks(spec, E: int, H: int, I: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    out: dict[str, list[torch.Tensor]] = {}
-    for _ in range(E):
-        for proj, (n, k) in (("gate_up", (2 * I, H)), ("down", (H, I))):
-            for name, t in quantize(torch.randn(n, k, generator=g) / k ** 0.5, spec).parts().items():
-                out.setdefault(f"{proj}.{name}", []).append(t)
-    return {name: torch.stack(ts).contiguous() for name, ts in out.items()}
 
 
 def check_quant_token(device: str, dtype: torch.dtype, fmt: str, H: int, I: int) -> None:
