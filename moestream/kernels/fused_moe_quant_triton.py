@@ -5,6 +5,8 @@ shared, and every B tile is dequantized in registers as it is loaded (`moe_tiles
 packed bytes → values → q·scale + bias or codebook[q]·scale, in fp32, rounded once to the hidden
 dtype, exactly what the reference's dequantize-then-cast produces). No dequantized expert is ever
 written to memory, so a miss copies and a hit reads only the packed bytes, scales and biases.
+One token takes its own launches instead (fused_moe_token_quant.py: the packed words unpacked by
+value planes, the slot map and the CPU's split read in the kernels) where its format has them.
 No host sync: safe inside CUDA graphs.
 """
 
