@@ -22,7 +22,9 @@ code · 2^(bits·l) (l: its place among the values below bit 23), and one subtra
 code · 2^(bits·l); the stored inputs of that plane are pre-scaled by 2^-(bits·l), so the product is
 code · x exactly (powers of two change no rounding). Per group the affine weight q·s + b
 contributes s · Σ q·x + b · Σ x (fp32 sums of exact products, regrouped against the reference's
-dequantize-then-multiply); NF4 looks each code up in its 16-entry codebook: s · Σ code[q]·x.
+dequantize-then-multiply); NF4 looks each code up in its 16-entry codebook: s · Σ code[q]·x. The
+per-word sums are added up per group inside each thread before the scales meet them, so the scales'
+own (smaller) tile is the only one in another layout.
 
 Formats: affine int8 / int4 / int2 and NF4, where the group divides both input widths (every group
 whole). The others (3-bit values straddle words; ragged last groups) take the decode path.
@@ -53,7 +55,8 @@ from .pdl import pdl_args, release_consumer, wait_for_producer
 __all__ = ["QUANT_TOKEN_CONFIG", "one_token_quant", "takes_token_path", "token_moe_quant", "token_path_supported"]
 
 # Swept on an H100 at Qwen3-30B-A3B's shape in int4-g64 (`benchmarks/fused_moe_kernel.py --format int4
-# --tune-token`): 23.2 us cold for the three launches, against the decode path's 37.9.
+# --tune-token`): 20.5 us cold for the three launches, against the decode path's 38.0 (a swept down
+# tile of 2 columns × 256, 2 warps: 20.4).
 QUANT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(4, 512, 2), down=TokenTile(8, 256, 8))
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -105,6 +108,13 @@ def _nf_plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _per_group(t, ROWS: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr):
+    """(ROWS, W) per-word sums → (ROWS, W / WPG) per-group sums, within each thread's words: the group
+    scales then meet a tensor 1/WPG the size (one small layout change per K step, not one per word)."""
+    return tl.sum(tl.reshape(t, (ROWS, W // WPG, WPG)), axis=2)
+
+
+@triton.jit
 def _planes_kernel(x_ptr, out_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, BLOCK: tl.constexpr,
                    USE_PDL: tl.constexpr):
     """The hidden row as the gate_up launch reads it: fp32, value i at (i mod V) · H/V + i / V, times
@@ -152,21 +162,23 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
     offs_w = tl.arange(0, W)
     g_ptrs = q_ptr + _expert_offset(slot, num_slots, host_q, stride_qe) + rows[:, None] * stride_qn + offs_w[None, :]
     u_ptrs = g_ptrs + I * stride_qn
-    gs_ptrs = (s_ptr + _expert_offset(slot, num_slots, host_s, stride_se) + rows[:, None] * stride_sn
-               + (offs_w // WPG)[None, :])
+    GPB: tl.constexpr = BLOCK_K // GROUP  # groups per K step
+    offs_g = tl.arange(0, GPB)
+    gs_ptrs = s_ptr + _expert_offset(slot, num_slots, host_s, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
     us_ptrs = gs_ptrs + I * stride_sn
-    gz_ptrs = (z_ptr + _expert_offset(slot, num_slots, host_z, stride_se) + rows[:, None] * stride_sn
-               + (offs_w // WPG)[None, :])
+    gz_ptrs = z_ptr + _expert_offset(slot, num_slots, host_z, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
     uz_ptrs = gz_ptrs + I * stride_sn
     words_per_row = H // V
     x_ptrs = x_ptr + offs_w[None, :] + 0 * rows[:, None]   # the words' shape and contiguity: their layout
-    acc_g = tl.zeros((BLOCK_N, W), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, W), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             wm = tl.full((1, W), 1, tl.int1)
+            gm = tl.full((1, GPB), 1, tl.int1)
         else:
             wm = ((k0 // V + offs_w) < words_per_row)[None, :]
+            gm = ((k0 // GROUP + offs_g) < H // GROUP)[None, :]
         wg = tl.load(g_ptrs, mask=wm, other=0)
         wu = tl.load(u_ptrs, mask=wm, other=0)
         dg = tl.zeros((BLOCK_N, W), dtype=tl.float32)
@@ -181,17 +193,18 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
                 dg += _affine_plane(wg, p, BITS) * x
                 du += _affine_plane(wu, p, BITS) * x
                 xs += x * (1 << ((p % P0) * BITS))
-        acc_g += dg * tl.load(gs_ptrs, mask=wm, other=0.0).to(tl.float32)
-        acc_u += du * tl.load(us_ptrs, mask=wm, other=0.0).to(tl.float32)
+        acc_g += _per_group(dg, BLOCK_N, W, WPG) * tl.load(gs_ptrs, mask=gm, other=0.0).to(tl.float32)
+        acc_u += _per_group(du, BLOCK_N, W, WPG) * tl.load(us_ptrs, mask=gm, other=0.0).to(tl.float32)
         if not NF:
-            acc_g += tl.load(gz_ptrs, mask=wm, other=0.0).to(tl.float32) * xs
-            acc_u += tl.load(uz_ptrs, mask=wm, other=0.0).to(tl.float32) * xs
+            xg = _per_group(xs, BLOCK_N, W, WPG)
+            acc_g += tl.load(gz_ptrs, mask=gm, other=0.0).to(tl.float32) * xg
+            acc_u += tl.load(uz_ptrs, mask=gm, other=0.0).to(tl.float32) * xg
         g_ptrs += W
         u_ptrs += W
-        gs_ptrs += BLOCK_K // GROUP
-        us_ptrs += BLOCK_K // GROUP
-        gz_ptrs += BLOCK_K // GROUP
-        uz_ptrs += BLOCK_K // GROUP
+        gs_ptrs += GPB
+        us_ptrs += GPB
+        gz_ptrs += GPB
+        uz_ptrs += GPB
         x_ptrs += W
     release_consumer(USE_PDL)
     y = activate(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ACTIVATION, 1.0, 0.0)
@@ -232,18 +245,22 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
     offs_w = tl.arange(0, W)
     q_ptrs = (q_ptr + _expert_offset(slot_r, num_slots, host_q, stride_qe)[:, None]
               + col.to(tl.int64)[:, None] * stride_qn + offs_w[None, :])
+    GPB: tl.constexpr = BLOCK_K // GROUP
+    offs_g = tl.arange(0, GPB)
     s_ptrs = (s_ptr + _expert_offset(slot_r, num_slots, host_s, stride_se)[:, None]
-              + col.to(tl.int64)[:, None] * stride_sn + (offs_w // WPG)[None, :])
+              + col.to(tl.int64)[:, None] * stride_sn + offs_g[None, :])
     z_ptrs = (z_ptr + _expert_offset(slot_r, num_slots, host_z, stride_se)[:, None]
-              + col.to(tl.int64)[:, None] * stride_sn + (offs_w // WPG)[None, :])
+              + col.to(tl.int64)[:, None] * stride_sn + offs_g[None, :])
     a_ptrs = a_ptr + pair[:, None] * stride_am + offs_w[None, :]
-    acc = tl.zeros((R, W), dtype=tl.float32)
+    acc = tl.zeros((R, GPB), dtype=tl.float32)
     words_per_row = I // V
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
             m = live[:, None]
+            mg = live[:, None]
         else:
             m = live[:, None] & ((k0 // V + offs_w) < words_per_row)[None, :]
+            mg = live[:, None] & ((k0 // GROUP + offs_g) < I // GROUP)[None, :]
         words = tl.load(q_ptrs, mask=m, other=0)
         d = tl.zeros((R, W), dtype=tl.float32)
         xs = tl.zeros((R, W), dtype=tl.float32)
@@ -255,12 +272,12 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
             else:
                 d += _affine_plane(words, p, BITS) * x
                 xs += x * (1 << ((p % P0) * BITS))
-        acc += d * tl.load(s_ptrs, mask=m, other=0.0).to(tl.float32)
+        acc += _per_group(d, R, W, WPG) * tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32)
         if not NF:
-            acc += tl.load(z_ptrs, mask=m, other=0.0).to(tl.float32) * xs
+            acc += tl.load(z_ptrs, mask=mg, other=0.0).to(tl.float32) * _per_group(xs, R, W, WPG)
         q_ptrs += W
-        s_ptrs += BLOCK_K // GROUP
-        z_ptrs += BLOCK_K // GROUP
+        s_ptrs += GPB
+        z_ptrs += GPB
         a_ptrs += W
     release_consumer(USE_PDL)
     y = tl.reshape(tl.sum(acc, axis=1), (K_PAD, BLOCK_N))        # (pair, column)
