@@ -48,7 +48,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_decode import QuantOperand
-from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources, store_pair_rows
+from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources, host_offset, store_pair_rows
 from .moe_activation import activate
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
@@ -268,7 +268,6 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
             x = tl.load(a_ptrs + p * words_per_row, mask=m, other=0.0)
             if NF:
                 d += _nf_plane(words, p, code_ptr, BITS) * x
-                xs += x
             else:
                 d += _affine_plane(words, p, BITS) * x
                 xs += x * (1 << ((p % P0) * BITS))
@@ -285,23 +284,9 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
 
 
 def _words(t: Tensor) -> Tensor:
-    """Packed bytes (..., K·bits/8) as int32 words (the kernels' loads)."""
+    """Packed bytes (..., K·bits/8) as int32 words (the kernels' loads); a view of whole, 4-byte aligned
+    words, so `host_offset` between two of them counts whole words."""
     return t.view(torch.int32)
-
-
-def _word_offset(host: Tensor, slots: Tensor) -> int:
-    """`fused_moe_token.host_offset` in int32 words; a stack not 4-byte aligned against the slots is refused."""
-    gap = host.data_ptr() - slots.data_ptr()
-    if gap % 4 or host.shape[1:] != slots.shape[1:] or not host.is_contiguous():
-        raise ValueError("a host stack must be contiguous, match the slots' expert shape and sit a whole number "
-                         "of words from them")
-    return gap // 4
-
-
-def _elem_offset(host: Tensor, slots: Tensor) -> int:
-    from .fused_moe_token import host_offset
-
-    return host_offset(host, slots)
 
 
 def _tile(tile: TokenTile, K: int, group: int, bits: int) -> TokenTile:
@@ -329,15 +314,15 @@ def token_moe_quant(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand, i
     if host is not None:
         (hgu, hdn), take = host
         num_host = hgu.qweight.shape[0]
-        offs = tuple((_word_offset(_words(h.qweight), q), _elem_offset(h.scales, op.scales),
-                      _elem_offset(h.biases, op.biases))
+        offs = tuple((host_offset(_words(h.qweight), q), host_offset(h.scales, op.scales),
+                      host_offset(h.biases, op.biases))
                      for h, op, q in ((hgu, gate_up, gu_q), (hdn, down, dn_q)))
     split = take is not None
     ids1, w1 = ids.reshape(k), weights.reshape(k)
     has_map = slot_map is not None
     smap = slot_map if has_map else ids1
-    cut = torch.zeros_like(take) if split else ids1          # whole experts only (the CPU takes no cut)
-    take = take if split else ids1                           # unread placeholder pointers
+    take = take if split else ids1   # unread placeholder without a split
+    cut = take                       # `_sources` loads a cut; these kernels never use it (whole experts only)
     planes = torch.empty((H,), dtype=torch.float32, device=hidden.device)    # plane-ordered (_planes_kernel)
     _planes_kernel[(triton.cdiv(H, 1024),)](hidden, planes, H, BITS=bits, NF=nf, BLOCK=1024, num_warps=4,
                                             **pdl_args(hidden))
