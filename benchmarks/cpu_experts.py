@@ -3,10 +3,13 @@ reference), or copied over PCIe into a device slot.
 
     python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
         [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4] [--int4-path fp32]
+        [--prefetch 0 512 2048 --rounds 5]
 
 The experts live in one stacked host tensor of `--pool` experts (default 256: several hundred MB,
 far beyond the last-level cache, so every call reads DRAM, as a real miss does) and each timed
-call takes the next ones in turn. Results: `$OUT/cpu_experts.json` and a printed table.
+call takes the next ones in turn. With `--prefetch`, each setting's kernel time is taken for every
+prefetch distance in turn, `--rounds` times over (interleaved: the host drifts between runs), and the
+median of each is reported. Results: `$OUT/cpu_experts.json` and a printed table.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def main() -> None:
                     help="expert formats: bf16, or quantized ones (int4-g64, nf4, ...: the bf16 pool quantized)")
     ap.add_argument("--int4-path", choices=["bf16", "fp32"], default="bf16",
                     help="affine 4-bit experts with bf16 inputs: the bf16 dot products (default) or the fp32 path")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
+                    help="prefetch distances of the kernel's weight reads to compare (0: none; default: the kernel's own)")
+    ap.add_argument("--rounds", type=int, default=5, help="with --prefetch: interleaved rounds per distance")
     ap.add_argument("--memory", nargs="+", choices=["pinned", "huge"], default=["pinned"],
                     help="host memory of the pool: pinned by cudaHostAlloc (4 KiB pages), or anonymous memory "
                          "advised into transparent huge pages, then registered with CUDA")
@@ -124,6 +130,20 @@ def _measure(args, stack, expert_bytes, gen, cuda, kernel_fn, reference_fn) -> d
                     first = (i * m) % (P - m)
                     return torch.arange(first, first + m, dtype=torch.int32).expand(T, m).contiguous()
 
+                if args.prefetch:   # every distance in turn, rounds over: the median of each
+                    times = {pf: [] for pf in args.prefetch}
+                    for _ in range(args.rounds):
+                        for pf in args.prefetch:
+                            cpu_moe.set_prefetch(pf)
+                            times[pf].append(timed(lambda i: kernel_fn(x, stack, ids(i), w), args.calls))
+                    for pf, ts in times.items():
+                        t = sorted(ts)[len(ts) // 2]
+                        rows.append(dict(threads=threads, experts=m, tokens=T, prefetch=pf, kernel_us=t * 1e6,
+                                         kernel_gb_s=m * expert_bytes / t / 1e9))
+                        print(f"threads {threads:3d}  experts {m}  tokens {T:2d}  prefetch {pf:5d}  C kernel "
+                              f"{t * 1e6:8.1f} us ({m * expert_bytes / t / 1e9:6.1f} GB/s; rounds "
+                              + " ".join(f"{m * expert_bytes / x / 1e9:.0f}" for x in ts) + ")", flush=True)
+                    continue
                 kernel = timed(lambda i: kernel_fn(x, stack, ids(i), w), args.calls)
                 ref = timed(lambda i: reference_fn(x, stack, ids(i), w), max(2, args.calls // 8))
                 row = dict(threads=threads, experts=m, tokens=T, kernel_us=kernel * 1e6, torch_us=ref * 1e6,

@@ -5,10 +5,11 @@ same machine, checkpoint and bank.
     python3 benchmarks/hybrid_split.py --ckpt /tmp/q3 --out $OUT [--capacity 32] [--rounds 2]
         [--routing uniform trace] [--variants 0.6 0.6:whole 0.6:every8 0.5 0.7 auto 0.6:nopromote]
 
-A variant is `SHARE[:whole][:everyN][:nopromote]`: the CPU's share of a one-token call's misses
+A variant is `SHARE[:whole][:everyN][:nopromote][:pfBYTES]`: the CPU's share of a one-token call's misses
 (`auto`: the default balance, from its starting share), `whole` splits whole experts only (no
 expert shared by both sides), `everyN` refreshes the bank every N tokens instead of the default,
-`nopromote` never promotes. Each row gives decode tok/s, the bank's hit rate, the bytes per token
+`nopromote` never promotes, `pfBYTES` sets the CPU kernel's prefetch distance (default: the kernel's
+own, `cpu_moe.PREFETCH_BYTES`). Each row gives decode tok/s, the bank's hit rate, the bytes per token
 copied into the bank, computed by the CPU and read in place by the GPU, the CPU worker's busy
 time per token, how many split calls had the device wait for the CPU's answer, how long it
 waited per call and what share of the calls' time (post to answer) that was: the balance's
@@ -37,6 +38,7 @@ from benchmarks.common import log, write_result  # noqa: E402
 import moestream  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
 from moestream.experts.hybrid import HybridMisses, PromotionGauge  # noqa: E402
+from moestream.kernels import cpu_moe  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "traces" / "demo_heldout_trace.json"
 NEVER = 1 << 40
@@ -48,12 +50,13 @@ class Variant:
     share: float | None          # None: the default balance (auto), from its starting share
     whole: bool = False
     every: int | None = None     # tokens between refreshes (None: the policy's default)
+    prefetch: int | None = None  # the CPU kernel's prefetch distance in bytes (None: its default)
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         head, *flags = text.split(":")
         share = None if head == "auto" else float(head)
-        whole, every = False, None
+        whole, every, prefetch = False, None, None
         for flag in flags:
             if flag == "whole":
                 whole = True
@@ -61,9 +64,11 @@ class Variant:
                 every = NEVER
             elif flag.startswith("every") and flag[5:].isdigit():
                 every = int(flag[5:])
+            elif flag.startswith("pf") and flag[2:].isdigit():
+                prefetch = int(flag[2:])
             else:
-                raise SystemExit(f"unknown variant flag {flag!r} in {text!r}; use whole, everyN or nopromote.")
-        return cls(text, share, whole, every)
+                raise SystemExit(f"unknown variant flag {flag!r} in {text!r}; use whole, everyN, nopromote or pfN.")
+        return cls(text, share, whole, every, prefetch)
 
 
 def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, every: int) -> None:
@@ -75,6 +80,7 @@ def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, ev
     hybrid.quantum = 0 if variant.whole else quantum
     hybrid.refresh_every = variant.every or every
     hybrid.write_split()
+    cpu_moe.set_prefetch(variant.prefetch)
 
 
 def cold_start(engine, policy_state: dict) -> None:
@@ -106,6 +112,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[512, 256], help="uniform, trace")
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--cold", action="store_true", help="start every row from the bank as loaded")
+    ap.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                    help="after the rows, profile this many decode steps (uniform routing, the last row's split) and "
+                         "print where a layer's time goes between the post and collect launches")
     args = ap.parse_args()
     variants = [Variant.parse(v) for v in args.variants]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,76 @@ def main() -> None:
                 write_result(args.out, "hybrid_split", {"rows": rows, "variants": [asdict(v) for v in variants],
                                                          "capacity": args.capacity, "format": fmt,
                                                          "cold": args.cold})   # rows so far
+    if args.timeline:
+        apply_routing(engine, "uniform")
+        timeline(engine, args.prompt_tokens[0], args.timeline)
     engine.close()
+
+
+def timeline(engine, prompt_tokens: int, steps: int) -> dict:
+    """Where a hybrid decode step's time goes, from the kernels of `steps` graph replays: per MoE
+    layer, the device's own side (post end to collect start: hits and in-place reads), the collect
+    launch (its wait for the CPU's rows, then the add) and the chain from one layer's collect to the
+    next layer's post (attention, router: the CPU has nothing to do then); and the rest of a step
+    (the LM head, sampling, the host between steps). The profiler lengthens every launch a little."""
+    import collections
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from moestream.runtime.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, engine.config.vocab_size, (prompt_tokens,), generator=gen).tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 24, ignore_eos=True, temperature=1.0))
+    for _ in range(16):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    while not engine.scheduler.idle:
+        engine.step()
+    events.sort(key=lambda e: e["ts"])
+    if not events:
+        log("timeline: the profiler saw no kernels (a CUDA device is needed)")
+        return {}
+    end = [e["ts"] + e["dur"] for e in events]
+    posts = [i for i, e in enumerate(events) if "_post_kernel" in e["name"]]
+    collects = [i for i, e in enumerate(events) if "_collect_kernel" in e["name"]]
+    collects = [c for c in collects if c + 1 >= len(events) or "_collect_kernel" not in events[c + 1]["name"]]
+    segments = collections.defaultdict(list)
+    chain_kernels = collections.Counter()
+    for p, c in zip(posts, collects):   # each post with the last collect program of its layer
+        first_c = c
+        while first_c > p and "_collect_kernel" in events[first_c - 1]["name"]:
+            first_c -= 1
+        segments["own side (post end to collect start)"].append(events[first_c]["ts"] - end[p])
+        segments["collect (wait + add)"].append(end[c] - events[first_c]["ts"])
+        nxt = next((q for q in posts if q > c), None)
+        if nxt is not None:
+            gap = events[nxt]["ts"] - end[c]
+            key = "chain to the next post" if gap < 400 else "between steps (last layer to next step's first post)"
+            segments[key].append(gap)
+            if gap < 400:
+                for e in events[c + 1:nxt]:
+                    chain_kernels[e["name"][:60]] += e["dur"]
+    total = (end[-1] - events[0]["ts"]) / steps
+    out = {"us_per_step": total, "layers_per_step": len(posts) / steps}
+    log(f"timeline: {total:.0f} us per step, {len(posts) / steps:.0f} posts per step")
+    for key, vals in segments.items():
+        mean = sum(vals) / max(len(vals), 1)
+        out[key] = mean
+        log(f"  {key:55s} mean {mean:8.1f} us  over {len(vals)}  ({mean * len(vals) / steps / total:5.1%} of a step)")
+    n_chain = max(len(segments["chain to the next post"]), 1)
+    log("  kernels in the chain, us per layer:")
+    for name, dur in chain_kernels.most_common(16):
+        log(f"    {dur / n_chain:7.2f}  {name}")
+    return out
 
 
 if __name__ == "__main__":

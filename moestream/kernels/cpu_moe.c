@@ -56,6 +56,16 @@ static inline float widen(const void *w, int dtype, size_t i) {
     return dtype == W_BF16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
+/* How far ahead of its reads a weight stream asks for lines (bytes; 0: none), set by
+ * `moe_cpu_set_prefetch` (cpu_moe.py sets its PREFETCH_BYTES at load). The rows are read in order,
+ * so the hardware prefetchers follow them, but they stop at every 4 KiB page and keep few lines in
+ * flight per core: a core waiting on DRAM reads a few GB/s, and 15 of them fall well short of the
+ * host's bandwidth. Asking ahead keeps more lines in flight (benchmarks/cpu_experts.py --prefetch
+ * sweeps it). */
+static int prefetch_bytes = 0;
+
+void moe_cpu_set_prefetch(int bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
+
 #define TT 4   /* tokens per tile: their accumulators stay in registers while one row streams by */
 
 #if defined(__AVX512BF16__)
@@ -68,6 +78,10 @@ static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt
         __m512 acc1 = _mm512_setzero_ps();
         int k = 0;
         for (; k + 64 <= K; k += 64) {
+            if (prefetch_bytes) {
+                _mm_prefetch((const char *)(r + k) + prefetch_bytes, _MM_HINT_T0);
+                _mm_prefetch((const char *)(r + k) + prefetch_bytes + 64, _MM_HINT_T0);
+            }
             acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xs[0] + k));
             acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(r + k + 32), (__m512bh)_mm512_loadu_si512(xs[0] + k + 32));
         }
@@ -261,6 +275,7 @@ static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, con
     for (int g = 0; g < G; g++) {
         __m512 gacc = _mm512_setzero_ps();
         for (int j = g * gbytes; j < (g + 1) * gbytes; j += 32) {
+            if (prefetch_bytes) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
             const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
             const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
             const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
@@ -337,24 +352,39 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
                              const float *pair_w, const void *x, float *scratch, void *act_buf, float *out,
                              const int32_t *lim) {
     const int two_i = 2 * I;
-    const int up_tasks = (two_i + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int down_tasks = (H + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int n_pairs = pair_off[n_used];
     const int dense_bf16 = !W->quantized && W->dtype == W_BF16;
     const int v = W->quantized ? 8 / W->bits : 1;
     const size_t esize = dense_bf16 ? 2 : 4;
     long lo, hi;
-    /* 1. gate_up rows of every used expert, for all its tokens at once */
-    share_of((long)n_used * up_tasks, tid, nth, &lo, &hi);
-    for (long task = lo; task < hi; task++) {
-        int u = (int)(task / up_tasks), r0 = (int)(task % up_tasks) * ROWS_PER_TASK;
-        int r1 = r0 + ROWS_PER_TASK < two_i ? r0 + ROWS_PER_TASK : two_i;
-        int p0 = pair_off[u], np = pair_off[u + 1] - p0;
-        size_t base = (size_t)experts[u] * two_i;
-        const int keep = lim ? lim[u] : I;   /* a shared expert: its intermediate rows [0, keep) only */
-        for (int r = r0; r < r1; r++)
-            if ((r < I ? r : r - I) < keep)
+    /* 1. gate_up rows of every used expert, for all its tokens at once. The tasks cover the rows
+     * computed, not the experts' whole height: a shared expert's gate rows [0, keep) and up rows
+     * [I, I + keep) only, so every thread's range holds the same bytes (an equal split of the whole
+     * height would leave the threads whose range falls past `keep` idle while the others read). */
+    long n_tasks = 0;
+    for (int u = 0; u < n_used; u++) n_tasks += 2 * (((lim ? lim[u] : I) + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    share_of(n_tasks, tid, nth, &lo, &hi);
+    {
+        int u = 0;
+        long first = 0;   /* expert u's first task */
+        for (long task = lo; task < hi; task++) {
+            int keep, per;
+            for (;;) {   /* the expert of this task: a shared expert's intermediate rows [0, keep) only */
+                keep = lim ? lim[u] : I;
+                per = (keep + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+                if (task < first + 2 * per) break;
+                first += 2 * per;
+                u++;
+            }
+            const int t = (int)(task - first), half = t / per;   /* half 0: gate rows, 1: up rows */
+            const int r0 = half * I + (t % per) * ROWS_PER_TASK;
+            const int r1 = r0 + ROWS_PER_TASK < half * I + keep ? r0 + ROWS_PER_TASK : half * I + keep;
+            const int p0 = pair_off[u], np = pair_off[u + 1] - p0;
+            const size_t base = (size_t)experts[u] * two_i;
+            for (int r = r0; r < r1; r++)
                 rows_dot(W, 0, base + r, H, x, H, 0, pair_tok + p0, np, scratch + (size_t)p0 * two_i + r, two_i);
+        }
     }
     bar(bar_arg);
     /* 2. the activation in fp32, stored as the down product takes it */
@@ -387,10 +417,12 @@ static void run_experts_part(int tid, int nth, Barrier bar, void *bar_arg, const
         }
     }
     bar(bar_arg);
-    /* 3. down rows: each thread owns output rows, experts in a fixed order (deterministic sums) */
+    /* 3. down rows: each thread owns a range of output rows and streams it expert by expert (one
+     * contiguous run of each expert's rows), adding the experts to each row in a fixed order
+     * (deterministic sums). */
     share_of(down_tasks, tid, nth, &lo, &hi);
-    for (long task = lo; task < hi; task++) {
-        int r0 = (int)task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < H ? r0 + ROWS_PER_TASK : H;
+    {
+        const int r0 = (int)lo * ROWS_PER_TASK, r1 = hi * ROWS_PER_TASK < H ? (int)hi * ROWS_PER_TASK : H;
         float y[64];
         for (int u = 0; u < n_used; u++) {
             int p0 = pair_off[u], np = pair_off[u + 1] - p0;

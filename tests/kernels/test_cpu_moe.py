@@ -195,3 +195,68 @@ def test_the_stream_worker_answers_every_post_when_most_have_no_cpu_work():
     finally:
         worker.close()
     assert box.served()[1] == 400
+
+
+def _cpu_part(x, stack, ids, w, take, cut):
+    """The CPU's rows of a split one-token post, in fp32: the first `take` pairs whole, then the
+    intermediate rows [0, cut) of the next pair."""
+    gate_up, down = stack["gate_up"], stack["down"]
+    I = down.shape[-1]
+    out = moe_reference(x, gate_up, down, ids[None, :take], w[:, :take], "swiglu") if take else torch.zeros_like(x)
+    if 0 < cut < I and take < ids.numel():
+        e = int(ids[take])
+        g = x @ gate_up[e, :cut].T
+        u = x @ gate_up[e, I:I + cut].T
+        out = out + w[0, take] * ((torch.nn.functional.silu(g) * u) @ down[e, :, :cut].T)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 5])
+def test_the_stream_worker_computes_whole_pairs_and_a_cut_one(threads):
+    """A split post: the worker computes the first `take` of the pairs outside the bank and the
+    intermediate rows [0, cut) of the next, at every take and at cuts inside and across the
+    kernel's row tasks, on a team whose threads share the rows unevenly."""
+    E, H, I, k = 6, 64, 48, 4
+    stack = _experts(E, H, I, torch.float32, bias=False, seed=5)
+    box = cpu_moe.Mailbox(E, k, H, max_tokens=1, dtype=torch.float32, pin=False)
+    box.outside.fill_(1)
+    worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=1, threads=threads)
+    g = torch.Generator().manual_seed(6)
+    seq = 0
+    try:
+        for take in range(k):
+            for cut in (0, 5, 16, 20, 47):
+                seq += 1
+                ids = torch.randperm(E, generator=g)[:k].to(torch.int32)
+                x, w = torch.randn(1, H, generator=g), torch.rand(1, k, generator=g)
+                box.ids[:k].copy_(ids)
+                box.weights[:k].copy_(w[0])
+                box.hidden[:H].copy_(x[0])
+                box.post[1], box.post[2], box.post[3] = 1, take, cut
+                cpu_moe.publish(box.post, seq)
+                assert cpu_moe.wait_answer(box.result, seq, timeout_s=20.0), f"post {seq} was not answered"
+                want = _cpu_part(x, stack, ids, w, take, cut)
+                torch.testing.assert_close(box.rows[:H].view(1, H), want, rtol=1e-5, atol=1e-5)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_prefetch_distance_changes_no_result(dtype):
+    """Prefetching only asks for lines early: every distance, none included, gives the same bits."""
+    E, H, I, T, k = 6, 128, 64, 3, 2
+    stack = _experts(E, H, I, dtype, bias=False, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g)
+    outs = []
+    try:
+        for nbytes in (0, 64, 2048, 1 << 20):
+            cpu_moe.set_prefetch(nbytes)
+            outs.append(cpu_moe.cpu_moe(x, stack, ids, w, out_dtype=torch.float32))
+    finally:
+        cpu_moe.set_prefetch(None)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0], moe_reference(x.float(), stack["gate_up"].float(), stack["down"].float(), ids, w,
+                                                      "swiglu"), rtol=2e-2, atol=2e-2)
