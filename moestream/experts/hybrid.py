@@ -233,7 +233,7 @@ class HybridMisses:
             device.type == "cpu" or all(fmt.uses_kernels(device, shape) for fmt in slots.formats.values()))
         self.expert_bytes = {layer: fmt.nbytes(shape) for layer, fmt in slots.formats.items()}
         dtype = next(iter(slots.formats.values())).dtype
-        self.mailboxes = {layer: Mailbox(E, top_k, shape.hidden, max_tokens, dtype, pin=device.type == "cuda")
+        self.mailboxes = {layer: Mailbox(top_k, shape.hidden, max_tokens, dtype, pin=device.type == "cuda")
                           for layer in slots}
         # Device-side counters of every layer in three tensors, copied out once each per refresh: per
         # expert (use, miss); per layer pairs (bank, read in place, CPU, shared, the CPU's rows of the
@@ -336,26 +336,23 @@ class HybridMisses:
 
     # ---- between steps ------------------------------------------------------------------
     def sync_maps(self) -> None:
-        """Take in the promotions that have landed, then rebuild each layer's one-token map (experts
-        outside the bank: S + e) and the worker's view of what is outside, after the bank changed
-        (the worker is idle between steps: the last step's launches waited for every answer)."""
+        """Rebuild the one-token map (experts outside the bank: S + e) of every layer whose residency
+        changed since the last call, from the host mirror (no read-back). The copies queue on the
+        compute stream behind the step in flight, which still reads the old maps, so nobody waits:
+        `after_step` calls this while the device runs a step, and the next step starts from the bank
+        as it is then; `begin_step` calls it again for changes made between steps (a prompt through
+        the fetch policy, a fill). The worker keeps no map of its own: each post names its pairs."""
         if self.closed:
             raise RuntimeError("this engine was closed: its CPU expert worker has stopped; load it again")
-        if self.landings:
-            self.land()
         if self.slots.version == self._version:
             return
         S, E = self.slots.capacity, self.slots.num_experts
-        if self.device.type == "cuda":
-            # The worker reads `outside` while a step runs: the last one must be over (it is, where the
-            # caller read its token; this wait only holds for a caller that did not).
-            torch.cuda.current_stream(self.device).synchronize()
+        pin = self.device.type == "cuda"
         for layer, version in self.slots.layer_version.items():
             if self._layer_version.get(layer) == version:
                 continue                                         # only the layers that changed
-            one_map = self.slots[layer].host_map(E, outside=S)   # from the host mirror: no read-back
-            self.one_token_maps[layer].copy_(one_map)
-            self.mailboxes[layer].outside.copy_(one_map[:E] >= S)
+            one_map = self.slots[layer].host_map(E, outside=S)
+            self.one_token_maps[layer].copy_(one_map.pin_memory() if pin else one_map, non_blocking=pin)
             self._layer_version[layer] = version
         self._version = self.slots.version
 
@@ -363,7 +360,9 @@ class HybridMisses:
         """Every `refresh_every` tokens, snapshot the device counters without waiting (a copy into
         pinned memory and an event, behind the step just launched); at a later step, once the
         snapshot has landed, fold it and refresh the bank. Both happen while the device runs a step,
-        so neither the read-back nor the victim choice sits between two steps."""
+        so neither the read-back nor the victim choice sits between two steps. The promotions that
+        have landed join the bank, and the maps follow the bank, here too, behind the step in flight:
+        the next step starts without host work on the bank."""
         self._since_refresh += tokens
         if self._snapshot is not None and self._snapshot.landed():
             self._fold_snapshot()
@@ -373,6 +372,9 @@ class HybridMisses:
         if self._since_refresh >= self.refresh_every and self._snapshot is None:
             self._snapshot = self._take_snapshot(self._since_refresh)
             self._since_refresh = 0
+        if self.landings:
+            self.land()
+        self.sync_maps()
 
     def refresh(self, tokens: int = REFRESH_EVERY) -> None:
         """Fold the counters now (waiting for the device) and refresh the bank."""

@@ -516,8 +516,9 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
  * computes them; thread 0 publishes the sequence number last. Sequence numbers are counted per
  * layer on the device.
  *
- * Which pairs are the CPU's: those whose expert `outside[e]` marks as not in the bank; where the
- * post's header gives a take (a one-token call the device splits: take[m] of its m such pairs, from
+ * Which pairs are the CPU's: those the post names (it writes -1 for a pair the bank serves, from
+ * the device's own map, so the bank can change between any two steps without telling the worker);
+ * where the post's header gives a take (a one-token call the device splits: take[m] of its m such pairs, from
  * the device's own table) only the first `take` of them in routing order, the device reading the
  * others from host memory. The device's table is the only one: it can change between any two steps. The team stays inside one parallel
  * region and spins between layers (a sleeping OpenMP team costs a wake-up per layer); after 2 ms
@@ -525,7 +526,6 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
 
 typedef struct {
     const void *gate_up, *down, *gate_up_bias, *down_bias;   /* host stacks (E, 2I, H), (E, H, I) */
-    const uint8_t *outside;                                   /* (E) 1 where the expert is not in the bank */
     volatile int32_t *post;                                   /* [0] seq, [1] tokens, [2] take (-1: all), [3] cut */
     const int32_t *ids;                                       /* (max_tokens, k) */
     const float *weights;                                     /* (max_tokens, k) */
@@ -615,7 +615,7 @@ static void group_pairs(StreamWorker *w, StreamLayer *L, int T) {
     for (int t = 0; t < T; t++)
         for (int j = 0; j < w->k; j++) {
             int32_t e = L->ids[t * w->k + j];
-            if (e < 0 || e >= w->E || !L->outside[e]) continue;
+            if (e < 0 || e >= w->E) continue;   /* -1: the bank serves it (or unrouted) */
             int lim = w->I;
             if (take >= 0) {
                 const int rank = taken++;

@@ -309,7 +309,7 @@ class _StreamLayer(ctypes.Structure):
     """One layer as the worker sees it (`StreamLayer` in cpu_moe.c)."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in (
-        "gate_up", "down", "gate_up_bias", "down_bias", "outside", "post", "ids", "weights", "hidden", "result", "out",
+        "gate_up", "down", "gate_up_bias", "down_bias", "post", "ids", "weights", "hidden", "result", "out",
         "busy_s", "counts", "gate_up_scales", "gate_up_qbias", "down_scales", "down_qbias", "table")),
         *((name, ctypes.c_int32) for name in ("quantized", "bits", "group", "sdtype"))]
 
@@ -327,18 +327,17 @@ def code_table(spec: QuantSpec) -> Tensor:
 class Mailbox:
     """One MoE layer's exchange with the worker, in pinned host memory: what the device posts (header
     [seq, tokens, take, cut], the routing, the routing weights, the hidden rows) and what the worker
-    answers (header [seq, pairs computed], fp32 rows). `outside` marks the experts not in the bank
-    (1 per expert), which the bank rewrites between steps: the CPU computes their pairs, where the
-    post's take is not -1 only the first take of them in routing order, and the intermediate rows
-    [0, cut) of the next where cut > 0 (the device computes the rest)."""
+    answers (header [seq, pairs computed], fp32 rows). The posted ids name the pairs outside the bank
+    (-1 for a pair the bank serves): the CPU computes those, where the post's take is not -1 only the
+    first take of them in routing order, and the intermediate rows [0, cut) of the next where cut > 0
+    (the device computes the rest)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
+    def __init__(self, top_k: int, hidden: int, max_tokens: int, dtype: torch.dtype, pin: bool):
         def empty(n: int, dt: torch.dtype) -> Tensor:
             return torch.zeros(n, dtype=dt, pin_memory=pin)
         self.post, self.result = empty(16, torch.int32), empty(16, torch.int32)   # a 64-byte line each
         self.ids, self.weights = empty(max_tokens * top_k, torch.int32), empty(max_tokens * top_k, torch.float32)
         self.hidden, self.rows = empty(max_tokens * hidden, dtype), empty(max_tokens * hidden, torch.float32)
-        self.outside = empty(num_experts, torch.uint8)
         self.busy_s, self.counts = torch.zeros(1, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)
 
     def served(self) -> tuple[float, int, int, int]:
@@ -394,7 +393,7 @@ class StreamWorker:
                              table=_ptr(tables[layer]))
             structs[i] = _StreamLayer(
                 gate_up=_ptr(gate_up), down=_ptr(down), gate_up_bias=_ptr(stack.get("gate_up_bias")),
-                down_bias=_ptr(stack.get("down_bias")), outside=_ptr(box.outside), post=_ptr(box.post),
+                down_bias=_ptr(stack.get("down_bias")), post=_ptr(box.post),
                 ids=_ptr(box.ids), weights=_ptr(box.weights), hidden=_ptr(box.hidden), result=_ptr(box.result),
                 out=_ptr(box.rows), busy_s=_ptr(box.busy_s), counts=_ptr(box.counts), **quant)
         self._keep = (stacks, mailboxes, tables)

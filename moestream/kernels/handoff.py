@@ -4,7 +4,8 @@ Hybrid misses run a decode step as one CUDA graph while the CPU computes its sha
 missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the hand-off:
 
 * `post` (one program): bumps the layer's sequence number (a device counter: graph replays need
-  no host), writes the hidden rows, expert ids and routing weights into the layer's pinned
+  no host), writes the hidden rows, expert ids (-1 for a pair the bank serves: the device's map is
+  the only record of what is resident, read here) and routing weights into the layer's pinned
   `Mailbox`, counts the routed pairs by where they are served (bank, read from host memory by the
   GPU, computed by the CPU) and per expert (used, missed: the bank's refresh reads them), then,
   after a system-scope fence, publishes the sequence number. The worker polls for it.
@@ -121,12 +122,12 @@ if triton is not None:
         p = tl.arange(0, PAIRS)
         pm = p < n_pairs
         e = tl.load(ids_ptr + p, mask=pm, other=-1).to(tl.int32)
-        tl.store(box_ids_ptr + p, e, mask=pm)
-        tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
-        tl.store(hdr_ptr + 1, T)
         valid = pm & (e >= 0)
         src = tl.load(map_ptr + tl.maximum(e, 0), mask=valid, other=-1)
         in_bank = valid & (src >= 0) & (src < num_slots)
+        tl.store(box_ids_ptr + p, tl.where(in_bank, -1, e), mask=pm)   # the worker's pairs: those outside the bank
+        tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
+        tl.store(hdr_ptr + 1, T)
         tl.atomic_add(use_ptr + e, 1, mask=valid)
         tl.atomic_add(miss_ptr + e, 1, mask=valid & ~in_bank)
         tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
@@ -214,11 +215,11 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     seq = int(h.seq[0]) + 1
     h.seq[0] = seq
     flat = ids[:T].reshape(-1).to(torch.int32)
-    box.ids[:n_pairs].copy_(flat)
+    src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
+    box.ids[:n_pairs].copy_(torch.where(((src >= 0) & (src < num_slots)).reshape(-1), -1, flat))
     box.weights[:n_pairs].copy_(weights[:T].reshape(-1).float())
     box.hidden[:T * H].copy_(hidden[:T].reshape(-1))
     box.post[1] = T
-    src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
     split = cpu_take is not None and T == 1
     m = int((src >= num_slots).sum())
     take = int(cpu_take[m]) if split else -1

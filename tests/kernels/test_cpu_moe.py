@@ -172,17 +172,16 @@ def test_the_stream_worker_answers_every_post_when_most_have_no_cpu_work():
     twice and deadlocked the team (answers stopped and `close` never returned)."""
     E, H, I, k = 6, 64, 48, 2
     stack = _experts(E, H, I, torch.float32, bias=False, seed=3)
-    box = cpu_moe.Mailbox(E, k, H, max_tokens=1, dtype=torch.float32, pin=False)
-    box.outside.copy_(torch.tensor([1, 1, 1, 0, 0, 0], dtype=torch.uint8))   # experts 0-2 are the CPU's
+    box = cpu_moe.Mailbox(k, H, max_tokens=1, dtype=torch.float32, pin=False)
     threads = 2 * len(cpu_moe.usable_cpus()) + 2
     worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=1, threads=threads)
     g = torch.Generator().manual_seed(4)
     try:
         for seq in range(1, 401):
-            cpu_side = seq % 4 == 0   # three posts in four have nothing for the CPU
-            ids = torch.randperm(3, generator=g)[:k].to(torch.int32) + (0 if cpu_side else 3)
+            cpu_side = seq % 4 == 0   # three posts in four have nothing for the CPU (the bank serves them: -1)
+            ids = torch.randperm(3, generator=g)[:k].to(torch.int32)
             x, w = torch.randn(1, H, generator=g), torch.rand(1, k, generator=g)
-            box.ids[:k].copy_(ids)
+            box.ids[:k].copy_(ids if cpu_side else torch.full_like(ids, -1))
             box.weights[:k].copy_(w[0])
             box.hidden[:H].copy_(x[0])
             box.post[1], box.post[2], box.post[3] = 1, -1, 0
@@ -218,8 +217,7 @@ def test_the_stream_worker_computes_whole_pairs_and_a_cut_one(threads):
     kernel's row tasks, on a team whose threads share the rows unevenly."""
     E, H, I, k = 6, 64, 48, 4
     stack = _experts(E, H, I, torch.float32, bias=False, seed=5)
-    box = cpu_moe.Mailbox(E, k, H, max_tokens=1, dtype=torch.float32, pin=False)
-    box.outside.fill_(1)
+    box = cpu_moe.Mailbox(k, H, max_tokens=1, dtype=torch.float32, pin=False)
     worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=1, threads=threads)
     g = torch.Generator().manual_seed(6)
     seq = 0
