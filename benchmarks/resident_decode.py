@@ -33,7 +33,7 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = moestream.load(args.ckpt, device="cuda", dtype="bfloat16", max_context=4096)
     load_s = time.perf_counter() - t0
-    routing = UniformRouting(engine.config.top_k) if args.routing == "uniform" else None
+    routing = UniformRouting(engine.config.top_k, engine.device) if args.routing == "uniform" else None
     if routing is not None:
         use_routing(engine, routing)
     res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature, routing=routing)

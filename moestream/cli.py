@@ -498,7 +498,7 @@ def cmd_bench(args) -> int:
     if args.routing == "uniform" or trace is not None:
         from moestream.bench import TraceRouting, UniformRouting, use_routing
 
-        routing = (UniformRouting(engine.config.top_k) if trace is None else TraceRouting.for_engine(trace, engine))
+        routing = (UniformRouting(engine.config.top_k, engine.device) if trace is None else TraceRouting.for_engine(trace, engine))
         use_routing(engine, routing)
     result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed,
                        temperature=args.temperature, routing=routing)

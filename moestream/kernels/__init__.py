@@ -159,6 +159,12 @@ def router_topk(logits: Tensor, k: int, mode: int, renormalise: bool) -> tuple[T
     return _triton_module("router_topk").router_topk(logits, k, mode, renormalise)
 
 
+def uniform_topk(logits: Tensor, k: int, draws: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """Benchmark routing in one launch (Triton, CUDA): k distinct experts per row drawn uniformly,
+    weighted by the router's softmax at them, renormalised; `draws` counts rows drawn (device)."""
+    return _triton_module("router_topk").uniform_topk(logits, k, draws, seed)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, except for one row of a CUDA tensor with the fused ops on: there the Triton GEMV
     (gemv_triton.py), which reaches more of the memory bandwidth than cuBLAS on a decoder layer's

@@ -62,3 +62,48 @@ def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> t
                                   BLOCK_K=triton.next_power_of_2(k), num_warps=4,
                                   **pdl_args(logits))
     return weights, ids
+
+
+@triton.jit
+def _uniform_topk_kernel(logits_ptr, weights_ptr, ids_ptr, draws_ptr, E, stride, seed, K: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """k distinct experts drawn uniformly (the k largest of E uniform numbers), weighted by the
+    router's softmax at them, renormalised: the softmax over the chosen logits alone."""
+    wait_for_producer(USE_PDL)
+    release_consumer(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    draw = tl.atomic_add(draws_ptr, 1).to(tl.int64)   # a fresh stream per row and call, counted on the device
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    u = tl.where(valid, tl.rand(seed, (draw * BLOCK_E + e).to(tl.int32)), -1.0)
+    z = tl.load(logits_ptr + row * stride + e, mask=valid, other=float("-inf")).to(tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    top = tl.full((BLOCK_K,), float("-inf"), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(u, axis=0)
+        idx = tl.min(tl.where(u == best, e, BLOCK_E), axis=0)
+        top = tl.where(kk == j, tl.sum(tl.where(e == idx, z, 0.0), axis=0), top)
+        ids = tl.where(kk == j, idx.to(tl.int64), ids)
+        u = tl.where(e == idx, -1.0, u)
+    chosen = kk < K
+    q = tl.where(chosen, tl.exp(top - tl.max(top, axis=0)), 0.0)
+    tl.store(weights_ptr + row * K + kk, q / tl.sum(q, axis=0), mask=chosen)
+    tl.store(ids_ptr + row * K + kk, ids, mask=chosen)
+
+
+def uniform_topk(logits: torch.Tensor, k: int, draws: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Benchmark routing in one launch: (weights (T, k) fp32, ids (T, k) int64), k distinct experts
+    per row drawn uniformly and weighted by the router's own probabilities at them, renormalised.
+    `draws` ((1,) int64 on the device) counts the rows drawn so far; each row takes the next random
+    stream of `seed`, so captured graphs draw anew at every replay."""
+    T, E = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    if T:
+        _uniform_topk_kernel[(T,)](logits, weights, ids, draws, E, logits.stride(0), seed, K=k,
+                                   BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
+                                   num_warps=4, **pdl_args(logits))
+    return weights, ids

@@ -117,12 +117,40 @@ def check_router(device: str, dtype: torch.dtype) -> None:
     assert ((ids >= 0) & (ids < 16)).all(), "NaN logits still give in-range expert ids"
 
 
+def check_uniform_router(device: str, dtype: torch.dtype) -> None:
+    """Benchmark routing in one launch: k distinct ids in range per row, weighted by the router's
+    softmax at them, renormalised; each call draws anew (the device counter), every expert gets
+    drawn about as often as the others, and E not a power of two stays in range."""
+    g = torch.Generator().manual_seed(7)
+    for T, E, k in ((3, 128, 8), (2, 60, 4)):
+        draws = torch.zeros(1, dtype=torch.int64, device=device)
+        counts = torch.zeros(E)
+        calls = 40 if E == 128 else 10
+        first = None
+        for i in range(calls):
+            logits = torch.randn(T, E, generator=g).to(device, dtype)
+            w, ids = kernels.uniform_topk(logits, k, draws, seed=1234)
+            assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, k)
+            ids_c = ids.cpu()
+            assert ((ids_c >= 0) & (ids_c < E)).all()
+            assert all(len(set(row.tolist())) == k for row in ids_c), "ids repeat within a row"
+            want = logits.float().softmax(-1).gather(-1, ids)
+            _close(w, want / want.sum(-1, keepdim=True), "uniform router weights")
+            counts += torch.bincount(ids_c.reshape(-1), minlength=E).float()
+            first = ids_c if first is None else first
+        assert int(draws.item()) == T * calls
+        assert not torch.equal(first, ids_c)                  # later calls draw other experts
+        if E == 128:   # 40 calls × 3 rows × 8 = 960 draws, 7.5 per expert: none missing, none far above
+            assert counts.min() >= 1 and counts.max() <= 25, counts
+
+
 def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
     for dtype in dtypes:
         check_norms(device, dtype)
         check_norm_rope(device, dtype)
         check_qk_rope_paged(device, dtype)
         check_router(device, dtype)
+        check_uniform_router(device, dtype)
         check_moe_pairs(device, dtype)
         check_gemv(device, dtype)
 

@@ -185,6 +185,17 @@ def test_norm_and_router_kernels_compile_with_programmatic_launch(residual):
                    options={"num_warps": 4})
 
 
+def test_uniform_router_kernel_compiles():
+    """Benchmark routing's one launch: uniform draws from a device counter, the router's weights."""
+    from moestream.kernels.router_topk_triton import _uniform_topk_kernel
+
+    consts = {"K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "USE_PDL": True}
+    sig = _sig({"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64", "draws_ptr": "*i64"},
+               ["E", "stride", "seed"], [], consts)
+    triton.compile(ASTSource(fn=_uniform_topk_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+
+
 def test_split_slots_kernel_compiles():
     """The quantized host reads' split of a call's slots between the CPU and the device, one launch."""
     from moestream.kernels.fused_moe_quant_triton import _split_slots_kernel
