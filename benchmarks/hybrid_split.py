@@ -202,7 +202,7 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
     collects = [i for i, e in enumerate(events) if "_collect_kernel" in e["name"]]
     collects = [c for c in collects if c + 1 >= len(events) or "_collect_kernel" not in events[c + 1]["name"]]
     segments = collections.defaultdict(list)
-    chain_kernels = collections.Counter()
+    chain_kernels, step_kernels = collections.Counter(), collections.Counter()
     for p, c in zip(posts, collects):   # each post with the last collect program of its layer
         first_c = c
         while first_c > p and "_collect_kernel" in events[first_c - 1]["name"]:
@@ -214,9 +214,8 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
             gap = events[nxt]["ts"] - end[c]
             key = "chain to the next post" if gap < 400 else "between steps (last layer to next step's first post)"
             segments[key].append(gap)
-            if gap < 400:
-                for e in events[c + 1:nxt]:
-                    chain_kernels[e["name"][:60]] += e["dur"]
+            for e in events[c + 1:nxt]:
+                (chain_kernels if gap < 400 else step_kernels)[e["name"][:60]] += e["dur"]
     total = (end[-1] - events[0]["ts"]) / steps
     out = {"us_per_step": total, "layers_per_step": len(posts) / steps}
     log(f"timeline: {total:.0f} us per step, {len(posts) / steps:.0f} posts per step")
@@ -228,6 +227,10 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
     log("  kernels in the chain, us per layer:")
     for name, dur in chain_kernels.most_common(16):
         log(f"    {dur / n_chain:7.2f}  {name}")
+    n_steps = max(len(segments["between steps (last layer to next step's first post)"]), 1)
+    log("  kernels between steps, us per step:")
+    for name, dur in step_kernels.most_common(12):
+        log(f"    {dur / n_steps:7.2f}  {name}")
     return out
 
 
