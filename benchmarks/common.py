@@ -97,3 +97,31 @@ def write_result(out: Path, name: str, result: dict) -> None:
     result["date"] = time.strftime("%Y-%m-%d")
     result["torch"] = torch.__version__
     write_json_atomic(out / f"{name}.json", result, indent=2)   # a script killed mid-write leaves the last whole file
+
+
+def step_kernels(engine, prompt: list[int], steps: int, warm_steps: int, params) -> list[dict]:
+    """The CUDA kernels (chrome-trace events, in time order) of `steps` engine steps of one request
+    (`prompt`, SamplingParams `params`), after `warm_steps` untimed ones (the prefill among them);
+    the request is then run to its end. Decode steps replay their CUDA graphs, kernel by kernel."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(prompt, params)
+    if not torch.cuda.is_available():   # no kernels to see: the steps run, unprofiled
+        while not engine.scheduler.idle:
+            engine.step()
+        return []
+    for _ in range(warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    while not engine.scheduler.idle:
+        engine.step()
+    return sorted(events, key=lambda e: e["ts"])

@@ -108,28 +108,12 @@ def graph_profile(engine, prompt: list[int], steps: int = 16) -> None:
     step by kernel, and the idle time between consecutive kernels (under 5 µs: inside a replay;
     longer: the host's work between steps, stretched by the profiler itself)."""
     import collections
-    import json
-    import tempfile
 
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    from benchmarks.common import step_kernels
     from moestream.runtime.sampling import SamplingParams
 
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
-    for _ in range(8):            # the prefill and a few steps outside the trace
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e for e in json.load(open(f.name))["traceEvents"] if e.get("cat") == "kernel"]
-    while not engine.scheduler.idle:
-        engine.step()
-    events.sort(key=lambda e: e["ts"])
+    # the prefill and a few steps outside the trace
+    events = step_kernels(engine, prompt, steps, 8, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
     gaps = collections.Counter()
     for a, b in zip(events, events[1:]):
         gap = b["ts"] - (a["ts"] + a["dur"])

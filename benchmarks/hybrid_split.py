@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import log, write_result  # noqa: E402
+from benchmarks.common import log, step_kernels, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
@@ -172,28 +172,13 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
     next layer's post (attention, router: the CPU has nothing to do then); and the rest of a step
     (the LM head, sampling, the host between steps). The profiler lengthens every launch a little."""
     import collections
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
 
     from moestream.runtime.sampling import SamplingParams
 
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, engine.config.vocab_size, (prompt_tokens,), generator=gen).tolist()
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 24, ignore_eos=True, temperature=1.0))
-    for _ in range(16):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = [e for e in json.loads(Path(f.name).read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    while not engine.scheduler.idle:
-        engine.step()
-    events.sort(key=lambda e: e["ts"])
+    events = step_kernels(engine, prompt, steps, 16,
+                          SamplingParams(max_tokens=steps + 24, ignore_eos=True, temperature=1.0))
     if not events:
         log("timeline: the profiler saw no kernels (a CUDA device is needed)")
         return {}
@@ -202,7 +187,7 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
     collects = [i for i, e in enumerate(events) if "_collect_kernel" in e["name"]]
     collects = [c for c in collects if c + 1 >= len(events) or "_collect_kernel" not in events[c + 1]["name"]]
     segments = collections.defaultdict(list)
-    chain_kernels, step_kernels = collections.Counter(), collections.Counter()
+    chain_kernels, between_kernels = collections.Counter(), collections.Counter()
     for p, c in zip(posts, collects):   # each post with the last collect program of its layer
         first_c = c
         while first_c > p and "_collect_kernel" in events[first_c - 1]["name"]:
@@ -215,7 +200,7 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
             key = "chain to the next post" if gap < 400 else "between steps (last layer to next step's first post)"
             segments[key].append(gap)
             for e in events[c + 1:nxt]:
-                (chain_kernels if gap < 400 else step_kernels)[e["name"][:60]] += e["dur"]
+                (chain_kernels if gap < 400 else between_kernels)[e["name"][:60]] += e["dur"]
     total = (end[-1] - events[0]["ts"]) / steps
     out = {"us_per_step": total, "layers_per_step": len(posts) / steps}
     log(f"timeline: {total:.0f} us per step, {len(posts) / steps:.0f} posts per step")
@@ -229,7 +214,7 @@ def timeline(engine, prompt_tokens: int, steps: int) -> dict:
         log(f"    {dur / n_chain:7.2f}  {name}")
     n_steps = max(len(segments["between steps (last layer to next step's first post)"]), 1)
     log("  kernels between steps, us per step:")
-    for name, dur in step_kernels.most_common(12):
+    for name, dur in between_kernels.most_common(12):
         log(f"    {dur / n_steps:7.2f}  {name}")
     return out
 

@@ -37,8 +37,9 @@ SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_clamped": 1, "geglu_tanh": 2}
 
-# How far ahead of its reads the kernel asks for weight lines (`cpu_moe.c`: why). On H100 hosts'
-# 16-core Xeons, 512-4096 bytes read bf16 experts 15-50% faster than none (BENCHMARKS.md).
+# How far ahead of its reads the kernel asks for weight lines (`cpu_moe.c`: why). On an H100 host's
+# 16-core Xeon, 2048 bytes read bf16 experts 19% faster than none, and 512-4096 all helped
+# (`cpu_experts.py --prefetch`, BENCHMARKS.md).
 PREFETCH_BYTES = 2048
 
 _lock = threading.Lock()

@@ -49,13 +49,19 @@ def _router_topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, K: tl.const
     tl.store(ids_ptr + row * K + kk, ids, mask=chosen)
 
 
-def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (T, k) fp32, ids (T, k) int64) from router logits (T, E) of any float dtype."""
-    T, E = logits.shape
+def _choice_buffers(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits with unit stride along E, and the (T, k) fp32 weights and int64 ids to fill."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+    T = logits.shape[0]
+    return (logits, torch.empty((T, k), dtype=torch.float32, device=logits.device),
+            torch.empty((T, k), dtype=torch.int64, device=logits.device))
+
+
+def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, k) fp32, ids (T, k) int64) from router logits (T, E) of any float dtype."""
+    logits, weights, ids = _choice_buffers(logits, k)
+    T, E = logits.shape
     if T:
         _router_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), K=k, MODE=mode,
                                   RENORMALISE=renormalise, BLOCK_E=triton.next_power_of_2(E),
@@ -97,11 +103,8 @@ def uniform_topk(logits: torch.Tensor, k: int, draws: torch.Tensor, seed: int) -
     per row drawn uniformly and weighted by the router's own probabilities at them, renormalised.
     `draws` ((1,) int64 on the device) counts the rows drawn so far; each row takes the next random
     stream of `seed`, so captured graphs draw anew at every replay."""
+    logits, weights, ids = _choice_buffers(logits, k)
     T, E = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     if T:
         _uniform_topk_kernel[(T,)](logits, weights, ids, draws, E, logits.stride(0), seed, K=k,
                                    BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),

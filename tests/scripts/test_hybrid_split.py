@@ -16,8 +16,10 @@ def test_each_variant_runs_with_its_own_split_and_refresh(tiny_qwen3, tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(tiny_qwen3),
                           "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--rounds", "1",
                           "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "10",
-                          "--variants", *variants], capture_output=True, text=True, timeout=300, check=False)
+                          "--variants", *variants, "--timeline", "2"], capture_output=True, text=True, timeout=300,
+                         check=False)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "timeline: the profiler saw no kernels" in run.stderr + run.stdout   # the CPU has no CUDA kernels
     rows = {r["variant"]: r for r in json.loads((tmp_path / "hybrid_split.json").read_text())["rows"]}
     assert list(rows) == variants
     assert rows["0.25"]["share_at_end"] == 0.25 and rows["0.75:whole"]["share_at_end"] == 0.75   # fixed shares stay

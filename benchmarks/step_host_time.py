@@ -1,0 +1,105 @@
+"""Host time of decode steps by part: what the Python thread does between reading a step's token and
+replaying the next step's graph (the device idles then), and what overlaps the step in flight.
+
+    python3 benchmarks/step_host_time.py CHECKPOINT [--capacity 32] [--miss-policy hybrid] [--routing uniform]
+        [--steps 96]
+
+Times `engine.step` and its parts with `time.perf_counter` (no profiler) over `--steps` decode steps
+of one request (a 512-token prompt) at temperature 1, after 48 untimed ones: the bank's `begin_step`
+(before the replay), the graph call, the bank's `after_step` (after the replay: it overlaps the
+device), the read of the sampled token (the wait for the device), the rest of `engine.step`, and the
+host's path from each token's read to the next replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import moestream  # noqa: E402
+from moestream.bench import apply_routing  # noqa: E402
+from moestream.runtime.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--capacity", type=int, default=None)
+    ap.add_argument("--miss-policy", default="auto")
+    ap.add_argument("--routing", choices=["model", "uniform"], default="uniform")
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same parts without graphs (a smoke run)")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    engine = moestream.load(args.model, device=args.device, dtype="bfloat16" if cuda else "float32",
+                            capacity=args.capacity, host_tier="pinned" if args.capacity else "auto",
+                            miss_policy=args.miss_policy, max_context=4096 if cuda else None)
+    apply_routing(engine, args.routing)
+    acc: dict[str, float] = defaultdict(float)
+
+    def timed(owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrap(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t0
+        setattr(owner, name, wrap)
+
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, engine.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=1.0))
+    for _ in range(48):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    timed(engine.bank, "begin_step", "begin_step (before the replay)")
+    timed(engine.bank, "after_step", "after_step (after the replay)")
+    graphs = engine.runner._decoder(1)
+    if graphs is not None:
+        timed(type(graphs), "__call__", "graph call (inputs, replay)")
+    last, gaps = [0.0], []
+    tolist, replay = torch.Tensor.tolist, torch.cuda.CUDAGraph.replay
+
+    def timed_tolist(self):
+        t0 = time.perf_counter()
+        try:
+            return tolist(self)
+        finally:
+            last[0] = time.perf_counter()
+            acc["token read (waits for the device)"] += last[0] - t0
+
+    def timed_replay(self):
+        if last[0]:
+            gaps.append(time.perf_counter() - last[0])
+        return replay(self)
+
+    torch.Tensor.tolist, torch.cuda.CUDAGraph.replay = timed_tolist, timed_replay
+    try:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        total = time.perf_counter() - t0
+    finally:
+        torch.Tensor.tolist, torch.cuda.CUDAGraph.replay = tolist, replay
+    n = args.steps
+    gaps.sort()
+    print(f"{total / n * 1e3:.2f} ms per step; host from the token's read to the next replay: "
+          f"{sum(gaps) / max(len(gaps), 1) * 1e6:.1f} us (median {gaps[len(gaps) // 2] * 1e6 if gaps else 0:.1f})")
+    for key, value in acc.items():
+        print(f"  {key:40s} {value / n * 1e6:8.1f} us per step")
+    print(f"  {'rest of engine.step':40s} {(total - sum(acc.values())) / n * 1e6:8.1f} us per step")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""benchmarks/step_host_time.py times a decode step's host parts: a smoke run on the CPU with a tiny
+checkpoint and the hybrid miss policy (no graphs there: the parts the CPU has)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_host_parts_of_a_step_are_timed(tiny_qwen3):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_host_time.py"), str(tiny_qwen3),
+                          "--device", "cpu", "--capacity", "3", "--miss-policy", "hybrid", "--steps", "6",
+                          "--prompt-tokens", "12"], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert "ms per step" in lines[0]
+    parts = {line.split(" us per step")[0].rsplit(None, 1)[0].strip(): float(line.split()[-4]) for line in lines[1:]}
+    assert {"begin_step (before the replay)", "after_step (after the replay)", "rest of engine.step"} <= set(parts)
+    assert all(v >= 0 for v in parts.values())
