@@ -56,7 +56,10 @@ class UniformRouting:
         return weights / weights.sum(-1, keepdim=True), ids
 
     def reset(self) -> None:
-        pass
+        """Start the draws again (the one-launch form; the torch form follows torch's generator): a
+        run after a reset draws what the last one drew (a device op: fine between graph replays)."""
+        if self.draws is not None:
+            self.draws.zero_()
 
 
 class TraceRouting:
