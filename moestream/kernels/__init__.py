@@ -11,7 +11,6 @@ name on this package.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 
@@ -23,6 +22,7 @@ from .moe_reference import moe_reference
 from .paged_attention_reference import paged_decode_attention_reference, paged_kv_write_reference
 from .quant_linear_reference import quant_linear_reference
 from .quant_moe_reference import quant_moe_reference
+from .switch import Switch
 
 __all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "paged_kv_write",
            "paged_decode_attention", "paged_kv_write_reference", "paged_decode_attention_reference",
@@ -108,7 +108,7 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=
 # tensor, Triton present, and not switched off by `fused_ops(False)` (the A/B benchmarks and the
 # tests that compare both paths). The torch ops stay the reference and the CPU path.
 
-_fused_ops_on = True
+_fused_ops_on = Switch()
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 # How a norm applies its weight (see norm_rope_triton.py), and the order of a router's two steps.
@@ -118,18 +118,12 @@ SOFTMAX_THEN_TOPK, TOPK_THEN_SOFTMAX = 0, 1
 
 def fused_ops_enabled(t: Tensor) -> bool:
     """True when the model should use the fused Triton ops for tensor `t`."""
-    return _fused_ops_on and t.is_cuda and fused_moe_available()
+    return _fused_ops_on.on and t.is_cuda and fused_moe_available()
 
 
-@contextlib.contextmanager
 def fused_ops(enabled: bool):
     """Switch the fused small ops on or off inside the block (graphs captured inside keep the choice)."""
-    global _fused_ops_on
-    previous, _fused_ops_on = _fused_ops_on, enabled
-    try:
-        yield
-    finally:
-        _fused_ops_on = previous
+    return _fused_ops_on.set(enabled)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, scale: int,

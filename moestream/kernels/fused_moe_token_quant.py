@@ -38,8 +38,6 @@ a host stack are read by the same instructions: the same bits.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +49,7 @@ from .fused_moe_decode import QuantOperand
 from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources, host_offset, store_pair_rows
 from .moe_activation import activate
 from .pdl import pdl_args, release_consumer, wait_for_producer
+from .switch import Switch
 
 __all__ = ["QUANT_TOKEN_CONFIG", "one_token_quant", "takes_token_path", "token_moe_quant", "token_path_supported"]
 
@@ -62,7 +61,7 @@ QUANT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(4, 512, 2), down=TokenTile(8,
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-_enabled = True
+_enabled = Switch()
 
 
 def token_path_supported(spec: QuantSpec, hidden: int, intermediate: int) -> bool:
@@ -74,19 +73,13 @@ def token_path_supported(spec: QuantSpec, hidden: int, intermediate: int) -> boo
 
 def takes_token_path(spec: QuantSpec, hidden: int, intermediate: int) -> bool:
     """Whether `fused_moe_quant` sends one token to this path: supported, and not switched off."""
-    return _enabled and token_path_supported(spec, hidden, intermediate)
+    return _enabled.on and token_path_supported(spec, hidden, intermediate)
 
 
-@contextlib.contextmanager
 def one_token_quant(enabled: bool):
     """Switch the one-token quantized path on or off inside the block (A/B benchmarks; graphs
     captured inside keep the choice)."""
-    global _enabled
-    previous, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = previous
+    return _enabled.set(enabled)
 
 
 @triton.jit
@@ -105,6 +98,16 @@ def _affine_plane(words, p: tl.constexpr, BITS: tl.constexpr):
 def _nf_plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr):
     """Value p of every word's codebook entry."""
     return tl.load(code_ptr + ((words >> (p * BITS)) & ((1 << BITS) - 1)))
+
+
+@triton.jit
+def _plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr, NF: tl.constexpr):
+    """Value p of every word as the kernels multiply it: its codebook entry (NF), else `_affine_plane`."""
+    if NF:
+        v = _nf_plane(words, p, code_ptr, BITS)
+    else:
+        v = _affine_plane(words, p, BITS)
+    return v
 
 
 @triton.jit
@@ -186,12 +189,9 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
         xs = tl.zeros((BLOCK_N, W), dtype=tl.float32)
         for p in tl.static_range(V):
             x = tl.load(x_ptrs + p * words_per_row, mask=wm, other=0.0)
-            if NF:
-                dg += _nf_plane(wg, p, code_ptr, BITS) * x
-                du += _nf_plane(wu, p, code_ptr, BITS) * x
-            else:
-                dg += _affine_plane(wg, p, BITS) * x
-                du += _affine_plane(wu, p, BITS) * x
+            dg += _plane(wg, p, code_ptr, BITS, NF) * x
+            du += _plane(wu, p, code_ptr, BITS, NF) * x
+            if not NF:
                 xs += x * (1 << ((p % P0) * BITS))
         acc_g += _per_group(dg, BLOCK_N, W, WPG) * tl.load(gs_ptrs, mask=gm, other=0.0).to(tl.float32)
         acc_u += _per_group(du, BLOCK_N, W, WPG) * tl.load(us_ptrs, mask=gm, other=0.0).to(tl.float32)
@@ -266,10 +266,8 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
         xs = tl.zeros((R, W), dtype=tl.float32)
         for p in tl.static_range(V):
             x = tl.load(a_ptrs + p * words_per_row, mask=m, other=0.0)
-            if NF:
-                d += _nf_plane(words, p, code_ptr, BITS) * x
-            else:
-                d += _affine_plane(words, p, BITS) * x
+            d += _plane(words, p, code_ptr, BITS, NF) * x
+            if not NF:
                 xs += x * (1 << ((p % P0) * BITS))
         acc += _per_group(d, R, W, WPG) * tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32)
         if not NF:

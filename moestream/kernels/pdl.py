@@ -15,7 +15,6 @@ Captured CUDA graphs keep the programmatic edges.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -24,7 +23,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_enabled = True
+from .switch import Switch
+
+_enabled = Switch()
 # Triton reads TRITON_INTERPRET when it is imported, so the answer cannot change afterwards.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -51,18 +52,12 @@ def _supported(device_index: int) -> bool:
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel taking `USE_PDL`: on for CUDA tensors of a Hopper-or-later
     device (never under Triton's interpreter), else off."""
-    on = (_enabled and t.is_cuda and not _INTERPRETING
+    on = (_enabled.on and t.is_cuda and not _INTERPRETING
           and _supported(t.device.index if t.device.index is not None else torch.cuda.current_device()))
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
-@contextlib.contextmanager
 def programmatic_launch(enabled: bool):
     """Switch programmatic dependent launch on or off inside the block (A/B runs; graphs captured
     inside keep the choice)."""
-    global _enabled
-    previous, _enabled = _enabled, enabled
-    try:
-        yield
-    finally:
-        _enabled = previous
+    return _enabled.set(enabled)

@@ -21,18 +21,25 @@ def _stacks(spec, E: int, H: int, I: int, g: torch.Generator) -> dict[str, torch
     return {name: torch.stack(ts).contiguous() for name, ts in out.items()}
 
 
+def _placed(spec, E: int, H: int, I: int, g: torch.Generator, device: str, resident: list[int]):
+    """E random experts of `spec` as host stacks (pinned on CUDA), slot s holding expert resident[s],
+    and every expert on the device: (host stacks, slots, full)."""
+    host_stacks = _stacks(spec, E, H, I, g)
+    if device == "cuda":
+        host_stacks = {name: t.pin_memory() for name, t in host_stacks.items()}
+    slots = {name: t[resident].to(device) for name, t in host_stacks.items()}
+    full = {name: t.to(device) for name, t in host_stacks.items()}
+    return host_stacks, slots, full
+
+
 def check_quant_host_reads(device: str, dtype: torch.dtype, fmt: str) -> None:
     """A host expert gives the bits of the same expert held in a slot; the split leaves the CPU's
     pairs out; the reference's host form agrees."""
     spec = parse_quant(fmt)
     H, I, S, E, k = 96, 64, 4, 12, 6
     g = torch.Generator().manual_seed(11)
-    host_stacks = _stacks(spec, E, H, I, g)
-    if device == "cuda":
-        host_stacks = {name: t.pin_memory() for name, t in host_stacks.items()}
     resident = [3, 7, 1, 10]                                    # slot s holds expert resident[s]
-    slots = {name: t[resident].to(device) for name, t in host_stacks.items()}
-    full = {name: t.to(device) for name, t in host_stacks.items()}
+    host_stacks, slots, full = _placed(spec, E, H, I, g, device, resident)
     source = torch.full((E + 1,), -1, dtype=torch.int32)
     source[resident] = torch.arange(S, dtype=torch.int32)
     source[2], source[5], source[6] = S + 2, S + 5, S + 6      # read from the host stacks; 11: no source

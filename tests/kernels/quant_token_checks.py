@@ -4,7 +4,7 @@ path and themselves; one body for the GPU test (compiled) and the CPU test (Trit
 from __future__ import annotations
 
 import torch
-from quant_host_checks import _stacks
+from quant_host_checks import _placed
 
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
 from moestream.kernels.fused_moe_token_quant import token_path_supported
@@ -27,12 +27,8 @@ def check_quant_token(device: str, dtype: torch.dtype, fmt: str, H: int, I: int)
     assert token_path_supported(spec, H, I)
     S, E, k = 4, 10, 6
     g = torch.Generator().manual_seed(H + I)
-    host_stacks = _stacks(spec, E, H, I, g)
-    if device == "cuda":
-        host_stacks = {name: t.pin_memory() for name, t in host_stacks.items()}
     resident = [3, 7, 1, 8]                                     # slot s holds expert resident[s]
-    slots = {name: t[resident].to(device) for name, t in host_stacks.items()}
-    full = {name: t.to(device) for name, t in host_stacks.items()}
+    host_stacks, slots, full = _placed(spec, E, H, I, g, device, resident)
     hidden = torch.randn(1, H, generator=g).to(device, dtype)
     weights = torch.rand(1, k, generator=g).softmax(dim=1).to(device)
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
