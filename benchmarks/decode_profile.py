@@ -5,18 +5,21 @@ router top-k) on and off, alternating (on, off, off, on: figures drift between r
 same weights, the model's own routing. With --graph-profile, the per-kernel
 time and the gaps between kernels inside the graph replays themselves. With --ab-pdl, the same alternation with programmatic dependent launch
 (kernels/pdl.py) on and off; with --ab-token-quant, with a packed checkpoint's one-token quantized
-experts path (kernels/fused_moe_token_quant.py) on and off. With --ab-kv, the same alternation between the two KV
+experts path (kernels/fused_moe_token_quant.py) on and off; with --ab-overlap, with the engine's overlap
+(each step launched before the last one's token is read) on and off. With --ab-kv, the same alternation between the two KV
 layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-overlap]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -36,6 +39,8 @@ def main() -> None:
                     help="decode tok/s with programmatic dependent launch on and off (Hopper)")
     ap.add_argument("--ab-token-quant", action="store_true",
                     help="the same alternation with quantized experts' one-token path on and off (the decode path)")
+    ap.add_argument("--ab-overlap", action="store_true",
+                    help="the same alternation with the engine's overlap on and off (the host's work between steps)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     ap.add_argument("--graph-profile", action="store_true",
                     help="per-kernel time and the gaps between kernels inside decode graph replays instead")
@@ -72,6 +77,8 @@ def main() -> None:
         from moestream.kernels.fused_moe_token_quant import one_token_quant
 
         ab_switch(engine, prompt, args.steps, "one-token quantized path", one_token_quant)
+    if args.ab_overlap:
+        ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)
@@ -101,6 +108,15 @@ def ab_switch(engine, prompt: list[int], steps: int, label: str, switch) -> None
     on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
     print(f"{label} on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
     engine.runner.drop_graphs()
+
+
+@contextmanager
+def overlapping(engine, on: bool) -> Iterator[None]:
+    saved, engine.overlap = engine.overlap, "on" if on else "off"
+    try:
+        yield
+    finally:
+        engine.overlap = saved
 
 
 def graph_profile(engine, prompt: list[int], steps: int = 16) -> None:

@@ -1,14 +1,16 @@
-"""Host time of decode steps by part: what the Python thread does between reading a step's token and
-replaying the next step's graph (the device idles then), and what overlaps the step in flight.
+"""Host time of decode steps by part, with the engine's overlap off and on (`--overlap`): off, the
+Python thread's path from reading a step's token to replaying the next step's graph leaves the device
+idle; on, the next step is replayed before the token is read, so that path runs behind the device.
 
     python3 benchmarks/step_host_time.py CHECKPOINT [--capacity 32] [--miss-policy hybrid] [--routing uniform]
-        [--steps 96]
+        [--steps 96] [--overlap off on]
 
 Times `engine.step` and its parts with `time.perf_counter` (no profiler) over `--steps` decode steps
-of one request (a 512-token prompt) at temperature 1, after 48 untimed ones: the bank's `begin_step`
-(before the replay), the graph call, the bank's `after_step` (after the replay: it overlaps the
-device), the read of the sampled token (the wait for the device), the rest of `engine.step`, and the
-host's path from each token's read to the next replay.
+of one request (a 512-token prompt) at temperature 1, after 48 untimed ones, for each overlap mode in
+turn (one process, one request each): the bank's `begin_step` (before the replay), the graph call, the
+bank's `after_step` (after the replay), the read of the sampled token (`Engine._take`, the wait for
+the device), the rest of `engine.step`, and the host's path from each token's read to the next replay
+(with overlap on the replay comes first: the figure is then how long the read follows the replay).
 """
 
 from __future__ import annotations
@@ -36,16 +38,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same parts without graphs (a smoke run)")
+    ap.add_argument("--overlap", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="the engine's overlap modes to time, in this order (default: off, then on)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     engine = moestream.load(args.model, device=args.device, dtype="bfloat16" if cuda else "float32",
                             capacity=args.capacity, host_tier="pinned" if args.capacity else "auto",
                             miss_policy=args.miss_policy, max_context=4096 if cuda else None)
     apply_routing(engine, args.routing)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, engine.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+    for mode in args.overlap:
+        engine.overlap = mode
+        measure(engine, prompt, args.steps, cuda, f"overlap {mode}")
+    engine.close()
+
+
+def measure(engine, prompt: list[int], steps: int, cuda: bool, title: str) -> None:
     acc: dict[str, float] = defaultdict(float)
+    restore = []
 
     def timed(owner, name: str, key: str) -> None:
         fn = getattr(owner, name)
+        restore.append((owner, name, fn))
 
         def wrap(*a, **k):
             t0 = time.perf_counter()
@@ -55,9 +70,7 @@ def main() -> None:
                 acc[key] += time.perf_counter() - t0
         setattr(owner, name, wrap)
 
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, engine.config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
-    engine.add_request(prompt, SamplingParams(max_tokens=args.steps + 64, ignore_eos=True, temperature=1.0))
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=1.0))
     for _ in range(48):
         engine.step()
     if cuda:
@@ -68,12 +81,12 @@ def main() -> None:
     if graphs is not None:
         timed(type(graphs), "__call__", "graph call (inputs, replay)")
     last, gaps = [0.0], []
-    tolist, replay = torch.Tensor.tolist, torch.cuda.CUDAGraph.replay
+    take, replay = engine._take, torch.cuda.CUDAGraph.replay
 
-    def timed_tolist(self):
+    def timed_take(sampled):
         t0 = time.perf_counter()
         try:
-            return tolist(self)
+            return take(sampled)
         finally:
             last[0] = time.perf_counter()
             acc["token read (waits for the device)"] += last[0] - t0
@@ -81,24 +94,32 @@ def main() -> None:
     def timed_replay(self):
         if last[0]:
             gaps.append(time.perf_counter() - last[0])
+            last[0] = 0.0
         return replay(self)
 
-    torch.Tensor.tolist, torch.cuda.CUDAGraph.replay = timed_tolist, timed_replay
+    engine._take, torch.cuda.CUDAGraph.replay = timed_take, timed_replay
     try:
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             engine.step()
         total = time.perf_counter() - t0
     finally:
-        torch.Tensor.tolist, torch.cuda.CUDAGraph.replay = tolist, replay
-    n = args.steps
+        torch.cuda.CUDAGraph.replay = replay
+        del engine._take
+        for owner, name, fn in restore:
+            if owner is engine.bank:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+    while not engine.scheduler.idle:
+        engine.step()
     gaps.sort()
-    print(f"{total / n * 1e3:.2f} ms per step; host from the token's read to the next replay: "
-          f"{sum(gaps) / max(len(gaps), 1) * 1e6:.1f} us (median {gaps[len(gaps) // 2] * 1e6 if gaps else 0:.1f})")
+    print(f"{title}: {total / steps * 1e3:.2f} ms per step; host from a token's read to the next replay: "
+          f"{sum(gaps) / max(len(gaps), 1) * 1e6:.1f} us (median {gaps[len(gaps) // 2] * 1e6 if gaps else 0:.1f}, "
+          f"{len(gaps)} of {steps} steps)")
     for key, value in acc.items():
-        print(f"  {key:40s} {value / n * 1e6:8.1f} us per step")
-    print(f"  {'rest of engine.step':40s} {(total - sum(acc.values())) / n * 1e6:8.1f} us per step")
-    engine.close()
+        print(f"  {key:40s} {value / steps * 1e6:8.1f} us per step")
+    print(f"  {'rest of engine.step':40s} {(total - sum(acc.values())) / steps * 1e6:8.1f} us per step")
 
 
 if __name__ == "__main__":

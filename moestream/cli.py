@@ -121,6 +121,10 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     _add_devices_args(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
+    p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
+                   help="launch each decode step before the host reads the last one's tokens, so the host's work "
+                        "between steps runs while the device computes: auto (default) where a decode step reads "
+                        "nothing back on a GPU (whole-step CUDA graphs); on; off")
     _add_kv_args(p)
     _add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
@@ -271,7 +275,8 @@ def engine_config(args):
     runtime = RuntimeConfig(device=device, dtype=args.dtype, max_context=args.max_context, devices=devices,
                             mla_absorbed=getattr(args, "mla_absorbed", False),
                             dist_backend=getattr(args, "dist_backend", "auto"), kv_layout=args.kv_layout,
-                            kv_block_size=args.kv_block_size, kv_cache_memory=args.kv_cache_memory)
+                            kv_block_size=args.kv_block_size, kv_cache_memory=args.kv_cache_memory,
+                            overlap=getattr(args, "overlap", "auto"))
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "auto"),

@@ -281,7 +281,8 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
     engine = Engine(plan, model, bank, runner, tokenizer, max_batch=cfg.runtime.max_batch,
                     discovery=discovery, prepack=prepack,
                     prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes and paged is None else None,
-                    collectives=experts.collectives if sharded else None, blocks=blocks)
+                    collectives=experts.collectives if sharded else None, blocks=blocks,
+                    overlap=cfg.runtime.overlap)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

@@ -43,6 +43,7 @@ def _typed(section: object, rules: dict[str, tuple[type, ...]]) -> None:
 
 INT, OPT_INT, SIZE = (int,), (int, type(None)), (int, str, type(None))
 KV_LAYOUTS = ("auto", "paged", "rows")
+OVERLAP_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -53,6 +54,8 @@ class RuntimeConfig:
     prefill_chunk: int = 512              # prompt tokens per forward
     max_batch: int = 64                   # sequences decoded together; more wait their turn
     cuda_graphs: bool = True
+    overlap: str = "auto"                 # launch the next decode step before reading this one's tokens: auto (where
+                                          # a step reads nothing back on the GPU) | on (everywhere) | off
     prefix_cache_memory: int | str | None = None   # device bytes of finished sequences' KV kept for reuse (off)
     kv_rows: int = 1                      # sequences whose full-context KV the memory plan reserves (a server: max_batch)
     kv_layout: str = "auto"               # paged (blocks shared by sequences and the prefix cache) | rows (one
@@ -69,7 +72,7 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
-                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,),
+                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,), "overlap": (str,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
                       "kv_layout": (str,), "kv_block_size": INT, "kv_cache_memory": SIZE,
                       "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),
@@ -86,6 +89,8 @@ class RuntimeConfig:
             raise InputError(f"kv_rows must be at least 1, got {self.kv_rows}.")
         self.prefix_cache_bytes   # parses (and so checks) the sizes
         self.kv_cache_bytes
+        if self.overlap not in OVERLAP_MODES:
+            raise InputError(f"overlap {self.overlap!r} is unknown; use one of {', '.join(OVERLAP_MODES)}.")
         if self.kv_layout not in KV_LAYOUTS:
             raise InputError(f"kv_layout {self.kv_layout!r} is unknown; use one of {', '.join(KV_LAYOUTS)}.")
         if not 1 <= self.kv_block_size <= 1024:

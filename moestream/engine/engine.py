@@ -5,6 +5,13 @@ cache rows; each step prefills the newly admitted ones (their first token) and d
 sequence that was already running, one token each, in one batch. `generate` and `stream` add
 their sequences and step until those finish; several readers may share one engine (each reads
 its own sequences' outboxes, whoever stepped), so two interleaved streams stay independent.
+
+Overlap: while the same sequences decode step after step, a step's sampled tokens stay on the
+device and feed the next step, which is launched before the host reads them; the host's part of
+a step (the scheduler, the cache's blocks, the inputs, the graph launch, stop checks and text)
+then runs while the device computes, instead of between two steps. A sequence that ends on an
+EOS or a stop string has had one more step launched: that step is read at once and its token
+for the ended sequence dropped. Anything that changes the batch reads the step in flight first.
 """
 
 from __future__ import annotations
@@ -40,6 +47,16 @@ Prompt = str | list[int]
 
 
 @dataclass
+class _Sampled:
+    """One decode step's tokens, sampled on the device, and their copy on its way to the host."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor               # (B,) on the device: the next step's input
+    host: torch.Tensor                 # (B, 2) token and finiteness per row (pinned on a GPU)
+    done: torch.cuda.Event | None      # when `host` has landed (None: it already has)
+
+
+@dataclass
 class RunMetrics:
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -62,7 +79,8 @@ class RunMetrics:
 class Engine:
     def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
                  max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None,
-                 collectives: CollectiveStats | None = None, blocks: BlockManager | None = None):
+                 collectives: CollectiveStats | None = None, blocks: BlockManager | None = None,
+                 overlap: str = "auto"):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
         self.collectives = collectives     # this rank's all-reduces, when it is one of an expert-parallel group
         self.prefix_cache = prefix_cache   # rows layout: finished sequences' KV, reused by prompts that extend them
@@ -71,6 +89,8 @@ class Engine:
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
         self.scheduler = Scheduler(max_batch)
+        self.overlap = overlap             # auto | on | off (RuntimeConfig.overlap)
+        self._inflight: _Sampled | None = None   # a decode step launched whose tokens are not read yet
         # One engine, several threads: each call that touches the scheduler or the device holds this
         # lock, so threads interleave at step granularity and each reads only its own sequences.
         self._lock = threading.RLock()
@@ -85,9 +105,18 @@ class Engine:
     def memory_plan(self):
         return self.plan.memory
 
+    @property
+    def overlapping(self) -> bool:
+        """Whether decode steps run one ahead of the host (`overlap`): auto turns it on on a GPU where a
+        step reads nothing back (whole-step graphs) and one process decodes."""
+        if self.overlap == "auto":
+            return self.device.type == "cuda" and self.group is None and self.bank.graph_safe
+        return self.overlap == "on"
+
     def close(self) -> None:
         """Stop the other ranks of an expert-parallel group and the bank's CPU worker (hybrid misses)."""
         with self._lock:
+            self._drain()
             if self.group is not None:
                 self.group.close()
                 self.group = None
@@ -132,6 +161,7 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (sequences running keep their KV)."""
         with self._lock:
+            self._drain()
             if self.blocks is not None:
                 self.blocks.clear()
             if self.prefix_cache is not None:
@@ -209,6 +239,7 @@ class Engine:
                 raise InputError("attention_mask must hold only 0 (padding) and 1 (token).")
             attention_mask = attention_mask.to(self.device)
         with self._lock:
+            self._drain()
             return self.runner.logits(input_ids.to(self.device, torch.long), attention_mask)
 
     # ---- requests and steps -------------------------------------------------------------
@@ -233,11 +264,23 @@ class Engine:
         then decode every sequence that was already decoding by one token, in one batch. Returns the
         sequences that got a token."""
         with self._lock, torch.inference_mode():
-            return self._step()
+            try:
+                return self._step()
+            except NumericsError:   # the broken sequences ended; they leave the batch, the others go on
+                try:
+                    self._drain()
+                except NumericsError:
+                    pass
+                self._retire()
+                raise
 
     def _step(self) -> list[Sequence]:
+        ahead = self._inflight
+        if ahead is not None and self._can_run_ahead(ahead.seqs) and self._reserve_ahead(ahead.seqs):
+            return self._run_ahead(ahead)
+        got = self._drain()
         sched, runner = self.scheduler, self.runner
-        self._retire()   # cancelled since the last step
+        self._retire()   # cancelled since the last step, or ended by the step just read
         decoding = [s for s in sched.running if not s.prefilling]   # rows 0..B-1
         if sched.admit(self._fits if self.blocks is not None else None):
             runner.ensure_rows(len(sched.running))
@@ -268,17 +311,61 @@ class Engine:
             ready.append(seq)
             first.append(logits)
         if ready:
-            self._append(ready, torch.cat(first))
+            got += self._take(self._sample(ready, torch.cat(first)))
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             positions = torch.tensor([s.length - 1 for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             kv_len = max(s.length for s in decoding)
-            self._append(decoding, runner.decode(tokens, positions, kv_len))
+            sampled = self._sample(decoding, runner.decode(tokens, positions, kv_len))
+            if self._can_run_ahead(decoding):
+                self._inflight = sampled   # read by the next step, once it has launched the one after
+            else:
+                got += self._take(sampled)
+        if self._inflight is None:
+            self._retire()
+        self._seal()
+        return got
+
+    # ---- overlapped decode ----------------------------------------------------------------
+    def _can_run_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after the one in flight may be launched before its tokens are read: the
+        same sequences decode again (nobody is prefilling, or waiting for a row that is free), and
+        each has room for that step's token whatever the token in flight is."""
+        sched = self.scheduler
+        if not self.overlapping or sched.running != seqs:
+            return False
+        if sched.waiting and len(sched.running) < sched.max_batch:
+            return False
+        return all(not s.finished and not s.prefilling and s.sampled + 2 <= s.token_budget() for s in seqs)
+
+    def _reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """A paged cache's blocks for the positions the step after the one in flight writes (one past
+        each sequence's length); False when the pool is short (the synchronous path then preempts)."""
+        return self.blocks is None or all(self._grow(seq, seq.length + 1) for seq in seqs)
+
+    def _run_ahead(self, ahead: _Sampled) -> list[Sequence]:
+        """Launch the next decode step from the tokens in flight (still on the device), then read
+        those tokens while it runs."""
+        seqs = ahead.seqs
+        positions = torch.tensor([s.length for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        kv_len = max(s.length for s in seqs) + 1
+        self._inflight = self._sample(seqs, self.runner.decode(ahead.tokens, positions, kv_len))
+        got = self._take(ahead)
+        if any(s.finished for s in seqs):   # an EOS or a stop string: the batch changes with nothing in flight
+            got += [s for s in self._drain() if s not in got]
+            self._retire()
+        self._seal()
+        return got
+
+    def _drain(self) -> list[Sequence]:
+        """Read the step in flight, if there is one; its tokens go to the sequences still running."""
+        ahead, self._inflight = self._inflight, None
+        return self._take(ahead) if ahead is not None else []
+
+    def _seal(self) -> None:
         if self.blocks is not None:
-            for seq in sched.running:
+            for seq in self.scheduler.running:
                 self.blocks.seal(seq)
-        self._retire()
-        return ready + decoding
 
     # ---- paged KV blocks ----------------------------------------------------------------
     def _fits(self, seq: Sequence) -> bool:
@@ -347,24 +434,48 @@ class Engine:
             for row in range(len(self.scheduler.running), held):
                 self.runner.cache.tables.clear(row)
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per sequence; the tokens and a finiteness flag per row come back in one read."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> _Sampled:
+        """Sample one token per sequence on the device; the tokens and a finiteness flag per row start
+        their way to the host in one copy, which `_take` waits for."""
         finite = torch.isfinite(logits).all(-1)
         safe = torch.where(finite[:, None], logits, torch.zeros_like(logits))   # sampling must not fail first
         tokens = sample_rows(safe, [s.params for s in seqs], [s.generator for s in seqs])
-        rows = torch.stack((tokens, finite.to(tokens.dtype)), dim=1).tolist()
-        for seq, (token, ok) in zip(seqs, rows):
-            if not ok:
-                raise NumericsError(f"the model produced NaN or infinite logits at step {seq.sampled + 1} of a "
-                                    "sequence; the weights are damaged or overflow the dtype (try --dtype bfloat16 "
-                                    "or float32).")
+        packed = torch.stack((tokens, finite.to(tokens.dtype)), dim=1)
+        if packed.device.type != "cuda":
+            return _Sampled(seqs, tokens, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Sampled(seqs, tokens, host, done)
+
+    def _take(self, sampled: _Sampled) -> list[Sequence]:
+        """Wait for a step's tokens (not for any step launched after it) and append them to its
+        sequences that are still running; returns those."""
+        if sampled.done is not None:
+            sampled.done.synchronize()
+        got, broken = [], None
+        for seq, (token, ok) in zip(sampled.seqs, sampled.host.tolist()):
+            if seq.finished:   # ended or cancelled while this step was in flight
+                continue
+            if not ok:   # this sequence ends; the others keep their tokens (a step after may be in flight)
+                broken = broken if broken is not None else seq.sampled + 1
+                seq.finish("error")
+                continue
             seq.append(token)
+            got.append(seq)
+        if broken is not None:
+            raise NumericsError(f"the model produced NaN or infinite logits at step {broken} of a sequence; the "
+                                "weights are damaged or overflow the dtype (try --dtype bfloat16 or float32).")
+        return got
 
     def teacher_forced(self, context: list[int], targets: list[int]) -> torch.Tensor:
         """Log-probabilities (len(targets),) of `targets` after `context`, one decode step per target,
         in cache row 0 of an idle engine (`ModelRunner.teacher_forced`); a paged cache lends the row
         the blocks it needs for the call."""
         with self._lock, torch.inference_mode():
+            self._drain()
+            self._retire()
             if not self.scheduler.idle:
                 raise InputError("teacher-forced scoring needs an idle engine; finish or cancel the running requests first.")
             self.runner.ensure_rows(1)
@@ -383,6 +494,7 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence: it leaves the batch now (between steps) and its row is freed."""
         with self._lock, torch.inference_mode():   # rows move and block tables change: cache tensors
+            self._drain()
             seq.finish("cancelled")
             self._retire()
 

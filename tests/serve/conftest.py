@@ -75,9 +75,9 @@ def force(demo_engine, monkeypatch):
     scripts: dict[str, list[int]] = {}
     per_seq: dict[int, list[int] | None] = {}
     tokenizer = demo_engine.tokenizer
-    append = Engine._append
+    sample = Engine._sample
 
-    def forced_append(self, seqs, logits):
+    def forced_sample(self, seqs, logits):
         logits = logits.clone()
         for row, seq in enumerate(seqs):
             if seq.id not in per_seq:
@@ -88,9 +88,9 @@ def force(demo_engine, monkeypatch):
                 want = script[seq.sampled] if seq.sampled < len(script) else min(self.eos_ids)
                 logits[row] = -1e4
                 logits[row, want] = 1e4
-        return append(self, seqs, logits)
+        return sample(self, seqs, logits)
 
-    monkeypatch.setattr(Engine, "_append", forced_append)
+    monkeypatch.setattr(Engine, "_sample", forced_sample)
 
     def add(marker: str, text: str) -> None:
         scripts[marker] = tokenizer(text, add_special_tokens=False).input_ids
