@@ -5,11 +5,13 @@ same machine, checkpoint and bank.
     python3 benchmarks/hybrid_split.py --ckpt /tmp/q3 --out $OUT [--capacity 32] [--rounds 2]
         [--routing uniform trace] [--variants 0.6 0.6:whole 0.6:every8 0.5 0.7 auto 0.6:nopromote]
 
-A variant is `SHARE[:whole][:everyN][:nopromote][:pfBYTES]`: the CPU's share of a one-token call's misses
-(`auto`: the default balance, from its starting share), `whole` splits whole experts only (no
-expert shared by both sides), `everyN` refreshes the bank every N tokens instead of the default,
-`nopromote` never promotes, `pfBYTES` sets the CPU kernel's prefetch distance (default: the kernel's
-own, `cpu_moe.PREFETCH_BYTES`). Each row gives decode tok/s, the bank's hit rate, the bytes per token
+A variant is `SHARE[:whole][:everyN][:nopromote][:eager][:pfBYTES][:sync]`: the CPU's share of a one-token
+call's misses (`auto`: the default balance, from its starting share), `whole` splits whole experts only
+(no expert shared by both sides), `everyN` refreshes the bank every N tokens instead of the default,
+`nopromote` never promotes, `eager` promotes as if promotions always paid (every refresh up to
+`PROMOTE_MOST`, never one probe at a time), `pfBYTES` sets the CPU kernel's prefetch distance (default:
+the kernel's own, `cpu_moe.PREFETCH_BYTES`), `sync` turns the engine's overlap off (each step's token
+read before the next step is launched). Each row gives decode tok/s, the bank's hit rate, the bytes per token
 copied into the bank, computed by the CPU and read in place by the GPU, the CPU worker's busy
 time per token, how many split calls had the device wait for the CPU's answer, how long it
 waited per call and what share of the calls' time (post to answer) that was: the balance's
@@ -37,7 +39,7 @@ from benchmarks.common import log, step_kernels, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
-from moestream.experts.hybrid import HybridMisses, PromotionGauge  # noqa: E402
+from moestream.experts.hybrid import PromotionGauge  # noqa: E402
 from moestream.kernels import cpu_moe  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "traces" / "demo_heldout_trace.json"
@@ -51,15 +53,21 @@ class Variant:
     whole: bool = False
     every: int | None = None     # tokens between refreshes (None: the policy's default)
     prefetch: int | None = None  # the CPU kernel's prefetch distance in bytes (None: its default)
+    eager: bool = False          # promotion gauges that never turn to probes
+    sync: bool = False           # the engine's overlap off
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         head, *flags = text.split(":")
         share = None if head == "auto" else float(head)
-        whole, every, prefetch = False, None, None
+        whole, every, prefetch, eager, sync = False, None, None, False, False
         for flag in flags:
             if flag == "whole":
                 whole = True
+            elif flag == "eager":
+                eager = True
+            elif flag == "sync":
+                sync = True
             elif flag == "nopromote":
                 every = NEVER
             elif flag.startswith("every") and flag[5:].isdigit():
@@ -67,13 +75,20 @@ class Variant:
             elif flag.startswith("pf") and flag[2:].isdigit():
                 prefetch = int(flag[2:])
             else:
-                raise SystemExit(f"unknown variant flag {flag!r} in {text!r}; use whole, everyN, nopromote or pfN.")
-        return cls(text, share, whole, every, prefetch)
+                raise SystemExit(f"unknown variant flag {flag!r} in {text!r}; use whole, everyN, nopromote, eager, "
+                                 "pfN or sync.")
+        return cls(text, share, whole, every, prefetch, eager, sync)
 
 
-def apply(hybrid: HybridMisses, variant: Variant, start: float, quantum: int, every: int) -> None:
-    """Set the split and the refresh period of a loaded policy (benchmark-only: the engine takes
-    these once, at load)."""
+def apply(engine, variant: Variant, start: float, quantum: int, every: int) -> None:
+    """Set the split, the refresh period, the gauges and the overlap of a loaded engine
+    (benchmark-only: the engine takes these once, at load)."""
+    hybrid = engine.bank.hybrid_misses
+    engine.overlap = "off" if variant.sync else "auto"
+    for gauge in hybrid.gauges.values():
+        gauge.__dict__.pop("most", None)
+        if variant.eager:
+            gauge.most = lambda eager_most: eager_most
     hybrid.balance.share = start if variant.share is None else variant.share
     hybrid.balance.adaptive = variant.share is None
     hybrid.balance.calls = hybrid.balance.wait_us = hybrid.balance.span_us = 0
@@ -142,7 +157,7 @@ def main() -> None:
             for variant in variants:
                 if args.cold:
                     cold_start(engine, policy_state)
-                apply(hybrid, variant, start, quantum, every)
+                apply(engine, variant, start, quantum, every)
                 waits[:] = [0, 0, 0, 0]
                 torch.manual_seed(0)   # the same routing draws for every row
                 r = run_bench(engine, prompt, args.gen_tokens, temperature=temperature, routing=routing)

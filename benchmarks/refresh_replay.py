@@ -77,8 +77,8 @@ def replay(rows: np.ndarray, num_experts: int, capacity: int, prompt: int, every
         pending = [(p[0] - 1, *p[1:]) for p in pending if p[0] > 0]
         for _, u, m, tokens in due:
             gauge.observe(u, tokens)
-            most = 0 if landing else PROMOTE_MOST
-            chosen = choose_promotions(slots, policy, layer, m, u, gauge.margin, most)
+            most = 0 if landing else gauge.most(PROMOTE_MOST)
+            chosen = choose_promotions(slots, policy, layer, m, u, most=most)
             for _, victim in chosen:
                 del slots[layer].where[victim]
             incoming = [h for h, _ in chosen]

@@ -26,8 +26,8 @@ padding) get no experts computed. Calls larger than the mailboxes (prompts) go t
 policy, whose staging leaves the bank as it is.
 
 Every `refresh_every` tokens the bank takes in the most-missed experts where they beat the coldest
-resident ones by the margin that each layer's `PromotionGauge` sets from what its recent
-promotions were worth. The device-side counters are copied into pinned memory behind the step
+resident ones, as many as each layer's `PromotionGauge` allows from what its recent promotions
+were worth. The device-side counters are copied into pinned memory behind the step
 that fills the window and folded at the next, while the device runs it: no read-back and no
 victim choice sits between two steps. Nobody waits for the promotions' copies either: the victims
 leave the bank at once, the newcomers join it at the first step after their copies landed, and
@@ -86,18 +86,20 @@ def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stac
 class PromotionGauge:
     """How much one layer's recent promotions were worth: the uses each promoted expert had over the
     `follow` tokens after it came in, averaged (moving average). Where promotions pay (routing that
-    repeats itself) a missed expert replaces a resident one as soon as it is hotter; where they do
-    not (routing without locality, where every copy is bytes taken from the misses' own reads) only
-    when it is six times hotter. Replayed through the residency policy (`benchmarks/
-    refresh_replay.py --every 4 --act-lag 1 --land-lag 1`: refresh every 4 tokens, acting a token
-    after the window, promotions serving a token after that, 25% bank, LCP's 32-token memory),
-    the demo trace gets 89.1% hits over 128 decoded tokens (54.6% over 1,024) with 0.24
-    promotions per layer and token, and uniform routing 25.2% with 0.22 promotions; a margin of 3
-    where they do not pay gave 89.2% (56.3%) and 25.0% with 0.39 promotions, each a copy taken
-    from the misses' own link."""
+    repeats itself) a refresh takes in up to `PROMOTE_MOST` missed experts hotter than the coldest
+    resident ones; where they do not (routing without locality, where every copy is bytes taken from
+    the misses' own reads) it takes one at a time, the next once the last one's watch is over: a
+    probe that keeps the gauge current, so routing that turns repetitive turns it eager again.
+    Replayed through the residency policy (`benchmarks/refresh_replay.py --every 4 --act-lag 1
+    --land-lag 1`: refresh every 4 tokens, acting a token after the window, promotions serving a
+    token after that, 25% bank, LCP's 32-token memory), the demo trace gets 79.3% hits over 64
+    decoded tokens, 89.1% over 128 and 54.7% over 1,024, and uniform routing 24-25% with 0.281,
+    0.173 and 0.079 promotions per layer and token; the earlier rule (a missed expert six times the
+    victim's priority where promotions do not pay, as many as `PROMOTE_MOST`) gave the trace the
+    same hits (54.6% over 1,024) and uniform routing 0.307, 0.216 and 0.126 promotions, each a copy
+    taken from the misses' own link."""
 
     USEFUL = 2.0               # uses per promotion (over `follow` tokens) from which promotions pay
-    EAGER, WARY = 1.0, 6.0     # the margins either side of it
 
     def __init__(self, follow: int = 16):
         self.follow = follow
@@ -105,8 +107,8 @@ class PromotionGauge:
         self.watched: dict[int, list[int]] = {}   # expert -> [tokens left to watch, uses so far]
 
     @property
-    def margin(self) -> float:
-        return self.EAGER if self.value >= self.USEFUL else self.WARY
+    def pays(self) -> bool:
+        return self.value >= self.USEFUL
 
     def observe(self, uses: np.ndarray, tokens: int) -> None:
         """A refresh period of `tokens` tokens with these per-expert use counts."""
@@ -116,6 +118,12 @@ class PromotionGauge:
             if watch[0] <= 0:
                 self.value = 0.8 * self.value + 0.2 * watch[1]
                 del self.watched[expert]
+
+    def most(self, eager_most: int) -> int:
+        """Promotions a refresh may make: `eager_most` while they pay, else one probe at a time."""
+        if self.pays:
+            return eager_most
+        return 0 if self.watched else 1
 
     def promoted(self, experts: list[int]) -> None:
         for e in experts:
@@ -383,7 +391,7 @@ class HybridMisses:
         self._promote(tokens)
 
     def _promote(self, tokens: int) -> None:
-        """Take hotter missed experts in, by the margin each layer's `PromotionGauge` says, from the
+        """Take hotter missed experts in, as many as each layer's `PromotionGauge` allows, from the
         window of counts folded since the last time. Their copies run on the copy stream while
         decode goes on: until they land (`land`) the victims and the newcomers are served as misses,
         so no step waits for a promotion (a layer with copies still in flight promotes nothing more)."""
@@ -394,8 +402,8 @@ class HybridMisses:
             uses, misses = counts[i]
             gauge = self.gauges[layer]
             gauge.observe(uses, tokens)
-            most = 0 if layer in self.landings else PROMOTE_MOST   # the uses are recorded either way
-            pairs = choose_promotions(self.slots, self.policy, layer, misses, uses, gauge.margin, most)
+            most = 0 if layer in self.landings else gauge.most(PROMOTE_MOST)   # the uses are recorded either way
+            pairs = choose_promotions(self.slots, self.policy, layer, misses, uses, most=most)
             if not pairs:
                 continue
             landing, copied = self.slots.begin_install(layer, [h for h, _ in pairs], [v for _, v in pairs],

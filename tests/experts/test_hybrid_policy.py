@@ -66,27 +66,36 @@ def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
         engine.close()
 
 
-def test_promotions_turn_wary_where_they_do_not_pay():
-    """A promoted expert used once in its next 16 tokens (routing without locality) makes the gauge
-    ask `WARY` times the victim's priority; one used on most tokens keeps it eager."""
+def test_promotions_turn_to_one_probe_at_a_time_where_they_do_not_pay():
+    """A promoted expert used once in its next 16 tokens (routing without locality) leaves a refresh
+    one promotion, and none while that one is watched; one used on most tokens keeps every refresh its
+    `PROMOTE_MOST`, and probes that pay again turn the gauge eager again."""
     import numpy as np
 
-    from moestream.experts.hybrid import PromotionGauge
+    from moestream.experts.hybrid import PROMOTE_MOST, PromotionGauge
 
-    assert PromotionGauge.WARY > PromotionGauge.EAGER
-    for uses_in_16, margin in ((0, PromotionGauge.WARY), (1, PromotionGauge.WARY), (12, PromotionGauge.EAGER)):
+    def watch(gauge, expert, uses_in_16):
+        gauge.promoted([expert])
+        for part in (uses_in_16 - uses_in_16 // 2, uses_in_16 // 2):   # two periods of 8 tokens
+            counts = np.zeros(16, dtype=np.int64)
+            counts[expert] = part
+            assert gauge.most(PROMOTE_MOST) in (0, PROMOTE_MOST)       # nothing new while a probe is out
+            gauge.observe(counts, 8)
+        assert expert not in gauge.watched                              # watched for 16 tokens only
+
+    for uses_in_16, pays in ((0, False), (1, False), (12, True)):
         gauge = PromotionGauge(follow=16)
-        assert gauge.margin == 1.0                                          # eager to start
-        for expert in range(12):                                            # a promotion, then two periods
-            gauge.promoted([expert])
-            first = np.zeros(16, dtype=np.int64)
-            first[expert] = uses_in_16 - uses_in_16 // 2
-            gauge.observe(first, 8)
-            second = np.zeros(16, dtype=np.int64)
-            second[expert] = uses_in_16 // 2
-            gauge.observe(second, 8)
-            assert expert not in gauge.watched                              # watched for 16 tokens only
-        assert gauge.margin == margin, uses_in_16
+        assert gauge.most(PROMOTE_MOST) == PROMOTE_MOST                 # eager to start
+        for expert in range(12):
+            watch(gauge, expert, uses_in_16)
+        assert gauge.pays is pays, uses_in_16
+        assert gauge.most(PROMOTE_MOST) == (PROMOTE_MOST if pays else 1)
+        if not pays:
+            gauge.promoted([3])
+            assert gauge.most(PROMOTE_MOST) == 0
+            for expert in range(12):                                    # the routing turns repetitive
+                watch(gauge, expert, 12)
+            assert gauge.most(PROMOTE_MOST) == PROMOTE_MOST
 
 
 def test_the_split_moves_toward_the_side_that_waits_less():

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_variant_runs_with_its_own_split_and_refresh(tiny_qwen3, tmp_path):
-    variants = ["0.25", "0.75:whole", "auto", "0.5:every2", "0.5:nopromote", "0.5:pf0"]
+    variants = ["0.25", "0.75:whole", "auto", "0.5:every2", "0.5:nopromote", "0.5:pf0", "auto:eager:sync"]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(tiny_qwen3),
                           "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--rounds", "1",
                           "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "10",
