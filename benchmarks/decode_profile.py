@@ -6,12 +6,14 @@ same weights, the model's own routing. With --graph-profile, the per-kernel
 time and the gaps between kernels inside the graph replays themselves. With --ab-pdl, the same alternation with programmatic dependent launch
 (kernels/pdl.py) on and off; with --ab-token-quant, with a packed checkpoint's one-token quantized
 experts path (kernels/fused_moe_token_quant.py) on and off; with --ab-overlap, with the engine's overlap
-(each step launched before the last one's token is read) on and off. With --ab-kv, the same alternation between the two KV
+(each step launched before the last one's token is read) on and off; with --ab-sampling, decode at the
+Qwen3 model card's sampling (temperature 0.7, top-p 0.8, top-k 20), drawing among the top-k tokens
+(`sampling.sample`) against filtering the whole row first. With --ab-kv, the same alternation between the two KV
 layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-overlap]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-overlap] [--ab-sampling]
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def main() -> None:
                     help="the same alternation with quantized experts' one-token path on and off (the decode path)")
     ap.add_argument("--ab-overlap", action="store_true",
                     help="the same alternation with the engine's overlap on and off (the host's work between steps)")
+    ap.add_argument("--ab-sampling", action="store_true",
+                    help="decode tok/s at temperature 0.7, top-p 0.8, top-k 20: top-k first against the whole row filtered")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     ap.add_argument("--graph-profile", action="store_true",
                     help="per-kernel time and the gaps between kernels inside decode graph replays instead")
@@ -79,6 +83,8 @@ def main() -> None:
         ab_switch(engine, prompt, args.steps, "one-token quantized path", one_token_quant)
     if args.ab_overlap:
         ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
+    if args.ab_sampling:
+        ab_sampling(engine, prompt, args.steps)
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)
@@ -108,6 +114,28 @@ def ab_switch(engine, prompt: list[int], steps: int, label: str, switch) -> None
     on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
     print(f"{label} on {on:.1f} tok/s, off {off:.1f} tok/s: {on / off:.2f}x")
     engine.runner.drop_graphs()
+
+
+def ab_sampling(engine, prompt: list[int], steps: int) -> None:
+    """Decode tok/s at the Qwen3 card's sampling with `sampling.sample` (top-k first) and with the
+    whole row filtered before the draw, alternating top-k first, whole row, whole row, top-k first."""
+    from benchmarks.sampling_time import whole_row
+    from moestream.runtime import sampling
+
+    kw = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": 0, "ignore_eos": True, "max_tokens": steps}
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    fast = sampling.sample
+    for top_k_first in (True, False, False, True):
+        sampling.sample = fast if top_k_first else whole_row
+        try:
+            engine.generate(prompt, **kw)
+            engine.generate(prompt, **kw)
+        finally:
+            sampling.sample = fast
+        runs[top_k_first].append(engine.last_metrics.decode_tok_s)
+        print(f"sampling {'top-k first' if top_k_first else 'whole row'}: {runs[top_k_first][-1]:.1f} tok/s", flush=True)
+    on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
+    print(f"sampling top-k first {on:.1f} tok/s, whole row {off:.1f} tok/s: {on / off:.2f}x")
 
 
 @contextmanager

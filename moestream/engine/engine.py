@@ -262,7 +262,8 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Admit waiting sequences and prefill them (their first token once the whole prompt is in),
         then decode every sequence that was already decoding by one token, in one batch. Returns the
-        sequences that got a token."""
+        sequences that got a token: with overlap, a decode step's tokens are read by the next call,
+        after it has launched the step that follows (a call that only launches returns none)."""
         with self._lock, torch.inference_mode():
             try:
                 return self._step()

@@ -51,29 +51,52 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled fp32 logits with everything outside top-k / top-p / min-p set to -inf."""
+    """Temperature-scaled fp32 logits with everything outside top-k / top-p / min-p set to -inf (a
+    tie at the k-th logit keeps every tied token)."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.min_p > 0:
-        probs = logits.softmax(-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * params.min_p
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = _min_p(logits, params.min_p)
     if params.top_p < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked above it already reach top_p (the top one always stays)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool).scatter(-1, order, _top_p_drop(sorted_logits, params.top_p))
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the tokens less likely than min_p times the most likely one (any order)."""
+    probs = logits.softmax(-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_p_drop(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Of logits sorted best first, the ones top-p drops: a token goes when the tokens ranked above it
+    already reach top_p (the top one always stays)."""
+    probs = sorted_logits.softmax(-1)
+    return (probs.cumsum(-1) - probs) >= top_p
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V), without leaving the device."""
+    """Next token ids (B,) from logits (B, V), without leaving the device.
+
+    With top-k the other filters and the draw run on the k best tokens only (`torch.topk` returns
+    them sorted, so top-p needs no sort of the vocabulary): the same distribution as filtering the
+    whole row, at a few launches over k values instead of a dozen over the vocabulary (a tie at the
+    k-th logit keeps k of the tied tokens here)."""
     if params.greedy:
         return logits.argmax(dim=-1)
+    if params.top_k and params.top_k < logits.shape[-1]:
+        values, ids = torch.topk(logits.float() / params.temperature, params.top_k, dim=-1)
+        if params.min_p > 0:
+            values = _min_p(values, params.min_p)
+        if params.top_p < 1:
+            values = values.masked_fill(_top_p_drop(values, params.top_p), float("-inf"))
+        pick = torch.multinomial(values.softmax(-1), 1, generator=generator)
+        return ids.gather(-1, pick).squeeze(-1)
     probs = filter_logits(logits, params).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

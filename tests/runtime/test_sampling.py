@@ -96,6 +96,24 @@ def test_min_p_filters_relative_to_the_max_probability(min_p, expected):
     assert _kept(flatter, temperature=1.0, min_p=min_p) >= expected
 
 
+@pytest.mark.parametrize("kw", [{"top_k": 10}, {"top_k": 10, "top_p": 0.8}, {"top_k": 12, "min_p": 0.1},
+                                {"top_k": 16, "top_p": 0.9, "min_p": 0.02}])
+def test_top_k_draws_follow_the_whole_row_filtered(kw):
+    """Drawing among the k best tokens only (no sort of the vocabulary) gives the distribution of the
+    whole row filtered: the same tokens, at the same frequencies, each row its own."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(3, 64, generator=gen) * 2
+    params = _params(temperature=0.7, seed=11, **kw)
+    n = 6000
+    draws = sample(rows.repeat_interleave(n, 0), params, make_generator(params, CPU)).view(3, n)
+    filtered = filter_logits(rows, params)
+    for row in range(3):
+        kept = set(torch.isfinite(filtered[row]).nonzero().flatten().tolist())
+        assert set(draws[row].tolist()) == kept
+        freq = torch.bincount(draws[row], minlength=64).float() / n
+        assert torch.allclose(freq, filtered[row].softmax(-1), atol=0.025)
+
+
 def test_temperature_sharpens_and_flattens():
     low = torch.bincount(_draws(LOGITS, temperature=0.25), minlength=4).float()
     high = torch.bincount(_draws(LOGITS, temperature=4.0), minlength=4).float()
