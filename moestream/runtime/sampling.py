@@ -83,22 +83,48 @@ def _top_p_drop(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next token ids (B,) from logits (B, V), without leaving the device.
 
-    With top-k the other filters and the draw run on the k best tokens only (`torch.topk` returns
-    them sorted, so top-p needs no sort of the vocabulary): the same distribution as filtering the
-    whole row, at a few launches over k values instead of a dozen over the vocabulary (a tie at the
-    k-th logit keeps k of the tied tokens here)."""
+    With top-k the other filters and the draw run on the k best tokens only (`top_k` returns them
+    sorted, so top-p needs no sort of the vocabulary): the same distribution as filtering the whole
+    row, at a few launches over k values instead of a dozen over the vocabulary (a tie at the k-th
+    logit keeps k of the tied tokens here). With temperature alone the draw is a Gumbel-max race
+    over the scaled logits (argmax of logit / T + Gumbel noise: the softmax's distribution, without
+    the softmax, whose single-row launch reads the vocabulary on one block)."""
     if params.greedy:
         return logits.argmax(dim=-1)
     if params.top_k and params.top_k < logits.shape[-1]:
-        values, ids = torch.topk(logits.float() / params.temperature, params.top_k, dim=-1)
+        values, ids = top_k(logits.float() / params.temperature, params.top_k)
         if params.min_p > 0:
             values = _min_p(values, params.min_p)
         if params.top_p < 1:
             values = values.masked_fill(_top_p_drop(values, params.top_p), float("-inf"))
         pick = torch.multinomial(values.softmax(-1), 1, generator=generator)
         return ids.gather(-1, pick).squeeze(-1)
+    if params.top_p == 1 and params.min_p == 0:
+        scaled = logits.float() / params.temperature
+        uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)   # [0, 1): 0 gives -inf
+        return (scaled - uniform.log_().neg_().log_()).argmax(dim=-1)
     probs = filter_logits(logits, params).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+SPLIT_TOP_K_FROM = 16384   # row length from which `top_k` works in two stages
+TOP_K_CHUNKS = 128
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(x, k, dim=-1)` (values sorted best first, their indices) for 2-D `x`; a long row
+    goes in two stages, the best k of each of `TOP_K_CHUNKS` chunks, then the best k of those, since
+    one long row's top-k runs on one block of the GPU."""
+    rows, n = x.shape
+    if n < SPLIT_TOP_K_FROM or k > n // TOP_K_CHUNKS:
+        return torch.topk(x, k, dim=-1)
+    width = -(-n // TOP_K_CHUNKS)
+    if width * TOP_K_CHUNKS > n:   # pad: -inf never beats a finite logit, and k <= n finite ones exist
+        x = torch.nn.functional.pad(x, (0, width * TOP_K_CHUNKS - n), value=float("-inf"))
+    values, ids = torch.topk(x.view(rows, TOP_K_CHUNKS, width), k, dim=-1)
+    ids += torch.arange(0, TOP_K_CHUNKS * width, width, device=x.device)[:, None]
+    best, where = torch.topk(values.view(rows, -1), k, dim=-1)
+    return best, ids.view(rows, -1).gather(-1, where)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -114,6 +114,29 @@ def test_top_k_draws_follow_the_whole_row_filtered(kw):
         assert torch.allclose(freq, filtered[row].softmax(-1), atol=0.025)
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_alone_draws_the_softmax(temperature):
+    """The Gumbel-max race over the scaled logits follows softmax(logits / T), row by row."""
+    rows = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 2
+    params = _params(temperature=temperature, seed=2)
+    n = 8000
+    draws = sample(rows.repeat_interleave(n, 0), params, make_generator(params, CPU)).view(2, n)
+    for row in range(2):
+        freq = torch.bincount(draws[row], minlength=40).float() / n
+        assert torch.allclose(freq, (rows[row] / temperature).softmax(-1), atol=0.02)
+
+
+@pytest.mark.parametrize("n, k", [(151936, 20), (151936, 1), (16384, 128), (50000, 64), (20000, 300), (1000, 5)])
+def test_top_k_of_a_long_row_in_two_stages_equals_torch_topk(n, k):
+    """Exact chunks, padded ones (50000), and the one-stage rows (k beyond a chunk's share, short rows)."""
+    from moestream.runtime.sampling import top_k
+
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(n + k))
+    values, ids = top_k(x, k)
+    want_values, want_ids = torch.topk(x, k, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+
+
 def test_temperature_sharpens_and_flattens():
     low = torch.bincount(_draws(LOGITS, temperature=0.25), minlength=4).float()
     high = torch.bincount(_draws(LOGITS, temperature=4.0), minlength=4).float()
