@@ -50,6 +50,7 @@ def replay(rows: np.ndarray, num_experts: int, capacity: int, prompt: int, every
     policy.advance(prompt)
     slots = {layer: _Layer(policy.ranking(layer)[:capacity])}
     gauge = PromotionGauge()
+    gauge.start(np.bincount(rows[:prompt].reshape(-1), minlength=num_experts))
     use, miss = np.zeros(num_experts, np.int64), np.zeros(num_experts, np.int64)
     pending: list[tuple[int, np.ndarray, np.ndarray, int]] = []   # (tokens to wait, use, miss, window tokens)
     landing: list[tuple[int, list[int]]] = []                      # (tokens to wait, experts)

@@ -190,6 +190,7 @@ class ExpertBank:
         computes nothing for rows past `live_rows` (the padding of a captured batch; None: all live)."""
         self.decoding = decoding
         if self.hybrid_misses is not None:
+            self.hybrid_misses.note_step(decoding)
             self.hybrid_misses.sync_maps()
             self.hybrid_misses.set_live_rows(live_rows)
 

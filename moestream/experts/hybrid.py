@@ -89,14 +89,16 @@ class PromotionGauge:
     repeats itself) a refresh takes in up to `PROMOTE_MOST` missed experts hotter than the coldest
     resident ones; where they do not (routing without locality, where every copy is bytes taken from
     the misses' own reads) it takes one at a time, the next once the last one's watch is over: a
-    probe that keeps the gauge current, so routing that turns repetitive turns it eager again.
-    Replayed through the residency policy (`benchmarks/refresh_replay.py --every 4 --act-lag 1
-    --land-lag 1`: refresh every 4 tokens, acting a token after the window, promotions serving a
-    token after that, 25% bank, LCP's 32-token memory), the demo trace gets 79.3% hits over 64
-    decoded tokens, 89.1% over 128 and 54.7% over 1,024, and uniform routing 24-25% with 0.281,
-    0.173 and 0.079 promotions per layer and token; the earlier rule (a missed expert six times the
-    victim's priority where promotions do not pay, as many as `PROMOTE_MOST`) gave the trace the
-    same hits (54.6% over 1,024) and uniform routing 0.307, 0.216 and 0.126 promotions, each a copy
+    probe that keeps the gauge current, so routing that turns repetitive turns it eager again. Each
+    prompt starts it (`start`): eager where its routing clusters, probing where it is spread as
+    chance spreads it. Replayed through the residency policy (`benchmarks/refresh_replay.py --every
+    4 --act-lag 1 --land-lag 1`: refresh every 4 tokens, acting a token after the window, promotions
+    serving a token after that, 25% bank, LCP's 32-token memory), the demo trace gets 79.3% hits
+    over 64 decoded tokens, 89.1% over 128 and 54.7% over 1,024, and uniform routing 24.9% with
+    0.062, 0.062 and 0.066 promotions per layer and token (0.281, 0.173 and 0.079 with every
+    prompt starting eager); the earlier rule (a missed expert six times the victim's priority where
+    promotions do not pay, as many as `PROMOTE_MOST`, eager at every start) gave the trace the same
+    hits (54.6% over 1,024) and uniform routing 0.307, 0.216 and 0.126 promotions, each a copy
     taken from the misses' own link."""
 
     USEFUL = 2.0               # uses per promotion (over `follow` tokens) from which promotions pay
@@ -109,6 +111,21 @@ class PromotionGauge:
     @property
     def pays(self) -> bool:
         return self.value >= self.USEFUL
+
+    def start(self, uses: np.ndarray) -> None:
+        """Start eager or probing from a prompt's uses per expert (`uses`, one count per expert).
+
+        Routing spread as chance spreads it starts probing, since nothing will repeat; clustered
+        routing starts eager. The test is the uses' dispersion (variance over mean): uniform draws
+        give under 1 (k distinct experts a token), and their dispersion times (E - 1) is chi-square
+        with E - 1 degrees of freedom, so `clustered_from(E)`, its 99.9% point over E - 1 (1.43 at
+        128 experts, 3.5 at 8), is passed by chance once in a thousand layers. The demo trace's
+        prompts give 1.6-5 over 16 tokens and 7-28 over 256, uniform draws at 128 experts 0.7-1.3.
+        Under one use per expert on average says too little: the gauge stays as it is."""
+        mean = float(uses.mean())
+        if mean < 1.0:
+            return
+        self.value = self.USEFUL if float(uses.var()) / mean >= clustered_from(len(uses)) else 0.0
 
     def observe(self, uses: np.ndarray, tokens: int) -> None:
         """A refresh period of `tokens` tokens with these per-expert use counts."""
@@ -128,6 +145,14 @@ class PromotionGauge:
     def promoted(self, experts: list[int]) -> None:
         for e in experts:
             self.watched[e] = [self.follow, 0]
+
+
+def clustered_from(num_experts: int) -> float:
+    """The dispersion of uses per expert that uniform routing passes once in a thousand layers: the
+    99.9% point of chi-square with E - 1 degrees of freedom over E - 1 (Wilson-Hilferty)."""
+    dof = max(num_experts - 1, 1)
+    c = 2.0 / (9.0 * dof)
+    return (1.0 - c + 3.09 * c ** 0.5) ** 3
 
 
 class SplitBalance:
@@ -291,6 +316,7 @@ class HybridMisses:
         self._snapshot: _Snapshot | None = None   # taken, not yet folded
         self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
         self._balance_window = [0, 0, 0, 0]       # split calls, those that waited, µs waited, µs post to answer
+        self._before_prompt: dict[int, np.ndarray] | None = None   # use counts when the last prompt began
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
@@ -333,6 +359,19 @@ class HybridMisses:
         extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
         return handoff.collect(h, out, self.error, self.live)
+
+    def note_step(self, decoding: bool) -> None:
+        """A prompt's routing sets how each layer's gauge starts (`PromotionGauge.start`): the policy's
+        use counts are noted at a prompt's first step, and the uses since then read at the first decode
+        step after it (host-side counts the prompt's staging recorded: no read-back)."""
+        if not decoding:
+            if self._before_prompt is None:
+                self._before_prompt = {layer: self.policy.uses(layer) for layer in self.gauges}
+            return
+        if self._before_prompt is not None:
+            for layer, before in self._before_prompt.items():
+                self.gauges[layer].start(self.policy.uses(layer) - before)
+            self._before_prompt = None
 
     def set_live_rows(self, rows: int | None) -> None:
         """How many rows of the next calls are real (None: all): a decode step replayed through a

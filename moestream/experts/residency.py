@@ -33,6 +33,10 @@ class ResidencyPolicy:
         freq[experts] += counts
         last[experts] = self.clock
 
+    def uses(self, layer: int) -> np.ndarray:
+        """A copy of this layer's use counts so far (a seed's frequencies included)."""
+        return self._arrays(layer)[0].copy()
+
     def seed(self, layer: int, frequencies: np.ndarray) -> None:
         """Start statistics from a profile or discovery pass (item of the warm-start work)."""
         freq, last = self._arrays(layer)

@@ -98,6 +98,62 @@ def test_promotions_turn_to_one_probe_at_a_time_where_they_do_not_pay():
             assert gauge.most(PROMOTE_MOST) == PROMOTE_MOST
 
 
+def test_a_prompt_routed_like_chance_starts_the_gauge_probing():
+    """Uses spread as k distinct uniform draws a token spread them (dispersion near 1) start the gauge
+    probing; clustered uses start it eager; too few uses leave it as it was."""
+    import numpy as np
+
+    from moestream.experts.hybrid import PROMOTE_MOST, PromotionGauge
+
+    rng = np.random.default_rng(0)
+    for tokens in (16, 64, 512):
+        uniform = np.bincount(np.concatenate([rng.choice(128, 8, replace=False) for _ in range(tokens)]), minlength=128)
+        clustered = np.bincount(np.concatenate([rng.choice(24, 8, replace=False) for _ in range(tokens)]), minlength=128)
+        gauge = PromotionGauge()
+        gauge.start(uniform)
+        assert not gauge.pays and gauge.most(PROMOTE_MOST) == 1, tokens
+        gauge.start(clustered)
+        assert gauge.pays and gauge.most(PROMOTE_MOST) == PROMOTE_MOST, tokens
+    few = np.zeros(128, dtype=np.int64)
+    few[:40] = 1                                                        # 5 tokens' worth: mean under one
+    gauge = PromotionGauge()
+    gauge.start(uniform)
+    gauge.start(few)
+    assert not gauge.pays                                               # unchanged
+
+
+class _Clustered:
+    """Benchmark routing that sends every token to experts 0 and 1: as clustered as routing gets."""
+
+    prediction_accuracy = None
+
+    def __call__(self, layer, logits):
+        ids = torch.tensor([0, 1]).expand(logits.shape[0], 2)
+        weights = logits.float().softmax(-1).gather(-1, ids)
+        return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("routing", ["clustered", "uniform"])
+def test_each_prompt_starts_the_gauges_from_its_own_routing(tiny_qwen3, routing):
+    """After a prompt (staged through the fetch policy, which records its uses) the first decode step
+    starts every layer's gauge from it: eager where the prompt's routing clusters, probing where it is
+    uniform."""
+    from moestream.bench.routing import UniformRouting, use_routing
+
+    torch.manual_seed(0)
+    engine = _hybrid(tiny_qwen3)
+    try:
+        use_routing(engine, _Clustered() if routing == "clustered" else UniformRouting(2, "cpu"))
+        gauges = engine.bank.hybrid_misses.gauges
+        for gauge in gauges.values():
+            gauge.value = 1.0 if routing == "clustered" else gauge.USEFUL   # the other way round first
+        prompt = torch.randint(2, 160, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+        engine.generate(prompt, max_tokens=3, ignore_eos=True, temperature=1.0, seed=0)
+        assert [gauge.pays for gauge in gauges.values()] == [routing == "clustered"] * len(gauges)
+    finally:
+        engine.close()
+
+
 def test_the_split_moves_toward_the_side_that_waits_less():
     from moestream.experts.hybrid import SplitBalance
 
