@@ -84,7 +84,8 @@ def main() -> None:
     if args.ab_overlap:
         ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
     if args.ab_sampling:
-        ab_sampling(engine, prompt, args.steps)
+        ab_switch(engine, prompt, args.steps, "sampling top-k first", top_k_first,   # the Qwen3 card's settings
+                  temperature=0.7, top_p=0.8, top_k=20, seed=0)
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)
@@ -100,15 +101,17 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
-def ab_switch(engine, prompt: list[int], steps: int, label: str, switch) -> None:
+def ab_switch(engine, prompt: list[int], steps: int, label: str, switch, **sampling) -> None:
     """Decode tok/s with `switch(True)` and `switch(False)` (context managers), alternating on, off,
-    off, on: graphs are captured again for each run, since a captured graph keeps the choice."""
+    off, on (greedy unless `sampling` keywords say otherwise): graphs are captured again for each
+    run, since a captured graph keeps the choice."""
+    kw = {"max_tokens": steps, "ignore_eos": True, **sampling}
     runs: dict[bool, list[float]] = {True: [], False: []}
     for on in (True, False, False, True):
         engine.runner.drop_graphs()
         with switch(on):
-            engine.generate(prompt, max_tokens=steps, ignore_eos=True)
-            engine.generate(prompt, max_tokens=steps, ignore_eos=True)
+            engine.generate(prompt, **kw)
+            engine.generate(prompt, **kw)
         runs[on].append(engine.last_metrics.decode_tok_s)
         print(f"{label} {'on' if on else 'off'}: {runs[on][-1]:.1f} tok/s", flush=True)
     on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
@@ -116,26 +119,18 @@ def ab_switch(engine, prompt: list[int], steps: int, label: str, switch) -> None
     engine.runner.drop_graphs()
 
 
-def ab_sampling(engine, prompt: list[int], steps: int) -> None:
-    """Decode tok/s at the Qwen3 card's sampling with `sampling.sample` (top-k first) and with the
-    whole row filtered before the draw, alternating top-k first, whole row, whole row, top-k first."""
+@contextmanager
+def top_k_first(on: bool) -> Iterator[None]:
+    """`sampling.sample` (top-k first) on, or off: the whole row filtered before the draw."""
     from benchmarks.sampling_time import whole_row
     from moestream.runtime import sampling
 
-    kw = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": 0, "ignore_eos": True, "max_tokens": steps}
-    runs: dict[bool, list[float]] = {True: [], False: []}
     fast = sampling.sample
-    for top_k_first in (True, False, False, True):
-        sampling.sample = fast if top_k_first else whole_row
-        try:
-            engine.generate(prompt, **kw)
-            engine.generate(prompt, **kw)
-        finally:
-            sampling.sample = fast
-        runs[top_k_first].append(engine.last_metrics.decode_tok_s)
-        print(f"sampling {'top-k first' if top_k_first else 'whole row'}: {runs[top_k_first][-1]:.1f} tok/s", flush=True)
-    on, off = sum(runs[True]) / 2, sum(runs[False]) / 2
-    print(f"sampling top-k first {on:.1f} tok/s, whole row {off:.1f} tok/s: {on / off:.2f}x")
+    sampling.sample = fast if on else whole_row
+    try:
+        yield
+    finally:
+        sampling.sample = fast
 
 
 @contextmanager

@@ -16,10 +16,12 @@ the device), the rest of `engine.step`, and the host's path from each token's re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -56,61 +58,48 @@ def main() -> None:
 
 def measure(engine, prompt: list[int], steps: int, cuda: bool, title: str) -> None:
     acc: dict[str, float] = defaultdict(float)
-    restore = []
-
-    def timed(owner, name: str, key: str) -> None:
-        fn = getattr(owner, name)
-        restore.append((owner, name, fn))
-
-        def wrap(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] += time.perf_counter() - t0
-        setattr(owner, name, wrap)
-
+    last, gaps = [0.0], []   # when the last token was read; host time from each read to the next replay
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=1.0))
     for _ in range(48):
         engine.step()
     if cuda:
         torch.cuda.synchronize()
-    timed(engine.bank, "begin_step", "begin_step (before the replay)")
-    timed(engine.bank, "after_step", "after_step (after the replay)")
-    graphs = engine.runner._decoder(1)
-    if graphs is not None:
-        timed(type(graphs), "__call__", "graph call (inputs, replay)")
-    last, gaps = [0.0], []
-    take, replay = engine._take, torch.cuda.CUDAGraph.replay
+    with contextlib.ExitStack() as patches:
+        def timed(owner, name: str, key: str, then=None) -> None:
+            fn = getattr(owner, name)
 
-    def timed_take(sampled):
-        t0 = time.perf_counter()
-        try:
-            return take(sampled)
-        finally:
-            last[0] = time.perf_counter()
-            acc["token read (waits for the device)"] += last[0] - t0
+            def wrap(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    t1 = time.perf_counter()
+                    acc[key] += t1 - t0
+                    if then is not None:
+                        then(t1)
+            patches.enter_context(mock.patch.object(owner, name, wrap))
 
-    def timed_replay(self):
-        if last[0]:
-            gaps.append(time.perf_counter() - last[0])
-            last[0] = 0.0
-        return replay(self)
+        def read_at(t: float) -> None:
+            last[0] = t
 
-    engine._take, torch.cuda.CUDAGraph.replay = timed_take, timed_replay
-    try:
+        timed(engine.bank, "begin_step", "begin_step (before the replay)")
+        timed(engine.bank, "after_step", "after_step (after the replay)")
+        graphs = engine.runner._decoder(1)
+        if graphs is not None:
+            timed(type(graphs), "__call__", "graph call (inputs, replay)")
+        timed(engine, "_take", "token read (waits for the device)", then=read_at)
+        replay = torch.cuda.CUDAGraph.replay
+
+        def timed_replay(self):
+            if last[0]:
+                gaps.append(time.perf_counter() - last[0])
+                last[0] = 0.0
+            return replay(self)
+        patches.enter_context(mock.patch.object(torch.cuda.CUDAGraph, "replay", timed_replay))
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         total = time.perf_counter() - t0
-    finally:
-        torch.cuda.CUDAGraph.replay = replay
-        del engine._take
-        for owner, name, fn in restore:
-            if owner is engine.bank:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, fn)
     while not engine.scheduler.idle:
         engine.step()
     gaps.sort()

@@ -315,9 +315,7 @@ class Engine:
             got += self._take(self._sample(ready, torch.cat(first)))
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
-            positions = torch.tensor([s.length - 1 for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
-            kv_len = max(s.length for s in decoding)
-            sampled = self._sample(decoding, runner.decode(tokens, positions, kv_len))
+            sampled = self._decode(decoding, tokens)
             if self._can_run_ahead(decoding):
                 self._inflight = sampled   # read by the next step, once it has launched the one after
             else:
@@ -348,15 +346,21 @@ class Engine:
         """Launch the next decode step from the tokens in flight (still on the device), then read
         those tokens while it runs."""
         seqs = ahead.seqs
-        positions = torch.tensor([s.length for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
-        kv_len = max(s.length for s in seqs) + 1
-        self._inflight = self._sample(seqs, self.runner.decode(ahead.tokens, positions, kv_len))
+        self._inflight = self._decode(seqs, ahead.tokens, ahead=1)
         got = self._take(ahead)
         if any(s.finished for s in seqs):   # an EOS or a stop string: the batch changes with nothing in flight
             got += [s for s in self._drain() if s not in got]
             self._retire()
         self._seal()
         return got
+
+    def _decode(self, seqs: list[Sequence], tokens: torch.Tensor, ahead: int = 0) -> _Sampled:
+        """One decode step of `seqs` (cache rows 0..B-1) fed `tokens` (B,) on the device, sampled:
+        each token at its sequence's last position, or with `ahead` = 1 one past it (the token still
+        in flight, not appended yet)."""
+        positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        kv_len = max(s.length for s in seqs) + ahead
+        return self._sample(seqs, self.runner.decode(tokens, positions, kv_len))
 
     def _drain(self) -> list[Sequence]:
         """Read the step in flight, if there is one; its tokens go to the sequences still running."""
