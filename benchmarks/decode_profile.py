@@ -5,7 +5,8 @@ router top-k) on and off, alternating (on, off, off, on: figures drift between r
 same weights, the model's own routing. With --graph-profile, the per-kernel
 time and the gaps between kernels inside the graph replays themselves. With --ab-pdl, the same alternation with programmatic dependent launch
 (kernels/pdl.py) on and off; with --ab-token-quant, with a packed checkpoint's one-token quantized
-experts path (kernels/fused_moe_token_quant.py) on and off; with --ab-overlap, with the engine's overlap
+experts path (kernels/fused_moe_token_quant.py) on and off; with --ab-quant-gemv, with quantized dense
+layers' one-row GEMV (kernels/quant_gemv_triton.py) on and off (the decode path); with --ab-overlap, with the engine's overlap
 (each step launched before the last one's token is read) on and off; with --ab-sampling, decode at the
 Qwen3 model card's sampling (temperature 0.7, top-p 0.8, top-k 20), drawing among the top-k tokens
 (`sampling.sample`) against filtering the whole row first. With --ab-kv, the same alternation between the two KV
@@ -13,7 +14,7 @@ layouts: one full-context row per sequence (SDPA over a power-of-two length buck
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-overlap] [--ab-sampling]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-quant-gemv] [--ab-overlap] [--ab-sampling]
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
                     help="decode tok/s with programmatic dependent launch on and off (Hopper)")
     ap.add_argument("--ab-token-quant", action="store_true",
                     help="the same alternation with quantized experts' one-token path on and off (the decode path)")
+    ap.add_argument("--ab-quant-gemv", action="store_true",
+                    help="the same alternation with quantized dense layers' one-row GEMV on and off (the decode path)")
     ap.add_argument("--ab-overlap", action="store_true",
                     help="the same alternation with the engine's overlap on and off (the host's work between steps)")
     ap.add_argument("--ab-sampling", action="store_true",
@@ -81,6 +84,10 @@ def main() -> None:
         from moestream.kernels.fused_moe_token_quant import one_token_quant
 
         ab_switch(engine, prompt, args.steps, "one-token quantized path", one_token_quant)
+    if args.ab_quant_gemv:
+        from moestream.kernels.quant_linear_triton import quant_gemv_path
+
+        ab_switch(engine, prompt, args.steps, "quantized dense GEMV", quant_gemv_path)
     if args.ab_overlap:
         ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
     if args.ab_sampling:

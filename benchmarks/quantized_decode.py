@@ -2,10 +2,11 @@
 
     python benchmarks/quantized_decode.py --ckpt /tmp/q3 --out $OUT [--formats int4 int8 int3]
         [--fractions 1.0 0.25] [--routing uniform|trace --trace T.json] [--prompt-tokens 512 --gen-tokens 64]
-        [--miss-policy fetch hybrid] [--cpu-misses 0 1 auto]
+        [--miss-policy fetch hybrid] [--cpu-misses 0 1 auto] [--dense int4]
 
 For each format: `moestream convert` (timed: GB/s of source expert weights) into /tmp/<ckpt>-<format>
-unless it is there, then `moestream.load` of the packed checkpoint at each fraction of the experts
+(with --dense F, the attention and the embeddings and LM head in F too, as a Q4_0 GGUF quantizes
+them: /tmp/<ckpt>-<format>-dense-<F>) unless it is there, then `moestream.load` of the packed checkpoint at each fraction of the experts
 on the GPU (capacity = fraction × E, at least top-k, or 1 with the hybrid policy: fraction 0 keeps
 every expert off the GPU; the rest in pinned host RAM) and `run_bench`. The first load
 of each packed checkpoint is its cold start (page cache warm from the convert). Routing stated per
@@ -41,15 +42,18 @@ def main() -> None:
                          "a row (with the hybrid policy 0 means its default)")
     ap.add_argument("--miss-policy", nargs="+", default=["fetch"], choices=["fetch", "hybrid"],
                     help="miss policies at bounded budgets: each is a row")
+    ap.add_argument("--dense", default=None,
+                    help="also quantize the attention, the embeddings and the LM head in this format")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_checkpoint(args.ckpt, args.shape, args.layers)
     rows = []
     for fmt in args.formats:
-        packed = Path(f"/tmp/{args.ckpt.name}-{fmt}")
+        packed = Path(f"/tmp/{args.ckpt.name}-{fmt}" + (f"-dense-{args.dense}" if args.dense else ""))
+        recipe = QuantRecipe(experts=fmt, attention=args.dense, embeddings=args.dense)
         conv = None
         if not (packed / "layout.json").exists():
-            result = convert(args.ckpt, packed, QuantRecipe(experts=fmt), progress=False, device="cuda")
+            result = convert(args.ckpt, packed, recipe, progress=False, device="cuda")
             conv = {"seconds": result.seconds, "GB_per_s": result.gb_per_s, "written_GB": result.written_bytes / 1e9}
             log(f"convert {fmt}: {json.dumps(conv)}")
         first = True
@@ -76,12 +80,12 @@ def main() -> None:
             routing = apply_routing(engine, args.routing, args.trace)
             res = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, temperature=args.temperature,
                             routing=routing).as_dict()
-            res.update(format=engine.bank.formats[0].name, expert_fraction=frac, cold_start=first, convert=conv,
+            res.update(format=engine.bank.formats[0].name, dense=args.dense, expert_fraction=frac, cold_start=first, convert=conv,
                        cpu_misses=cpu_misses, miss_policy=engine.bank.miss_policy)
             res["host_gb_s"] = (res["decode_bytes_per_token"] + res["decode_cpu_bytes_per_token"]
                                 + res["decode_host_read_bytes_per_token"]) * res["decode_tok_s"] / 1e9
             rows.append(res)
-            log(json.dumps({k: res[k] for k in ("format", "capacity", "routing", "miss_policy", "cpu_misses",
+            log(json.dumps({k: res[k] for k in ("format", "dense", "capacity", "routing", "miss_policy", "cpu_misses",
                                                 "decode_tok_s", "ttft_s", "prefill_tok_s", "decode_hit_rate",
                                                 "decode_bytes_per_token", "decode_cpu_bytes_per_token",
                                                 "decode_host_read_bytes_per_token", "decode_cpu_busy_s_per_token",

@@ -1,8 +1,9 @@
 """A linear layer over a quantized weight on CUDA: the path of `quant_linear_reference` there.
 
-For few tokens (decode) the weight is one "expert" of the decode MoE kernel that every token is
-routed to with weight 1 and no activation: each row of packed bytes is read once and dequantized
-in registers. For prompts the weight is dequantized once into the hidden dtype and one cuBLAS GEMM
+One row (batch-1 decode) takes the quantized GEMV (quant_gemv_triton.py) where its format allows.
+For a few tokens the weight is one "expert" of the decode MoE kernel that every token is routed to
+with weight 1 and no activation: each row of packed bytes is read once and dequantized in
+registers. For prompts the weight is dequantized once into the hidden dtype and one cuBLAS GEMM
 runs (a prompt's FLOPs dwarf the extra weight pass).
 """
 
@@ -18,16 +19,28 @@ from moestream.quant import QuantSpec, dequantize
 
 from .fused_moe_decode import QUANT_DECODE_CONFIG, _launch
 from .fused_moe_quant_triton import quant_operand
+from .quant_gemv_triton import quant_gemv, quant_gemv_supported
+from .switch import Switch
 
-__all__ = ["quant_linear"]
+__all__ = ["quant_gemv_path", "quant_linear"]
 
 DECODE_MAX_TOKENS = 16
+
+_gemv_on = Switch()
+
+
+def quant_gemv_path(enabled: bool):
+    """Switch the one-row quantized GEMV on or off inside the block (A/B benchmarks; graphs captured
+    inside keep the choice)."""
+    return _gemv_on.set(enabled)
 
 
 def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec,
                  bias: Tensor | None = None) -> Tensor:
     T, K = x.shape
     N = qweight.shape[0]
+    if T == 1 and _gemv_on.on and quant_gemv_supported(spec, K) and qweight.stride(-1) == 1:
+        return quant_gemv(x, qweight, scales, biases, spec, bias)
     if T > DECODE_MAX_TOKENS:
         return F.linear(x, dequantize(qweight, scales, biases, spec, x.dtype), bias)
     parts = {"w.qweight": qweight[None], "w.scales": scales[None]}

@@ -1,5 +1,6 @@
 """The model's linear layers: `Linear` (batch-1 rows through the Triton GEMV on CUDA), and q, k and
-v projected by one GEMM, their weights concatenated once after loading (on CUDA).
+v projected by one GEMM, their weights concatenated once after loading (on CUDA); quantized q, k
+and v of one format likewise (their packed bytes, scales and biases concatenated: one GEMV).
 
 At batch 1 a projection is a GEMV whose time is mostly launch and tail, not bytes: the k and v
 projections of a Qwen3-30B-A3B layer read 2 MB each yet take as long as a 4 MB one. One GEMM over
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from moestream import kernels
+from moestream.model.quant_linear import QuantLinear
+from moestream.quant import QuantSpec
 
 
 class Linear(nn.Linear):
@@ -30,27 +33,44 @@ class FusedQKV:
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     qkv_sizes: tuple[int, int, int] = (0, 0, 0)
+    # quantized q, k, v fused: (packed bytes, scales, biases or None), their spec
+    qkv_packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    qkv_spec: QuantSpec | None = None
 
     def fuse_qkv(self) -> None:
-        """Concatenate the three weights (and biases) and make each projection a view into them.
-        Quantized projections (not plain `nn.Linear`) are left as they are."""
+        """Concatenate the three weights (and biases) and make each projection a view into them:
+        plain projections, or quantized ones of one format. Mixed ones are left as they are."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         biased = {p.bias is not None for p in projs}
-        if not all(type(p) in (nn.Linear, Linear) for p in projs) or len(biased) > 1 or self.qkv_weight is not None:
+        if len(biased) > 1 or self.qkv_weight is not None or self.qkv_packed is not None:
             return
-        with torch.no_grad():
-            weight = torch.cat([p.weight for p in projs])
-            bias = torch.cat([p.bias for p in projs]) if True in biased else None
-            sizes = tuple(p.out_features for p in projs)
-            for p, w in zip(projs, weight.split(sizes)):
-                p.weight.data = w
-            if bias is not None:
-                for p, b in zip(projs, bias.split(sizes)):
-                    p.bias.data = b
-        self.qkv_weight, self.qkv_bias, self.qkv_sizes = weight, bias, sizes
+        sizes = tuple(p.out_features for p in projs)
+        if all(type(p) in (nn.Linear, Linear) for p in projs):
+            self.qkv_weight = _concatenated(projs, "weight")
+            self.qkv_bias = _concatenated(projs, "bias") if True in biased else None
+            self.qkv_sizes = sizes
+        elif all(isinstance(p, QuantLinear) for p in projs) and len({p.spec for p in projs}) == 1:
+            packed = _concatenated(projs, "qweight"), _concatenated(projs, "scales")
+            biases = _concatenated(projs, "biases") if projs[0].biases is not None else None
+            self.qkv_packed, self.qkv_spec = (*packed, biases), projs[0].spec
+            self.qkv_bias = _concatenated(projs, "bias") if True in biased else None
+            self.qkv_sizes = sizes
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) projections of x (..., hidden): one GEMM where fused (views of its output)."""
         if self.qkv_weight is not None and kernels.fused_ops_enabled(x):
             return kernels.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        if self.qkv_packed is not None and kernels.fused_ops_enabled(x):
+            flat = kernels.quant_linear(x.reshape(-1, x.shape[-1]), *self.qkv_packed, self.qkv_spec, self.qkv_bias)
+            return flat.view(*x.shape[:-1], -1).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _concatenated(projs: tuple[nn.Module, ...], name: str) -> torch.Tensor:
+    """The projections' parameters `name` concatenated along their rows; each parameter becomes a view
+    into the result (memory does not grow, the state dict keeps the checkpoint's names)."""
+    with torch.no_grad():
+        whole = torch.cat([getattr(p, name) for p in projs])
+        for p, part in zip(projs, whole.split([getattr(p, name).shape[0] for p in projs])):
+            getattr(p, name).data = part
+    return whole

@@ -241,3 +241,26 @@ def test_quant_token_kernels_compile(bits, group, nf, reduce, split):
     kernel = triton.compile(ASTSource(fn=_qtoken_down_kernel, signature=sig, constexprs=consts), target=H100,
                             options={"num_warps": tile.num_warps, "enable_fp_fusion": False})
     assert kernel.metadata.shared <= SMEM
+
+
+@pytest.mark.parametrize("bits,group,nf", [(4, 64, False), (8, 32, False), (2, 32, False), (4, 64, True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_gemv_kernels_compile(bits, group, nf, bias):
+    """The one-row quantized GEMV at each of its default tiles: the prepare launch and the product."""
+    from moestream.kernels.quant_gemv_triton import _prepare_kernel, _quant_gemv_kernel, default_tile
+    from moestream.quant import QuantSpec
+
+    consts = {"BITS": bits, "GROUP": group, "NF": nf, "BLOCK": 1024, "USE_PDL": True}
+    sig = _sig({"x_ptr": "*bf16", "planes_ptr": "*fp32", "sums_ptr": "*fp32"}, ["K"], [], consts)
+    triton.compile(ASTSource(fn=_prepare_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
+    spec = QuantSpec("nf" if nf else "int", bits, group)
+    for N, K in ((5120, 2048), (2048, 4096), (151936, 2048)):
+        tile = default_tile(N, K, spec)
+        consts = {"HAS_BIAS": bias, "BITS": bits, "GROUP": group, "NF": nf, "BLOCK_N": tile.block_n,
+                  "BLOCK_K": tile.block_k, "EVEN_K": False, "USE_PDL": True}
+        sig = _sig({"planes_ptr": "*fp32", "sums_ptr": "*fp32", "q_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+                    "code_ptr": "*fp32" if nf else "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"},
+                   ["N", "K", "stride_qn", "stride_sn"], [], consts)
+        kernel = triton.compile(ASTSource(fn=_quant_gemv_kernel, signature=sig, constexprs=consts), target=H100,
+                                options={"num_warps": tile.num_warps})
+        assert kernel.metadata.shared <= SMEM

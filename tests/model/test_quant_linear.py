@@ -39,3 +39,26 @@ def test_int8_everywhere_stays_close_and_layer_overrides_apply(tiny_quant):
     engine = _load(tiny_quant, attention="int4", layer_formats={0: "int8"})
     layers = engine.model.model.layers
     assert layers[0].self_attn.q_proj.spec.bits == 8 and layers[2].self_attn.q_proj.spec.bits == 4
+
+
+def test_quantized_qkv_fuse_into_one_packed_projection(tiny_quant, monkeypatch):
+    """fuse_qkv concatenates quantized q, k and v (bytes, scales, biases): each projection a view into
+    them, the logits unchanged, and the one-call path gives the three projections' q, k and v."""
+    from moestream import kernels
+
+    engine = _load(tiny_quant, attention="int4-g32")
+    ids = IDS[:, :9]
+    before = engine.logits(ids)
+    mixer = engine.model.model.layers[1].self_attn
+    x = torch.randn(2, 3, engine.config.hidden_size)
+    three = (mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x))
+    engine.model.fuse_projections()
+    qweight, _, biases = mixer.qkv_packed
+    assert mixer.qkv_spec == mixer.q_proj.spec and mixer.qkv_weight is None
+    assert qweight.shape[0] == sum(p.out_features for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
+    assert mixer.k_proj.qweight.data_ptr() == qweight[mixer.q_proj.out_features:].data_ptr()   # views, no copy
+    assert mixer.v_proj.biases.data_ptr() == biases[-mixer.v_proj.out_features:].data_ptr()
+    assert torch.equal(engine.logits(ids), before)
+    monkeypatch.setattr(kernels, "fused_ops_enabled", lambda t: True)
+    for got, want in zip(mixer.project_qkv(x), three):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,45 @@
+"""The one-row quantized GEMV (the batch-1 projections of quantized dense layers): compiled on a GPU,
+under the interpreter on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quant_gemv_checks import CASES, check_quant_gemv
+from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+
+from moestream.kernels import fused_moe_quant_available
+from moestream.kernels.quant_gemv_triton import quant_gemv_supported
+from moestream.quant import parse_quant
+
+
+def test_the_gemv_covers_the_common_formats_and_leaves_the_rest_to_the_decode_path():
+    assert all(quant_gemv_supported(parse_quant(f), 2048) for f in ("int4", "int4-g128", "int8", "int2", "nf4"))
+    assert not quant_gemv_supported(parse_quant("int3"), 2048), "3-bit values straddle the words"
+    assert not quant_gemv_supported(parse_quant("nf3"), 2048)
+    assert not quant_gemv_supported(parse_quant("int4-g128"), 2880), "a ragged last group"
+
+
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+def test_quant_gemv_under_interpreter():
+    """Every case in fp32, and the 4-bit ones in fp16 (the GPU test takes every case in three dtypes)."""
+    checks = Path(__file__).with_name("quant_gemv_checks.py")
+    result = run_under_interpreter(f"""
+        import sys, torch
+        sys.path.insert(0, {str(checks.parent)!r})
+        from {checks.stem} import CASES, check_all
+        check_all("cpu", (torch.float32,))
+        check_all("cpu", (torch.float16,), [c for c in CASES if c[0].startswith(("int4", "nf4"))])
+        print("interpreter ok")
+    """, timeout=600)
+    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(not fused_moe_quant_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("fmt,N,K", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quant_gemv_on_gpu(fmt, N, K, dtype):
+    check_quant_gemv("cuda", dtype, fmt, N, K)
