@@ -9,12 +9,13 @@ experts path (kernels/fused_moe_token_quant.py) on and off; with --ab-quant-gemv
 layers' one-row GEMV (kernels/quant_gemv_triton.py) on and off (the decode path); with --ab-overlap, with the engine's overlap
 (each step launched before the last one's token is read) on and off; with --ab-sampling, decode at the
 Qwen3 model card's sampling (temperature 0.7, top-p 0.8, top-k 20), drawing among the top-k tokens
-(`sampling.sample`) against filtering the whole row first. With --ab-kv, the same alternation between the two KV
+(`sampling.sample`) against filtering the whole row first; with --ab-draw-kernel, at the same
+settings, the two-launch top-k draw (kernels/sampling_triton.py) against its torch launches. With --ab-kv, the same alternation between the two KV
 layouts: one full-context row per sequence (SDPA over a power-of-two length bucket) and the paged
 cache (blocks read in place by the flash-decoding kernel, each row to its own length); the second
 engine is loaded beside the first, so the device must hold the weights twice.
 
-    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-quant-gemv] [--ab-overlap] [--ab-sampling]
+    python benchmarks/decode_profile.py CHECKPOINT [--steps 20] [--capacity N] [--ab-fused] [--ab-kv] [--ab-pdl] [--ab-token-quant] [--ab-quant-gemv] [--ab-overlap] [--ab-sampling] [--ab-draw-kernel]
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
                     help="the same alternation with the engine's overlap on and off (the host's work between steps)")
     ap.add_argument("--ab-sampling", action="store_true",
                     help="decode tok/s at temperature 0.7, top-p 0.8, top-k 20: top-k first against the whole row filtered")
+    ap.add_argument("--ab-draw-kernel", action="store_true",
+                    help="decode tok/s at the same settings: the two-launch top-k draw against its torch launches")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     ap.add_argument("--graph-profile", action="store_true",
                     help="per-kernel time and the gaps between kernels inside decode graph replays instead")
@@ -92,6 +95,11 @@ def main() -> None:
         ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
     if args.ab_sampling:
         ab_switch(engine, prompt, args.steps, "sampling top-k first", top_k_first,   # the Qwen3 card's settings
+                  temperature=0.7, top_p=0.8, top_k=20, seed=0)
+    if args.ab_draw_kernel:
+        from moestream.runtime.sampling import draw_kernel
+
+        ab_switch(engine, prompt, args.steps, "top-k draw kernel", draw_kernel,   # the Qwen3 card's settings
                   temperature=0.7, top_p=0.8, top_k=20, seed=0)
     timed("cuda graphs")
     if args.graph_profile:

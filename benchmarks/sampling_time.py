@@ -1,5 +1,7 @@
 """Device time of one decode step's sampling at batch 1 over a real vocabulary: `sampling.sample` against
-filtering the whole row first (`filter_logits`, then a draw: what `sample` does without top-k).
+filtering the whole row first (`filter_logits`, then a draw: what `sample` does without top-k), and
+against its top-k draw in torch launches (`draw_kernel(False)`: what a CPU, or a row the two-launch
+kernel does not take, gets).
 
     python3 benchmarks/sampling_time.py [--vocab 151936] [--calls 200] [--device cuda]
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moestream.runtime.sampling import SamplingParams, filter_logits, make_generator, sample  # noqa: E402
+from moestream.runtime.sampling import SamplingParams, draw_kernel, filter_logits, make_generator, sample  # noqa: E402
 
 SETTINGS = {
     "greedy": {"temperature": 0.0},
@@ -68,14 +70,17 @@ def main() -> None:
     cuda = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(1, args.vocab, generator=gen, device=device) * 3).to(torch.bfloat16 if cuda else torch.float32)
-    print(f"{'setting':32s} {'whole row':>10s} {'sample':>10s}   us per call ({'device' if cuda else 'host'} time)")
+    print(f"{'setting':32s} {'whole row':>10s} {'torch':>10s} {'sample':>10s}   us per call "
+          f"({'device' if cuda else 'host'} time); whole row / sample")
     for name, kw in SETTINGS.items():
         params = SamplingParams(**kw)
         params.validate()
         g = make_generator(SamplingParams(**kw, seed=1), device)
         old = device_us(lambda p=params, g=g: whole_row(logits, p, g), args.calls, cuda)
+        with draw_kernel(False):
+            torch_draw = device_us(lambda p=params, g=g: sample(logits, p, g), args.calls, cuda)
         new = device_us(lambda p=params, g=g: sample(logits, p, g), args.calls, cuda)
-        print(f"{name:32s} {old:10.1f} {new:10.1f}   {old / new:.2f}x")
+        print(f"{name:32s} {old:10.1f} {torch_draw:10.1f} {new:10.1f}   {old / new:.2f}x")
 
 
 if __name__ == "__main__":

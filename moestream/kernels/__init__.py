@@ -159,6 +159,18 @@ def uniform_topk(logits: Tensor, k: int, draws: Tensor, seed: int) -> tuple[Tens
     return _triton_module("router_topk").uniform_topk(logits, k, draws, seed)
 
 
+def sampling_kernel_takes(logits: Tensor, k: int) -> bool:
+    """Whether `sample_top_k` serves these logits (B, V) at top-k k: CUDA with Triton, k within
+    what its draw launch holds."""
+    return logits.is_cuda and fused_moe_available() and _triton_module("sampling").takes_kernel(logits.shape[-1], k)
+
+
+def sample_top_k(logits: Tensor, k: int, temperature: float, top_p: float, min_p: float, uniform: Tensor) -> Tensor:
+    """A token per row among its k best logits after temperature, min-p and top-p, at the row's
+    uniform number (Triton, two launches); `runtime.sampling.draw_top_k_reference` is the spec."""
+    return _triton_module("sampling").sample_top_k(logits, k, temperature, top_p, min_p, uniform)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear`, except for one row of a CUDA tensor with the fused ops on: there the Triton GEMV
     (gemv_triton.py), which reaches more of the memory bandwidth than cuBLAS on a decoder layer's

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moestream import kernels
 from moestream.errors import InputError
+from moestream.kernels.switch import Switch
 
 
 @dataclass
@@ -83,28 +85,57 @@ def _top_p_drop(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next token ids (B,) from logits (B, V), without leaving the device.
 
-    With top-k the other filters and the draw run on the k best tokens only (`top_k` returns them
-    sorted, so top-p needs no sort of the vocabulary): the same distribution as filtering the whole
-    row, at a few launches over k values instead of a dozen over the vocabulary (a tie at the k-th
-    logit keeps k of the tied tokens here). With temperature alone the draw is a Gumbel-max race
-    over the scaled logits (argmax of logit / T + Gumbel noise: the softmax's distribution, without
-    the softmax, whose single-row launch reads the vocabulary on one block)."""
+    With top-k the other filters and the draw act on the k best tokens only (`draw_top_k`): the same
+    distribution as filtering the whole row, without a sort or a filter pass over the vocabulary (a
+    tie at the k-th logit keeps k of the tied tokens here). With temperature alone the draw is a
+    Gumbel-max race over the scaled logits (argmax of logit / T + Gumbel noise: the softmax's
+    distribution, without the softmax, whose single-row launch reads the vocabulary on one block)."""
     if params.greedy:
         return logits.argmax(dim=-1)
     if params.top_k and params.top_k < logits.shape[-1]:
-        values, ids = top_k(logits.float() / params.temperature, params.top_k)
-        if params.min_p > 0:
-            values = _min_p(values, params.min_p)
-        if params.top_p < 1:
-            values = values.masked_fill(_top_p_drop(values, params.top_p), float("-inf"))
-        pick = torch.multinomial(values.softmax(-1), 1, generator=generator)
-        return ids.gather(-1, pick).squeeze(-1)
+        uniform = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+        return draw_top_k(logits, params, uniform)
     if params.top_p == 1 and params.min_p == 0:
         scaled = logits.float() / params.temperature
         uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device)   # [0, 1): 0 gives -inf
         return (scaled - uniform.log_().neg_().log_()).argmax(dim=-1)
     probs = filter_logits(logits, params).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+_draw_kernel_on = Switch()
+
+
+def draw_kernel(enabled: bool):
+    """Switch the two-launch top-k draw (kernels/sampling_triton.py) on or off inside the block (A/B
+    benchmarks; off: `draw_top_k_reference` on CUDA too)."""
+    return _draw_kernel_on.set(enabled)
+
+
+def draw_top_k(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor) -> torch.Tensor:
+    """Token ids (B,) among each row's top_k best logits, filtered by temperature, min-p and top-p,
+    at each row's uniform number in [0, 1): two launches on CUDA (`kernels.sample_top_k`), else
+    `draw_top_k_reference`."""
+    k = params.top_k
+    if _draw_kernel_on.on and kernels.sampling_kernel_takes(logits, k):
+        return kernels.sample_top_k(logits, k, params.temperature, params.top_p, params.min_p, uniform)
+    return draw_top_k_reference(logits, params, uniform)
+
+
+def draw_top_k_reference(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor) -> torch.Tensor:
+    """The spec of the top-k draw in plain torch: the k best scaled logits, best first (`top_k`), min-p,
+    then top-p over what it left, then the token where the kept tokens' cumulative probability first
+    passes the row's uniform number."""
+    values, ids = top_k(logits.float() / params.temperature, params.top_k)
+    if params.min_p > 0:
+        values = _min_p(values, params.min_p)
+    if params.top_p < 1:
+        values = values.masked_fill(_top_p_drop(values, params.top_p), float("-inf"))
+    weights = (values - values[:, :1]).exp()                    # best first: the kept ones lead
+    cdf = weights.cumsum(-1)
+    pick = (cdf <= uniform[:, None] * cdf[:, -1:]).sum(-1, keepdim=True)
+    pick = pick.clamp(max=torch.isfinite(values).sum(-1, keepdim=True) - 1)
+    return ids.gather(-1, pick).squeeze(-1)
 
 
 SPLIT_TOP_K_FROM = 16384   # row length from which `top_k` works in two stages

@@ -264,3 +264,20 @@ def test_quant_gemv_kernels_compile(bits, group, nf, bias):
         kernel = triton.compile(ASTSource(fn=_quant_gemv_kernel, signature=sig, constexprs=consts), target=H100,
                                 options={"num_warps": tile.num_warps})
         assert kernel.metadata.shared <= SMEM
+
+
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+def test_sampling_kernels_compile(logits):
+    """The top-k draw's two launches at the largest candidate set they take."""
+    from moestream.kernels.sampling_triton import CHUNK, MAX_CANDIDATES, _candidates_kernel, _draw_kernel
+
+    consts = {"CHUNK_": CHUNK, "USE_PDL": True}
+    sig = _sig({"logits_ptr": logits, "keys_ptr": "*i64"}, ["V", "k", "stride_l", "stride_k"], [], consts)
+    triton.compile(ASTSource(fn=_candidates_kernel, signature=sig, constexprs=consts), target=H100,
+                   options={"num_warps": 4})
+    consts = {"N_PAD": MAX_CANDIDATES, "K_PAD": 128, "USE_PDL": True}
+    sig = _sig({"keys_ptr": "*i64", "uniform_ptr": "*fp32", "out_ptr": "*i64"}, ["n", "k", "stride_k"],
+               ["temperature", "top_p", "min_p"], consts)
+    kernel = triton.compile(ASTSource(fn=_draw_kernel, signature=sig, constexprs=consts), target=H100,
+                            options={"num_warps": 8})
+    assert kernel.metadata.shared <= SMEM

@@ -1,0 +1,54 @@
+"""The two-launch top-k draw (the sampled decode step's last launches): compiled on a GPU, under the
+interpreter on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sampling_checks import CASES, check_draw
+from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+
+from moestream.kernels import fused_moe_available
+from moestream.kernels.sampling_triton import takes_kernel
+
+
+def test_the_kernel_takes_the_common_top_k_and_leaves_large_ones_to_torch():
+    assert takes_kernel(151936, 20) and takes_kernel(151936, 64) and takes_kernel(32000, 1)
+    assert not takes_kernel(151936, 200), "more candidates than the draw holds"
+    assert not takes_kernel(100, 100) and not takes_kernel(100, 0)
+
+
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+def test_sampling_kernel_under_interpreter():
+    checks = Path(__file__).with_name("sampling_checks.py")
+    result = run_under_interpreter(f"""
+        import sys, torch
+        sys.path.insert(0, {str(checks.parent)!r})
+        from {checks.stem} import check_all
+        check_all("cpu", (torch.float32,))
+        print("interpreter ok")
+    """, timeout=600)
+    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.skipif(not fused_moe_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sampling_kernel_on_gpu(case, dtype):
+    check_draw("cuda", dtype, *case)
+
+
+@pytest.mark.skipif(not fused_moe_available(), reason="needs CUDA and Triton")
+def test_sampled_decode_draws_through_the_kernel_as_the_reference_does():
+    """`sample` on CUDA: the kernel and the reference give the same tokens from the same seed."""
+    from moestream.runtime.sampling import SamplingParams, draw_kernel, make_generator, sample
+
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5)
+    logits = torch.randn(8, 151936, generator=torch.Generator().manual_seed(0)).cuda() * 4
+    got = sample(logits, params, make_generator(params, logits.device))
+    with draw_kernel(False):
+        want = sample(logits, params, make_generator(params, logits.device))
+    assert torch.equal(got, want)
