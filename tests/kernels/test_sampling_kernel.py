@@ -23,12 +23,15 @@ def test_the_kernel_takes_the_common_top_k_and_leaves_large_ones_to_torch():
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_sampling_kernel_under_interpreter():
+    """Two cases: several chunks with min-p, and top-p with a bf16 row's ties (the GPU test takes every
+    case in two dtypes)."""
     checks = Path(__file__).with_name("sampling_checks.py")
     result = run_under_interpreter(f"""
         import sys, torch
         sys.path.insert(0, {str(checks.parent)!r})
-        from {checks.stem} import check_all
-        check_all("cpu", (torch.float32,))
+        from {checks.stem} import CASES, check_draw
+        check_draw("cpu", torch.float32, *CASES[1])
+        check_draw("cpu", torch.bfloat16, *CASES[0])
         print("interpreter ok")
     """, timeout=600)
     assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
