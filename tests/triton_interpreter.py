@@ -42,14 +42,14 @@ def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout)
 
 
-def check_all_under_interpreter(checks: Path, timeout: float = 300) -> None:
-    """Run the `check_all("cpu", (fp32, fp16))` of the checks module at `checks` (a file beside the
-    tests that also run it compiled on a GPU) under the interpreter; fail with its error output."""
+def check_all_under_interpreter(checks: Path, timeout: float = 300, dtypes: str = "torch.float32, torch.float16") -> None:
+    """Run the `check_all("cpu", (dtypes))` of the checks module at `checks` (a file beside the tests
+    that also run it compiled on a GPU) under the interpreter; fail with its error output."""
     script = f"""
         import sys, torch
         sys.path.insert(0, {str(checks.parent)!r})
         from {checks.stem} import check_all
-        check_all("cpu", (torch.float32, torch.float16))
+        check_all("cpu", ({dtypes},))
         print("ok")
     """
     result = run_under_interpreter(script, timeout=timeout)

@@ -32,7 +32,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_quant_triton import _codebook
-from .fused_moe_token_quant import _per_group, _plane
+from .fused_moe_token_quant import _per_group, _plane, token_path_supported
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
 __all__ = ["QuantGemvTile", "default_tile", "quant_gemv", "quant_gemv_supported"]
@@ -60,10 +60,9 @@ def default_tile(N: int, K: int, spec: QuantSpec) -> QuantGemvTile:
 
 
 def quant_gemv_supported(spec: QuantSpec, K: int) -> bool:
-    """Whether these kernels serve a weight in `spec` with K inputs per row."""
-    affine = spec.kind == "int" and spec.bits in (8, 4, 2)
-    nf4 = spec.kind == "nf" and spec.bits == 4
-    return (affine or nf4) and K % spec.group == 0 and K % 32 == 0
+    """Whether these kernels serve a weight in `spec` with K inputs per row: the formats and whole
+    groups of the one-token expert kernels, whose words and planes they share."""
+    return token_path_supported(spec, K, K)
 
 
 @triton.jit
