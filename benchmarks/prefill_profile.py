@@ -11,9 +11,14 @@ Routing (`--routing`, default uniform, as the other benchmarks) matters here: a 
 model's own routing sends every token of a prompt to nearly the same experts, so its prefill reads a
 few experts per layer instead of all of them.
 
+With `--capacity N` the bank holds N experts per layer and the rest sit in pinned host memory (the
+hybrid miss policy: a prompt streams its missing experts through the staging buffers); the profile
+then shows how long the host-to-device copies took against the prefill's own time. `--prefix-tokens
+0` skips the second turn.
+
     python benchmarks/prefill_profile.py CHECKPOINT [--prompt-tokens 512] [--prefix-tokens 8192]
         [--new-tokens 200] [--kv-layout auto|paged|rows] [--routing uniform|model|trace] [--no-profile]
-        [--profile second|cold]
+        [--profile second|cold] [--capacity N]
 """
 
 from __future__ import annotations
@@ -43,9 +48,13 @@ def main() -> None:
     ap.add_argument("--profile", choices=["second", "cold"], default="second",
                     help="which prefill the profiler records: the cached second turn, or a cold prompt")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test on a tiny checkpoint")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="experts per layer on the device; the rest in pinned host memory (hybrid miss policy)")
     args = ap.parse_args()
+    bounded = dict(capacity=args.capacity, host_tier="pinned", miss_policy="hybrid") if args.capacity else {}
     engine = moestream.load(args.model, device=args.device, dtype="bfloat16", kv_layout=args.kv_layout,
-                            max_context=args.prefix_tokens + args.new_tokens + 64, prefix_cache_memory="2GiB")
+                            max_context=max(args.prefix_tokens + args.new_tokens, args.prompt_tokens) + 64,
+                            prefix_cache_memory="2GiB", **bounded)
     apply_routing(engine, args.routing, args.trace)
     rng = random.Random(0)
     vocab = engine.config.vocab_size
@@ -68,21 +77,25 @@ def main() -> None:
         return t, engine.prefix_cache_stats()["reused_tokens"] - seq_cached
 
     layout = "paged" if engine.plan.memory.paged else "rows"
+    turns_too = args.prefix_tokens > 0
     cold()
-    second_turn()
+    if turns_too:
+        second_turn()
     pp = statistics.median(cold() for _ in range(args.repeats))
-    turns = [second_turn() for _ in range(args.repeats)]
     print(f"routing {args.routing}, kv {layout}: cold {args.prompt_tokens}-token prompt {1000 * pp:.1f} ms "
           f"({args.prompt_tokens / pp:,.0f} tok/s)")
-    print(f"routing {args.routing}, kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} new) "
-          f"{1000 * statistics.median(t for t, _ in turns):.1f} ms, reused {turns[-1][1]} tokens")
+    if turns_too:
+        turns = [second_turn() for _ in range(args.repeats)]
+        print(f"routing {args.routing}, kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} "
+              f"new) {1000 * statistics.median(t for t, _ in turns):.1f} ms, reused {turns[-1][1]} tokens")
     if args.no_profile:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    if args.profile == "cold":
+    if args.profile == "cold" or not turns_too:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            cold()
+            profiled = cold()
+        print(f"profiled cold prompt: {1000 * profiled:.1f} ms")
     else:
         prefix = tokens(args.prefix_tokens)
         ttft(prefix)
