@@ -3,7 +3,6 @@ output paths, save failures and Ctrl-C. Every failure is one line and a non-zero
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal

@@ -1,7 +1,6 @@
 """The bundled demo model: same logits as transformers, the model card's perplexity, a working default."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

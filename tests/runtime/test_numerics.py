@@ -1,7 +1,6 @@
 """Numbers that cannot be sampled from end with one clear error, and every seed is accepted or refused clearly."""
 
 import pytest
-import torch
 
 import moestream
 from moestream.errors import InputError, NumericsError

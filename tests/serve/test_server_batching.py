@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import Server, load_demo, wait_until
+from conftest import Server, wait_until
 from moestream.serve.app import ServeOptions, create_app
 
 PROMPTS = [[7, 8, 9] + list(range(200 + 11 * i, 230 + 13 * i)) for i in range(6)]
