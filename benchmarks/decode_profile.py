@@ -21,6 +21,7 @@ engine is loaded beside the first, so the device must hold the weights twice.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,26 +32,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moestream  # noqa: E402
 
 
+QWEN3_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": 0}   # the Qwen3 card's settings
+
+
+def _import(module: str, name: str):
+    """A switch imported when its A/B runs (a checkpoint without quantized experts never loads those)."""
+    return lambda engine: getattr(importlib.import_module(module), name)
+
+
+# --ab-FLAG: (help, label, engine → switch(on) context manager, sampling keywords of the timed runs)
+AB_SWITCHES = {
+    "fused": ("decode tok/s with the fused small ops on and off", "fused ops",
+              _import("moestream.kernels", "fused_ops"), {}),
+    "pdl": ("decode tok/s with programmatic dependent launch on and off (Hopper)", "programmatic launch",
+            _import("moestream.kernels.pdl", "programmatic_launch"), {}),
+    "token-quant": ("the same alternation with quantized experts' one-token path on and off (the decode path)",
+                    "one-token quantized path", _import("moestream.kernels.fused_moe_token_quant", "one_token_quant"), {}),
+    "quant-gemv": ("the same alternation with quantized dense layers' one-row GEMV on and off (the decode path)",
+                   "quantized dense GEMV", _import("moestream.kernels.quant_linear_triton", "quant_gemv_path"), {}),
+    "overlap": ("the same alternation with the engine's overlap on and off (the host's work between steps)", "overlap",
+                lambda engine: lambda on: overlapping(engine, on), {}),
+    "sampling": ("decode tok/s at temperature 0.7, top-p 0.8, top-k 20: top-k first against the whole row filtered",
+                 "sampling top-k first", lambda engine: top_k_first, QWEN3_SAMPLING),
+    "draw-kernel": ("decode tok/s at the same settings: the two-launch top-k draw against its torch launches",
+                    "top-k draw kernel", _import("moestream.runtime.sampling", "draw_kernel"), QWEN3_SAMPLING),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--ab-fused", action="store_true", help="decode tok/s with the fused small ops on and off")
     ap.add_argument("--ab-kv", action="store_true", help="decode tok/s with the rows and the paged KV layout")
-    ap.add_argument("--ab-pdl", action="store_true",
-                    help="decode tok/s with programmatic dependent launch on and off (Hopper)")
-    ap.add_argument("--ab-token-quant", action="store_true",
-                    help="the same alternation with quantized experts' one-token path on and off (the decode path)")
-    ap.add_argument("--ab-quant-gemv", action="store_true",
-                    help="the same alternation with quantized dense layers' one-row GEMV on and off (the decode path)")
-    ap.add_argument("--ab-overlap", action="store_true",
-                    help="the same alternation with the engine's overlap on and off (the host's work between steps)")
-    ap.add_argument("--ab-sampling", action="store_true",
-                    help="decode tok/s at temperature 0.7, top-p 0.8, top-k 20: top-k first against the whole row filtered")
-    ap.add_argument("--ab-draw-kernel", action="store_true",
-                    help="decode tok/s at the same settings: the two-launch top-k draw against its torch launches")
+    for flag, (help_text, _, _, _) in AB_SWITCHES.items():
+        ap.add_argument(f"--ab-{flag}", action="store_true", help=help_text)
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of eager steps")
     ap.add_argument("--graph-profile", action="store_true",
                     help="per-kernel time and the gaps between kernels inside decode graph replays instead")
@@ -75,32 +92,9 @@ def main() -> None:
         rows, pages = sum(runs["rows"]) / 2, sum(runs["paged"]) / 2
         print(f"prompt {args.prompt_tokens}: kv rows {rows:.1f} tok/s, paged {pages:.1f} tok/s: {pages / rows:.2f}x")
         del paged
-    if args.ab_fused:
-        from moestream.kernels import fused_ops
-
-        ab_switch(engine, prompt, args.steps, "fused ops", fused_ops)
-    if args.ab_pdl:
-        from moestream.kernels.pdl import programmatic_launch
-
-        ab_switch(engine, prompt, args.steps, "programmatic launch", programmatic_launch)
-    if args.ab_token_quant:
-        from moestream.kernels.fused_moe_token_quant import one_token_quant
-
-        ab_switch(engine, prompt, args.steps, "one-token quantized path", one_token_quant)
-    if args.ab_quant_gemv:
-        from moestream.kernels.quant_linear_triton import quant_gemv_path
-
-        ab_switch(engine, prompt, args.steps, "quantized dense GEMV", quant_gemv_path)
-    if args.ab_overlap:
-        ab_switch(engine, prompt, args.steps, "overlap", lambda on: overlapping(engine, on))
-    if args.ab_sampling:
-        ab_switch(engine, prompt, args.steps, "sampling top-k first", top_k_first,   # the Qwen3 card's settings
-                  temperature=0.7, top_p=0.8, top_k=20, seed=0)
-    if args.ab_draw_kernel:
-        from moestream.runtime.sampling import draw_kernel
-
-        ab_switch(engine, prompt, args.steps, "top-k draw kernel", draw_kernel,   # the Qwen3 card's settings
-                  temperature=0.7, top_p=0.8, top_k=20, seed=0)
+    for flag, (_, label, switch, sampling) in AB_SWITCHES.items():
+        if getattr(args, "ab_" + flag.replace("-", "_")):
+            ab_switch(engine, prompt, args.steps, label, switch(engine), **sampling)
     timed("cuda graphs")
     if args.graph_profile:
         graph_profile(engine, prompt)

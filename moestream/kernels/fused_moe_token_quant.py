@@ -118,17 +118,21 @@ def _per_group(t, ROWS: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr):
 
 
 @triton.jit
-def _planes_kernel(x_ptr, out_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, BLOCK: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+def _planes_kernel(x_ptr, out_ptr, sums_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, GROUP: tl.constexpr,
+                   SUMS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """The hidden row as the gate_up launch reads it: fp32, value i at (i mod V) · H/V + i / V, times
     2^-(BITS · l) for its plane p, l = p mod (23 // BITS) (affine: what `_affine_plane` leaves
-    the code times), exactly."""
+    the code times), exactly. With SUMS (the quantized GEMV), also each GROUP's Σ x in fp32 (BLOCK a
+    multiple of GROUP)."""
     wait_for_producer(USE_PDL)
     V: tl.constexpr = 32 // BITS
     P0: tl.constexpr = 23 // BITS
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < H, other=0.0).to(tl.float32)
     release_consumer(USE_PDL)
+    if SUMS:
+        g = tl.program_id(0) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        tl.store(sums_ptr + g, tl.sum(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1), mask=g < H // GROUP)
     plane = i % V
     if not NF:
         x = x / (1 << ((plane % P0) * BITS)).to(tl.float32)   # a power of two: exact
@@ -322,7 +326,8 @@ def token_moe_quant(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand, i
     take = take if split else ids1   # unread placeholder without a split
     cut = take                       # `_sources` loads a cut; these kernels never use it (whole experts only)
     planes = torch.empty((H,), dtype=torch.float32, device=hidden.device)    # plane-ordered (_planes_kernel)
-    _planes_kernel[(triton.cdiv(H, 1024),)](hidden, planes, H, BITS=bits, NF=nf, BLOCK=1024, num_warps=4,
+    _planes_kernel[(triton.cdiv(H, 1024),)](hidden, planes, planes, H, BITS=bits, NF=nf, GROUP=group, SUMS=False,
+                                            BLOCK=1024, num_warps=4,
                                             **pdl_args(hidden))
     inter = torch.empty((k, I), dtype=torch.float32, device=hidden.device)   # plane-ordered (gate_up kernel)
     gu = _tile(cfg.gate_up, H, group, bits)

@@ -8,9 +8,9 @@ fused_moe_token_quant.py): int32 words, 16 bytes per load, each value masked in 
 mantissa of 2^23 (one bitwise op and one add), inputs stored plane by plane and pre-scaled so every
 plane meets a contiguous run of them. Two launches:
 
-* prepare: the row, rewritten plane-ordered (`_planes_kernel`'s layout and scaling), and (affine)
-  the sum of each group's inputs. Every output column's bias term b · Σx needs the same per-group
-  sums, so they are summed once here instead of once per column inside the product.
+* prepare (`_planes_kernel`, the one-token kernels' rewrite): the row plane-ordered and pre-scaled,
+  and (affine) the sum of each group's inputs. Every output column's bias term b · Σx needs the
+  same per-group sums, so they are summed once here instead of once per column inside the product.
 * product: grid (cdiv(N, BLOCK_N),); program n streams BLOCK_N packed rows along K, adds the
   products per word, then per group within each thread, where the group's scale (and, affine, its
   bias times the group's input sum) meets them; one fp32 total per column, the bias added, one
@@ -32,7 +32,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_quant_triton import _codebook
-from .fused_moe_token_quant import _per_group, _plane, token_path_supported
+from .fused_moe_token_quant import _per_group, _plane, _planes_kernel, token_path_supported
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
 __all__ = ["QuantGemvTile", "default_tile", "quant_gemv", "quant_gemv_supported"]
@@ -63,26 +63,6 @@ def quant_gemv_supported(spec: QuantSpec, K: int) -> bool:
     """Whether these kernels serve a weight in `spec` with K inputs per row: the formats and whole
     groups of the one-token expert kernels, whose words and planes they share."""
     return token_path_supported(spec, K, K)
-
-
-@triton.jit
-def _prepare_kernel(x_ptr, planes_ptr, sums_ptr, K, BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,
-                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """x (K,) → planes: fp32, value i at (i mod V) · K/V + i / V, times 2^-(BITS · l) for its plane p,
-    l = p mod (23 // BITS) (affine; exact: a power of two); sums (affine): Σ x per group, fp32."""
-    wait_for_producer(USE_PDL)
-    V: tl.constexpr = 32 // BITS
-    P0: tl.constexpr = 23 // BITS
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < K
-    x = tl.load(x_ptr + i, mask=live, other=0.0).to(tl.float32)
-    release_consumer(USE_PDL)
-    plane = i % V
-    if not NF:
-        g = tl.program_id(0) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-        tl.store(sums_ptr + g, tl.sum(tl.reshape(x, (BLOCK // GROUP, GROUP)), axis=1), mask=g < K // GROUP)
-        x = x / (1 << ((plane % P0) * BITS)).to(tl.float32)
-    tl.store(planes_ptr + plane * (K // V) + i // V, x, mask=live)
 
 
 @triton.jit
@@ -145,8 +125,8 @@ def quant_gemv(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | None
     code = _codebook(spec.bits, str(x.device)) if nf else None
     planes = torch.empty((K,), dtype=torch.float32, device=x.device)
     sums = torch.empty((K // spec.group,), dtype=torch.float32, device=x.device)
-    _prepare_kernel[(triton.cdiv(K, _PREPARE_BLOCK),)](x1, planes, sums, K, BITS=spec.bits, GROUP=spec.group,
-                                                        NF=nf, BLOCK=_PREPARE_BLOCK, num_warps=4, **pdl_args(x))
+    _planes_kernel[(triton.cdiv(K, _PREPARE_BLOCK),)](x1, planes, sums, K, BITS=spec.bits, NF=nf, GROUP=spec.group,
+                                                       SUMS=not nf, BLOCK=_PREPARE_BLOCK, num_warps=4, **pdl_args(x))
     cfg = tile or default_tile(N, K, spec)
     out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)
     _quant_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
