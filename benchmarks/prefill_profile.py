@@ -14,11 +14,13 @@ few experts per layer instead of all of them.
 With `--capacity N` the bank holds N experts per layer and the rest sit in pinned host memory (the
 hybrid miss policy: a prompt streams its missing experts through the staging buffers); the profile
 then shows how long the host-to-device copies took against the prefill's own time. `--prefix-tokens
-0` skips the second turn.
+0` skips the second turn. `--ab` alternates the staged copies' two switches in one process: the next
+layer's first groups copied ahead (`copy_ahead`) and runs of consecutive experts copied at once
+(`staged_copy_runs`), each off and both off against both on, rotating the order every round.
 
     python benchmarks/prefill_profile.py CHECKPOINT [--prompt-tokens 512] [--prefix-tokens 8192]
         [--new-tokens 200] [--kv-layout auto|paged|rows] [--routing uniform|model|trace] [--no-profile]
-        [--profile second|cold] [--capacity N]
+        [--profile second|cold] [--capacity N] [--ab] [--ab-rounds 3]
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test on a tiny checkpoint")
     ap.add_argument("--capacity", type=int, default=None,
                     help="experts per layer on the device; the rest in pinned host memory (hybrid miss policy)")
+    ap.add_argument("--ab", action="store_true",
+                    help="with --capacity: cold prompts with the staged copies' switches on and off, alternated")
+    ap.add_argument("--ab-rounds", type=int, default=3)
     args = ap.parse_args()
     bounded = dict(capacity=args.capacity, host_tier="pinned", miss_policy="hybrid") if args.capacity else {}
     engine = moestream.load(args.model, device=args.device, dtype="bfloat16", kv_layout=args.kv_layout,
@@ -88,6 +93,8 @@ def main() -> None:
         turns = [second_turn() for _ in range(args.repeats)]
         print(f"routing {args.routing}, kv {layout}: second turn ({args.prefix_tokens} cached + {args.new_tokens} "
               f"new) {1000 * statistics.median(t for t, _ in turns):.1f} ms, reused {turns[-1][1]} tokens")
+    if args.ab:
+        staged_ab(cold, args.repeats, args.ab_rounds)
     if args.no_profile:
         return
     from torch.profiler import ProfilerActivity, profile
@@ -103,6 +110,31 @@ def main() -> None:
             ttft(prefix + tokens(args.new_tokens))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+
+
+def staged_ab(cold, repeats: int, rounds: int) -> None:
+    """Median cold-prompt time of each setting of the staged copies' switches, rotated each round."""
+    import contextlib
+
+    from moestream.experts import fetch
+
+    settings = {"both on": (True, True), "copy ahead off": (False, True), "copy runs off": (True, False),
+                "both off": (False, False)}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    names = list(settings)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            ahead, runs = settings[name]
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(fetch.copy_ahead.set(ahead))
+                stack.enter_context(fetch.staged_copy_runs.set(runs))
+                cold()
+                times[name].append(statistics.median(cold() for _ in range(repeats)))
+    base = statistics.median(times["both off"])
+    for name, ts in times.items():
+        mid = statistics.median(ts)
+        print(f"staged A/B {name:15s}: {1000 * mid:6.1f} ms (rounds {', '.join(f'{1000 * t:.1f}' for t in ts)}), "
+              f"{base / mid:.3f}x of both off")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,15 @@ from moestream.experts.residency import ResidencyPolicy
 from moestream.experts.slots import SlotTable
 from moestream.experts.stats import BankStats
 from moestream.experts.transfer import Transfers
+from moestream.kernels.switch import Switch
 
 CPU_MAX_TOKENS = 16   # hybrid misses serve decode-sized calls; a prompt's misses are copied or staged
+# A staged layer that needed at least this share of the experts the bank lacks has the next layer's
+# first groups copied before its routing is known (`Fetcher._copy_ahead`).
+AHEAD_ROUTED_SHARE = 0.9
+
+copy_ahead = Switch()        # staged prompts copy the next layer's first groups ahead (A/B: off)
+staged_copy_runs = Switch()  # staging copies runs of consecutive experts as one copy per tensor (A/B: off)
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,12 @@ class Fetcher:
                         for name, fmt in formats.items()}
         self._turn = 0
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
+        layers = sorted(slots.formats)
+        self._next_layer = dict(zip(layers, layers[1:]))
+        self._ahead: StagedAhead | None = None   # the next layer's groups copied ahead, until it runs
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        ahead, self._ahead = self._ahead, None   # only the layer it was copied for can use it, and only now
         ls = self.slots[layer]
         flat = expert_ids.reshape(-1).cpu().numpy()          # the one host sync of a layer that may miss
         flat = flat[flat >= 0]                                # -1: held elsewhere (another rank's expert)
@@ -144,7 +155,8 @@ class Fetcher:
         missing = [e for e in experts.tolist() if e not in ls.where]
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
-            return self._staged(layer, hidden, expert_ids, weights, flat, missing)
+            return self._staged(layer, hidden, expert_ids, weights, flat, missing,
+                                ahead if ahead is not None and ahead.layer == layer else None)
         if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
             on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
             if on_cpu:
@@ -261,11 +273,14 @@ class Fetcher:
         return out
 
     def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
-                missing: list[int]) -> Tensor:
+                missing: list[int], ahead: StagedAhead | None) -> Tensor:
         """Resident experts from the bank, missing ones streamed through two staging buffers.
 
         While one buffer's experts compute, the next group is copied into the other one; the stage
-        maps of every group are uploaded in one copy so the host never waits in between.
+        maps of every group are uploaded in one copy so the host never waits in between. `ahead`:
+        groups of this layer already copied while the layer before ran (`_copy_ahead`); they are
+        the first groups, and the rest of the missing experts follow them. Each group's experts
+        are in id order, so a run of consecutive ids is one copy per tensor.
         """
         t0 = time.perf_counter()
         experts, counts = np.unique(flat, return_counts=True)
@@ -277,30 +292,87 @@ class Fetcher:
         # so their total summed as one call sums it gives the bits of full residency, in bf16 too.
         pairs = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights, reduce=False)
         group = next(iter(staging[0].values())).shape[0]
-        groups = [missing[i:i + group] for i in range(0, len(missing), group)]
-        stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32)   # [-1]: no slot
+        early = ahead.groups if ahead is not None else []
+        copied_early = {e for chunk in early for e in chunk}
+        rest = [e for e in missing if e not in copied_early]
+        groups = early + [rest[i:i + group] for i in range(0, len(rest), group)]
+        pin = self.slots.device.type == "cuda"
+        stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32, pin_memory=pin)
+        needed = set(missing)   # an expert copied ahead but not routed (or since put in the bank) maps to no slot
+        for g, chunk in enumerate(groups):   # [-1]: no slot
+            rows = [i for i, e in enumerate(chunk) if e in needed]
+            stage_maps[g, torch.tensor([chunk[i] for i in rows], dtype=torch.long)] = torch.tensor(rows, dtype=torch.int32)
+        stage_maps = stage_maps.to(self.slots.device, non_blocking=True)
+        copied_total = ahead.bytes_copied if ahead is not None else 0
         for g, chunk in enumerate(groups):
-            stage_maps[g, torch.tensor(chunk)] = torch.arange(len(chunk), dtype=torch.int32)
-        stage_maps = stage_maps.to(self.slots.device)
-        copied_total = 0
-        compute = torch.cuda.current_stream(self.slots.device) if self.slots.device.type == "cuda" else None
-        for g, chunk in enumerate(groups):
-            turn = self._turn
-            buf = staging[turn]
-            copied, ready = self.transfers.copy(layer, chunk, [{n: t[i] for n, t in buf.items()} for i in range(len(chunk))],
-                                                after=self._staging_done[turn])
-            copied_total += copied
+            if g < len(early):
+                turn, ready = ahead.turns[g], ahead.ready[g]
+            else:
+                turn = self._turn
+                self._turn ^= 1
+                copied, ready = self._copy_group(layer, chunk, staging[turn], after=self._staging_done[turn])
+                copied_total += copied
             self.transfers.wait(ready, "device")
-            pairs += dispatch(hidden, buf, stage_maps[g][expert_ids], weights, reduce=False)
-            if compute is not None:
-                done = torch.cuda.Event()
-                done.record()
-                self._staging_done[turn] = done
-            self._turn ^= 1
+            pairs += dispatch(hidden, staging[turn], stage_maps[g][expert_ids], weights, reduce=False)
+            self._staging_done[turn] = self._record_done()
         result = self.pair_sum[layer](pairs, hidden.dtype)
-        if compute is not None:
-            compute.synchronize()
+        nonresident = self.slots.num_experts - len(ls.where)
+        if (copy_ahead and hidden.shape[0] > self.slots.capacity and layer in self._next_layer
+                and len(missing) >= AHEAD_ROUTED_SHARE * nonresident):
+            self._ahead = self._copy_ahead(self._next_layer[layer], 2, group)
         self.stats.record(layer, hits=int(counts[~missed].sum()), misses=int(counts[missed].sum()),
                           bytes_copied=copied_total,
-                          copy_wait_s=time.perf_counter() - t0)   # the streamed section is bound by its copies
+                          copy_wait_s=time.perf_counter() - t0)   # host time issuing the streamed section
         return result
+
+    def _copy_group(self, layer: int, chunk: list[int], buf: Mapping[str, Tensor],
+                    after: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
+        if staged_copy_runs:
+            return self.transfers.copy_rows(layer, chunk, buf, after=after)
+        return self.transfers.copy(layer, chunk, [{n: t[i] for n, t in buf.items()} for i in range(len(chunk))],
+                                   after=after)
+
+    def _record_done(self) -> torch.cuda.Event | None:
+        """An event after the compute stream's work so far (None on the CPU, where all of it is done)."""
+        if self.slots.device.type != "cuda":
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    def _copy_ahead(self, layer: int, groups: int, group: int) -> StagedAhead | None:
+        """Copy `groups` groups of `layer`'s non-resident experts into the staging buffers before its
+        routing is known: the copy stream then keeps busy while the host runs the layers in between
+        and reads that routing back, which left the PCIe link idle ~1.5-3.5 ms per layer. Called
+        only when this layer's prompt routed to nearly every expert the bank lacks, so the next one
+        will too; an expert copied but not routed costs its copy and computes nothing. The experts
+        the residency policy values most go first (the likeliest routed), each group in id order."""
+        ls = self.slots[layer]
+        candidates = np.array([e for e in range(self.slots.num_experts) if e not in ls.where], dtype=np.int64)
+        if not len(candidates):
+            return None
+        order = np.lexsort((candidates, -self.policy.priority(layer, candidates)))
+        chosen = candidates[order[:groups * group]].tolist()
+        staging = self.staging[self.slots.formats[layer].name]
+        ahead = StagedAhead(layer)
+        for i in range(0, len(chosen), group):
+            chunk = sorted(chosen[i:i + group])
+            turn = self._turn
+            self._turn ^= 1
+            copied, ready = self._copy_group(layer, chunk, staging[turn], after=self._staging_done[turn])
+            ahead.groups.append(chunk)
+            ahead.turns.append(turn)
+            ahead.ready.append(ready)
+            ahead.bytes_copied += copied
+        return ahead
+
+
+@dataclass
+class StagedAhead:
+    """Staging groups of `layer` copied before its routing was known: group i in buffer turns[i]."""
+
+    layer: int
+    groups: list[list[int]] = dataclasses.field(default_factory=list)
+    turns: list[int] = dataclasses.field(default_factory=list)
+    ready: list[torch.cuda.Event | None] = dataclasses.field(default_factory=list)
+    bytes_copied: int = 0

@@ -39,6 +39,17 @@ class PinnedHostTier:
             copied += t.nbytes
         return copied
 
+    def copy_rows(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> int:
+        """Copy experts[i] into row i of the stacked `dest`, one copy per tensor for each run of
+        consecutive experts: PCIe reads a few large copies faster than many 3-6 MB ones."""
+        copied = 0
+        stack = self.layers[layer]
+        for row, first, count in consecutive_runs(experts):
+            for name, t in dest.items():
+                t[row:row + count].copy_(stack[name][first:first + count], non_blocking=True)
+                copied += t[row:row + count].nbytes
+        return copied
+
     def load(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> None:
         """Bulk copy of experts[i] into row i of the stacked `dest` (a bank's first fill)."""
         idx = torch.tensor(experts)
@@ -80,11 +91,26 @@ class DiskHostTier:
         self.events[i] = ev
         return nbytes
 
+    def copy_rows(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> int:
+        """Copy experts[i] into row i of the stacked `dest` (one read and copy per expert)."""
+        return sum(self.copy_into(layer, e, {name: t[i] for name, t in dest.items()}) for i, e in enumerate(experts))
+
     def load(self, layer: int, experts: list[int], dest: Mapping[str, Tensor]) -> None:
         read_stack(self.store, self.formats[layer], layer, experts, dest)
 
     def nbytes(self) -> int:
         return 0
+
+
+def consecutive_runs(experts: list[int]) -> list[tuple[int, int, int]]:
+    """(row, first expert, count) for each run of consecutive ids in `experts` (row: its position)."""
+    runs: list[tuple[int, int, int]] = []
+    for row, e in enumerate(experts):
+        if runs and runs[-1][1] + runs[-1][2] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, e, 1))
+    return runs
 
 
 def read_stack(store: ExpertStore, fmt: ExpertFormat, layer: int, experts: list[int],

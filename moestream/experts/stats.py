@@ -11,7 +11,7 @@ class LayerStats:
     misses: int = 0          # pairs whose expert was not
     evictions: int = 0       # experts dropped from the bank to make room
     bytes_copied: int = 0    # expert bytes copied into the bank or the staging area
-    copy_wait_s: float = 0.0  # host time spent waiting for those copies
+    copy_wait_s: float = 0.0  # host time spent waiting for those copies (a staged layer: issuing its stream)
     prefetched: int = 0      # experts copied ahead on the next-layer prediction
     predicted_hits: int = 0  # routed experts (distinct per call) that the prediction named
     predicted_total: int = 0  # routed experts (distinct per call) in calls that had a prediction

@@ -39,6 +39,22 @@ class Transfers:
             done.record()
         return copied, done
 
+    def copy_rows(self, layer: int, experts: list[int], dest: Mapping[str, Tensor],
+                  after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:
+        """Queue the copies of experts[i] into row i of the stacked `dest` (runs of consecutive experts
+        as one copy each, where the tier can); return bytes copied and a done event (CUDA)."""
+        if self.stream is None:
+            return self.tier.copy_rows(layer, experts, dest), None
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self.stream.wait_event(after)
+        with torch.cuda.stream(self.stream):
+            copied = self.tier.copy_rows(layer, experts, dest)
+            done = torch.cuda.Event()
+            done.record()
+        return copied, done
+
     def wait(self, done: torch.cuda.Event | None, how: str) -> None:
         """Wait for `done` as asked: the host ("host"), the compute stream ("device") or nobody ("none")."""
         if done is None or how == "none" or self.stream is None:   # on the CPU copies are done when queued
