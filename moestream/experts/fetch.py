@@ -143,7 +143,7 @@ class Fetcher:
         self._turn = 0
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
         layers = sorted(slots.formats)
-        self._next_layer = dict(zip(layers, layers[1:]))
+        self._next_layer = dict(itertools.pairwise(layers))
         self._ahead: StagedAhead | None = None   # the next layer's groups copied ahead, until it runs
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:

@@ -99,7 +99,7 @@ def test_consecutive_runs():
 def test_copy_rows_puts_each_expert_in_its_row(tiny_qwen3, tier):
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=2, host_tier=tier, discovery=False)
     bank = engine.bank
-    layer = sorted(bank.slots)[0]
+    layer = min(bank.slots)
     fmt, shape = bank.slots.formats[layer], bank.fetcher.shape
     experts = [1, 2, 3, 6, 7, 0]
     dest = fmt.empty(shape, len(experts))
