@@ -110,6 +110,31 @@ def main() -> None:
             ttft(prefix + tokens(args.new_tokens))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    if args.capacity:
+        copy_summary(prof)
+
+
+def copy_summary(prof) -> None:
+    """The profiled prompt's copies of experts (host to device, over 1 MB): how many, how long the link
+    copied and at what rate, and how long it sat idle between them (by gap length)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    copies = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
+                     and "HtoD" in e["name"] and e.get("args", {}).get("bytes", 0) > 2**20), key=lambda e: e["ts"])
+    if not copies:
+        print("no expert copies in the profiled prompt")
+        return
+    busy = sum(e["dur"] for e in copies)
+    nbytes = sum(e["args"]["bytes"] for e in copies)
+    gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in zip(copies, copies[1:])]
+    long_gaps = [g for g in gaps if g >= 1000]
+    print(f"expert copies: {len(copies)}, {nbytes / 1e9:.2f} GB, link busy {busy / 1e3:.1f} ms at "
+          f"{nbytes / busy / 1e3:.1f} GB/s; idle between copies {sum(gaps) / 1e3:.1f} ms "
+          f"({len(long_gaps)} gaps of 1 ms or more: {sum(long_gaps) / 1e3:.1f} ms)")
 
 
 def staged_ab(cold, repeats: int, rounds: int) -> None:
