@@ -115,8 +115,8 @@ def main() -> None:
 
 
 def copy_summary(prof) -> None:
-    """The profiled prompt's copies of experts (host to device, over 1 MB): how many, how long the link
-    copied and at what rate, and how long it sat idle between them (by gap length)."""
+    """The profiled prompt's copies from pinned host memory (the experts, and each layer's small stage
+    maps): how many, how long the link copied and at what rate, and how long it sat idle between them."""
     import json
     import tempfile
 
@@ -124,15 +124,15 @@ def copy_summary(prof) -> None:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
     copies = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
-                     and "HtoD" in e["name"] and e.get("args", {}).get("bytes", 0) > 2**20), key=lambda e: e["ts"])
+                     and "Pinned -> Device" in e["name"]), key=lambda e: e["ts"])
     if not copies:
-        print("no expert copies in the profiled prompt")
+        print("no copies from pinned memory in the profiled prompt")
         return
     busy = sum(e["dur"] for e in copies)
-    nbytes = sum(e["args"]["bytes"] for e in copies)
+    nbytes = sum(e.get("args", {}).get("bytes", 0) for e in copies)
     gaps = [b["ts"] - a["ts"] - a["dur"] for a, b in zip(copies, copies[1:])]
     long_gaps = [g for g in gaps if g >= 1000]
-    print(f"expert copies: {len(copies)}, {nbytes / 1e9:.2f} GB, link busy {busy / 1e3:.1f} ms at "
+    print(f"pinned copies: {len(copies)}, {nbytes / 1e9:.2f} GB, link busy {busy / 1e3:.1f} ms at "
           f"{nbytes / busy / 1e3:.1f} GB/s; idle between copies {sum(gaps) / 1e3:.1f} ms "
           f"({len(long_gaps)} gaps of 1 ms or more: {sum(long_gaps) / 1e3:.1f} ms)")
 
