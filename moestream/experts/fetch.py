@@ -288,9 +288,6 @@ class Fetcher:
         missed = np.isin(experts, missing)
         ls = self.slots[layer]
         dispatch, staging = self.dispatch[layer], self.staging[self.slots.formats[layer].name]
-        # Pair rows, not sums: each pair is computed by exactly one of these calls (zero in the others),
-        # so their total summed as one call sums it gives the bits of full residency, in bf16 too.
-        pairs = dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights, reduce=False)
         group = next(iter(staging[0].values())).shape[0]
         early = ahead.groups if ahead is not None else []
         copied_early = {e for chunk in early for e in chunk}
@@ -304,6 +301,9 @@ class Fetcher:
             stage_maps[g, torch.tensor([chunk[i] for i in rows], dtype=torch.long)] = torch.tensor(rows, dtype=torch.int32)
         stage_maps = stage_maps.to(self.slots.device, non_blocking=True)
         copied_total = ahead.bytes_copied if ahead is not None else 0
+        # Pair rows, not sums: each pair is computed by exactly one of these calls (zero in the others),
+        # so their total summed as one call sums it gives the bits of full residency, in bf16 too.
+        pairs: Tensor | None = None
         for g, chunk in enumerate(groups):
             if g < len(early):
                 turn, ready = ahead.turns[g], ahead.ready[g]
@@ -313,13 +313,16 @@ class Fetcher:
                 copied, ready = self._copy_group(layer, chunk, staging[turn], after=self._staging_done[turn])
                 copied_total += copied
             self.transfers.wait(ready, "device")
-            pairs += dispatch(hidden, staging[turn], stage_maps[g][expert_ids], weights, reduce=False)
+            staged = dispatch(hidden, staging[turn], stage_maps[g][expert_ids], weights, reduce=False)
+            pairs = staged if pairs is None else pairs.add_(staged)
             self._staging_done[turn] = self._record_done()
-        result = self.pair_sum[layer](pairs, hidden.dtype)
         nonresident = self.slots.num_experts - len(ls.where)
         if (copy_ahead and hidden.shape[0] > self.slots.capacity and layer in self._next_layer
                 and len(missing) >= AHEAD_ROUTED_SHARE * nonresident):
-            self._ahead = self._copy_ahead(self._next_layer[layer], 2, group)
+            self._ahead = self._copy_ahead(self._next_layer[layer], 2)
+        # The bank's experts last: their launches never stand between a staging buffer and its next copy.
+        pairs.add_(dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights, reduce=False))
+        result = self.pair_sum[layer](pairs, hidden.dtype)
         self.stats.record(layer, hits=int(counts[~missed].sum()), misses=int(counts[missed].sum()),
                           bytes_copied=copied_total,
                           copy_wait_s=time.perf_counter() - t0)   # host time issuing the streamed section
@@ -340,7 +343,7 @@ class Fetcher:
         done.record()
         return done
 
-    def _copy_ahead(self, layer: int, groups: int, group: int) -> StagedAhead | None:
+    def _copy_ahead(self, layer: int, groups: int) -> StagedAhead | None:
         """Copy `groups` groups of `layer`'s non-resident experts into the staging buffers before its
         routing is known: the copy stream then keeps busy while the host runs the layers in between
         and reads that routing back, which left the PCIe link idle ~1.5-3.5 ms per layer. Called
@@ -352,8 +355,9 @@ class Fetcher:
         if not len(candidates):
             return None
         order = np.lexsort((candidates, -self.policy.priority(layer, candidates)))
-        chosen = candidates[order[:groups * group]].tolist()
         staging = self.staging[self.slots.formats[layer].name]
+        group = next(iter(staging[0].values())).shape[0]
+        chosen = candidates[order[:groups * group]].tolist()
         ahead = StagedAhead(layer)
         for i in range(0, len(chosen), group):
             chunk = sorted(chosen[i:i + group])

@@ -80,8 +80,7 @@ def test_an_expert_copied_ahead_and_then_put_in_the_bank_is_computed_once(tiny_q
     expert_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
     expert_ids[:E // k] = torch.arange(E, dtype=torch.int32).reshape(-1, k)   # every expert routed
     weights = torch.rand(T, k, generator=g)
-    group = next(iter(fetcher.staging[next(iter(fetcher.staging))][0].values())).shape[0]
-    fetcher._ahead = fetcher._copy_ahead(layer, 2, group)
+    fetcher._ahead = fetcher._copy_ahead(layer, 2)
     copied = fetcher._ahead.groups[0][0]
     fetcher.ensure_resident(layer, np.array([copied]))
     assert copied in engine.bank.slots[layer].where
