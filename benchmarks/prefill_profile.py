@@ -122,7 +122,7 @@ def copy_summary(prof) -> None:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
     copies = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
                      and "Pinned -> Device" in e["name"]), key=lambda e: e["ts"])
     if not copies:

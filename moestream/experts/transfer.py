@@ -7,7 +7,7 @@ compute stream waits for it, or nobody does yet (prefetch). On the CPU copies ar
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -23,34 +23,25 @@ class Transfers:
     def copy(self, layer: int, experts: list[int], dests: list[Mapping[str, Tensor]],
              after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:
         """Queue the copies of experts[i] into dests[i]; return bytes copied and a done event (CUDA)."""
-        copied = 0
-        if self.stream is None:
-            for e, dest in zip(experts, dests):
-                copied += self.tier.copy_into(layer, e, dest)
-            return copied, None
-        if after is None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        else:
-            self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream):
-            for e, dest in zip(experts, dests):
-                copied += self.tier.copy_into(layer, e, dest)
-            done = torch.cuda.Event()
-            done.record()
-        return copied, done
+        return self._queued(lambda: sum(self.tier.copy_into(layer, e, dest) for e, dest in zip(experts, dests)), after)
 
     def copy_rows(self, layer: int, experts: list[int], dest: Mapping[str, Tensor],
                   after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:
         """Queue the copies of experts[i] into row i of the stacked `dest` (runs of consecutive experts
         as one copy each, where the tier can); return bytes copied and a done event (CUDA)."""
+        return self._queued(lambda: self.tier.copy_rows(layer, experts, dest), after)
+
+    def _queued(self, issue: Callable[[], int], after: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
+        """Run `issue` (it queues copies, returns their bytes) on the copy stream, after the compute
+        stream's work so far or after `after`; on the CPU the copies are done when it returns."""
         if self.stream is None:
-            return self.tier.copy_rows(layer, experts, dest), None
+            return issue(), None
         if after is None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         else:
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            copied = self.tier.copy_rows(layer, experts, dest)
+            copied = issue()
             done = torch.cuda.Event()
             done.record()
         return copied, done
