@@ -25,7 +25,8 @@ decode path at T=1. At T=1 the "token" rows are the one-token path, which `fused
 `--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
 the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched;
 at T=1 also the decode path (`decode_path_us`) beside the one-token path auto takes. With
-`--tune-token` it first sweeps the quantized one-token tiles (refreshes `QUANT_TOKEN_CONFIG`).
+`--tune-token` it first sweeps the quantized one-token tiles (refreshes `QUANT_TOKEN_CONFIG`); with
+`--tune`, the grouped path's tiles at each T of the grouped path (refreshes `_QUANT_CONFIG_TABLE`).
 
 Usage:
     python benchmarks/fused_moe_kernel.py [--tokens 1 2 4 8 16 32 512 2048] [--json out.json]
@@ -168,6 +169,38 @@ def tune(T: int, inputs, k: int, S: int) -> tuple[dict, float]:
     return asdict(best), best_ms
 
 
+def tune_quant(T: int, qbank, spec, routing: tuple, k: int, S: int) -> tuple[dict, float, float]:
+    """`tune` for the dequantizing grouped path (refreshes `_QUANT_CONFIG_TABLE`): the same coordinate
+    search with BLOCK_K up to 256 and 2-3 stages, each candidate's output checked against the start
+    config's (a tile that computes something else is refused). Returns (best, its time, the start's)."""
+    from dataclasses import asdict, replace
+
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+    from moestream.kernels.fused_moe_triton import GemmConfig, select_config
+
+    hidden, slot_ids, weights = routing
+    start = select_config(T, k, S, quantized=True)
+    want = fused_moe_quant(hidden, qbank, slot_ids, weights, spec, config=start, path="grouped").float()
+
+    def time_of(cfg) -> float:
+        out = fused_moe_quant(hidden, qbank, slot_ids, weights, spec, config=cfg, path="grouped").float()
+        if (out - want).norm() > 1e-3 * want.norm():
+            raise ValueError("output differs from the start config's")
+        return time_ms(lambda: fused_moe_quant(hidden, qbank, slot_ids, weights, spec, config=cfg, path="grouped"))
+
+    measure = skipping(time_of)
+    tiles = [GemmConfig(bn, bk, w, st) for bn, bk, w, st in itertools.product(
+        (64, 128), (64, 128, 256), (4, 8), (2, 3))]
+    candidates = [lambda c, bm=bm: replace(c, block_m=bm) for bm in (16, 32, 64, 128)]
+    candidates += [lambda c, g=g: replace(c, gate_up=replace(g, group_m=c.gate_up.group_m)) for g in tiles]
+    candidates += [lambda c, g=g: replace(c, down=replace(g, group_m=c.down.group_m)) for g in tiles]
+    candidates += [lambda c, gm=gm: replace(c, gate_up=replace(c.gate_up, group_m=gm),
+                                            down=replace(c.down, group_m=gm)) for gm in (1, 8)]
+    best, best_ms, start_ms = coordinate_search(start, measure, candidates)
+    print(f"T={T}: quantized grouped start {start} {start_ms * 1e3:.1f} us -> best {best} {best_ms * 1e3:.1f} us")
+    return asdict(best), best_ms, start_ms
+
+
 def tune_decode(T: int, bank, routings: list[tuple]) -> tuple[dict, float]:
     """Coordinate search around DEFAULT_DECODE_CONFIG: the gate_up tile, then the down tile,
     each timed `cold` on the whole call. 13 candidates, about a second of compiling each."""
@@ -262,6 +295,11 @@ def quant_rows(args) -> None:
         cfg, ms, decode_ms = tune_token_quant(qbank, spec, routings)
         rows.append({"T": 1, "format": spec.name, "tuned_token": cfg, "token_us": ms * 1e3, "decode_us": decode_ms * 1e3})
     for T in args.tokens:
+        if args.tune and T * k > 64:   # the grouped path's sizes (smaller calls take the decode path)
+            cfg, ms, start_ms = tune_quant(T, qbank, spec, make_routing(T, H, S, k, seed=T), k, S)
+            rows.append({"T": T, "format": spec.name, "tuned_grouped": cfg, "grouped_us": ms * 1e3,
+                         "start_us": start_ms * 1e3})
+            print(json.dumps(rows[-1]), flush=True)
         cold = [make_routing(T, H, S, k, seed=1000 * T + i) for i in range(COLD_ROUTINGS)]
         used = sum(int(r[1].unique().numel()) for r in cold) / len(cold)
         bf = time_cold_graph_ms(lambda r: fused_moe_with_config(r[0], *bank, r[1], r[2]), cold)

@@ -129,14 +129,31 @@ _CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = (
 )
 
 
-def select_config(num_tokens: int, top_k: int, num_slots: int) -> MoeConfig:
-    """Pick block sizes from host-side shapes only (no sync): see `_CONFIG_TABLE`."""
+def select_config(num_tokens: int, top_k: int, num_slots: int, quantized: bool = False) -> MoeConfig:
+    """Pick block sizes from host-side shapes only (no sync): see `_CONFIG_TABLE`, and
+    `_QUANT_CONFIG_TABLE` for quantized experts."""
     pairs = max(num_tokens * top_k, 1)
     rows_per_slot = pairs / max(min(num_slots, pairs), 1)
-    for limit, config in _CONFIG_TABLE:
+    table = _QUANT_CONFIG_TABLE if quantized else _CONFIG_TABLE
+    for limit, config in table:
         if rows_per_slot <= limit:
             return config
-    return _CONFIG_TABLE[-1][1]
+    return table[-1][1]
+
+
+def _register_tiles(config: MoeConfig) -> MoeConfig:
+    """A quantized operand's dequantized tiles live in registers: BLOCK_N at most 64, two stages."""
+    return replace(config, gate_up=replace(config.gate_up, block_n=min(config.gate_up.block_n, 64), num_stages=2),
+                   down=replace(config.down, block_n=min(config.down.block_n, 64), num_stages=2))
+
+
+# The same rows-per-slot steps for quantized experts. The 48 row (a 512-token prompt chunk over 128
+# experts: ~32 rows per slot) was swept on an H100 for int4-g64 (`benchmarks/fused_moe_kernel.py
+# --format int4 --tune --tokens 512`): 964 against 2,378 us for the register tiles it replaced
+# (BENCHMARKS.md); the other rows keep the bf16 row's tiles narrowed to registers.
+_QUANT_CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = tuple(
+    (limit, MoeConfig(64, GemmConfig(64, 128, 4, 3, group_m=8), GemmConfig(64, 128, 4, 3, group_m=8))
+     if limit == 48 else _register_tiles(config)) for limit, config in _CONFIG_TABLE)
 
 
 @triton.jit
@@ -403,13 +420,10 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     H = hidden.shape[1]
     I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     num_pairs = T * k
-    cfg = config if config is not None else select_config(T, k, S)
+    cfg = config if config is not None else select_config(T, k, S, quantized=quant is not None)
     elt = hidden.element_size()
     gate_up_cfg = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
     down_cfg = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
-    if quant is not None:   # dequantized tiles live in registers: keep them (and the NF lookups) small
-        gate_up_cfg = replace(gate_up_cfg, block_n=min(gate_up_cfg.block_n, 64), num_stages=2)
-        down_cfg = replace(down_cfg, block_n=min(down_cfg.block_n, 64), num_stages=2)
 
     pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
     flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous
