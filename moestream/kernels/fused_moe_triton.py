@@ -147,13 +147,17 @@ def _register_tiles(config: MoeConfig) -> MoeConfig:
                    down=replace(config.down, block_n=min(config.down.block_n, 64), num_stages=2))
 
 
-# The same rows-per-slot steps for quantized experts. The 48 row (a 512-token prompt chunk over 128
-# experts: ~32 rows per slot) was swept on an H100 for int4-g64 (`benchmarks/fused_moe_kernel.py
-# --format int4 --tune --tokens 512`): 964 against 2,378 us for the register tiles it replaced
-# (BENCHMARKS.md); the other rows keep the bf16 row's tiles narrowed to registers.
+# The same rows-per-slot steps for quantized experts. Rows 12, 24 and 48 (a 128-, 256- and 512-token
+# chunk over 128 experts) were swept on an H100 for int4-g64 (`benchmarks/fused_moe_kernel.py --format
+# int4 --tune --tokens 128 256 512`): 545, 781 and 964 us against 690, 1,257 and 2,378 for the register
+# tiles they replaced (BENCHMARKS.md); the other rows keep the bf16 row's tiles narrowed to registers.
+_QUANT_TUNED: dict[float, MoeConfig] = {
+    12: MoeConfig(16, GemmConfig(64, 256, 4, 3, group_m=1), GemmConfig(128, 256, 4, 3, group_m=1)),
+    24: MoeConfig(16, GemmConfig(64, 256, 4, 2, group_m=1), GemmConfig(128, 256, 4, 3, group_m=1)),
+    48: MoeConfig(64, GemmConfig(64, 128, 4, 3, group_m=8), GemmConfig(64, 128, 4, 3, group_m=8)),
+}
 _QUANT_CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = tuple(
-    (limit, MoeConfig(64, GemmConfig(64, 128, 4, 3, group_m=8), GemmConfig(64, 128, 4, 3, group_m=8))
-     if limit == 48 else _register_tiles(config)) for limit, config in _CONFIG_TABLE)
+    (limit, _QUANT_TUNED.get(limit) or _register_tiles(config)) for limit, config in _CONFIG_TABLE)
 
 
 @triton.jit

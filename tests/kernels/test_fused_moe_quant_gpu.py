@@ -1,6 +1,6 @@
 """Dequantizing Triton kernels against their references, on the GPU (skipped without CUDA + Triton).
 
-Fresh random inputs per case; every format and group size at T = 1, 4, 32, 96, 512 (both paths),
+Fresh random inputs per case; every format and group size at T = 1, 4, 32, 64, 96, 512 (both paths),
 unrouted slots, a captured CUDA graph, and the quantized linear layer. The references dequantize
 to the hidden dtype and run the plain-torch MoE; the kernels dequantize in registers and
 accumulate in fp32, so outputs agree to bf16 rounding.
@@ -36,7 +36,7 @@ def quant_bank(spec, seed: int, hidden: int = H, inter: int = I, slots: int = S)
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("T", [1, 4, 32, 96, 512])   # 96: ~32 rows per slot, the swept row of the grouped table
+@pytest.mark.parametrize("T", [1, 4, 32, 64, 96, 512])   # 32, 64, 96: ~11, 21, 32 rows per slot (the swept rows)
 def test_fused_moe_quant_matches_the_reference(name, T):
     spec = parse_quant(name)
     slots = quant_bank(spec, seed=T)
