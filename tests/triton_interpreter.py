@@ -42,15 +42,15 @@ def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout)
 
 
-def check_all_under_interpreter(checks: Path, timeout: float = 300, dtypes: str = "torch.float32, torch.float16") -> None:
-    """Run the `check_all("cpu", (dtypes))` of the checks module at `checks` (a file beside the tests
-    that also run it compiled on a GPU) under the interpreter; fail with its error output."""
-    script = f"""
-        import sys, torch
-        sys.path.insert(0, {str(checks.parent)!r})
-        from {checks.stem} import check_all
-        check_all("cpu", ({dtypes},))
-        print("ok")
-    """
+def run_checks_under_interpreter(checks: Path, body: str, timeout: float = 300) -> None:
+    """Run `body` under the interpreter with the public names of the checks module at `checks` (a file
+    beside the tests that also run it compiled on a GPU) and torch imported; fail with its error output."""
+    script = (f"import sys, torch\nsys.path.insert(0, {str(checks.parent)!r})\nfrom {checks.stem} import *\n"
+              + textwrap.dedent(body) + '\nprint("checks ok")\n')
     result = run_under_interpreter(script, timeout=timeout)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+    assert result.returncode == 0 and "checks ok" in result.stdout, result.stderr[-4000:]
+
+
+def check_all_under_interpreter(checks: Path, timeout: float = 300, dtypes: str = "torch.float32, torch.float16") -> None:
+    """Run the `check_all("cpu", (dtypes))` of the checks module at `checks` under the interpreter."""
+    run_checks_under_interpreter(checks, f'check_all("cpu", ({dtypes},))', timeout=timeout)

@@ -118,6 +118,20 @@ def _per_group(t, ROWS: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr):
 
 
 @triton.jit
+def _step_masks(k0, offs_w, offs_g, K, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, GPB: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """The (1, W) packed-word mask and (1, GPB) group mask of the K step at `k0` over a row of K values
+    (all true when K is a whole number of steps)."""
+    if EVEN_K:
+        wm = tl.full((1, W), 1, tl.int1)
+        gm = tl.full((1, GPB), 1, tl.int1)
+    else:
+        wm = ((k0 // V + offs_w) < K // V)[None, :]
+        gm = ((k0 // GROUP + offs_g) < K // GROUP)[None, :]
+    return wm, gm
+
+
+@triton.jit
 def _planes_kernel(x_ptr, out_ptr, sums_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, GROUP: tl.constexpr,
                    SUMS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """The hidden row as the gate_up launch reads it: fp32, value i at (i mod V) · H/V + i / V, times
@@ -180,12 +194,7 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
     acc_g = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            wm = tl.full((1, W), 1, tl.int1)
-            gm = tl.full((1, GPB), 1, tl.int1)
-        else:
-            wm = ((k0 // V + offs_w) < words_per_row)[None, :]
-            gm = ((k0 // GROUP + offs_g) < H // GROUP)[None, :]
+        wm, gm = _step_masks(k0, offs_w, offs_g, H, V, GROUP, W, GPB, EVEN_K)
         wg = tl.load(g_ptrs, mask=wm, other=0)
         wu = tl.load(u_ptrs, mask=wm, other=0)
         dg = tl.zeros((BLOCK_N, W), dtype=tl.float32)
@@ -259,12 +268,9 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
     acc = tl.zeros((R, GPB), dtype=tl.float32)
     words_per_row = I // V
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            m = live[:, None]
-            mg = live[:, None]
-        else:
-            m = live[:, None] & ((k0 // V + offs_w) < words_per_row)[None, :]
-            mg = live[:, None] & ((k0 // GROUP + offs_g) < I // GROUP)[None, :]
+        wm, gm = _step_masks(k0, offs_w, offs_g, I, V, GROUP, W, GPB, EVEN_K)
+        m = live[:, None] & wm
+        mg = live[:, None] & gm
         words = tl.load(q_ptrs, mask=m, other=0)
         d = tl.zeros((R, W), dtype=tl.float32)
         xs = tl.zeros((R, W), dtype=tl.float32)

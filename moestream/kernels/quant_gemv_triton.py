@@ -32,7 +32,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_quant_triton import _codebook
-from .fused_moe_token_quant import _per_group, _plane, _planes_kernel, token_path_supported
+from .fused_moe_token_quant import _per_group, _plane, _planes_kernel, _step_masks, token_path_supported
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
 __all__ = ["QuantGemvTile", "default_tile", "quant_gemv", "quant_gemv_supported"]
@@ -87,12 +87,7 @@ def _quant_gemv_kernel(planes_ptr, sums_ptr, q_ptr, s_ptr, z_ptr, code_ptr, b_pt
     words_per_row = K // V
     acc = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            wm = tl.full((1, W), 1, tl.int1)
-            gm = tl.full((1, GPB), 1, tl.int1)
-        else:
-            wm = ((k0 // V + offs_w) < words_per_row)[None, :]
-            gm = ((k0 // GROUP + offs_g) < K // GROUP)[None, :]
+        wm, gm = _step_masks(k0, offs_w, offs_g, K, V, GROUP, W, GPB, EVEN_K)
         words = tl.load(q_ptrs, mask=wm, other=0)
         d = tl.zeros((BLOCK_N, W), dtype=tl.float32)
         for p in tl.static_range(V):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quant_token_checks import CASES, check_quant_token
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, run_checks_under_interpreter
 
 from moestream.kernels import fused_moe_quant_available
 from moestream.kernels.fused_moe_token_quant import token_path_supported
@@ -27,16 +27,10 @@ def test_the_one_token_path_covers_the_common_formats_and_leaves_the_rest_to_the
 def test_quant_token_path_under_interpreter():
     """Two small cases in fp32: affine 4-bit with a partial last K step, and NF4 (the interpreter takes
     ~20 s a case; the GPU test takes every case in three dtypes)."""
-    checks = Path(__file__).with_name("quant_token_checks.py")
-    result = run_under_interpreter(f"""
-        import sys, torch
-        sys.path.insert(0, {str(checks.parent)!r})
-        from {checks.stem} import check_quant_token
+    run_checks_under_interpreter(Path(__file__).with_name("quant_token_checks.py"), """
         check_quant_token("cpu", torch.float32, "int4-g32", 96, 32)
         check_quant_token("cpu", torch.float32, "nf4-g32", 64, 32)
-        print("interpreter ok")
     """, timeout=600)
-    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
 
 
 @pytest.mark.skipif(not fused_moe_quant_available(), reason="needs CUDA and Triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quant_gemv_checks import CASES, check_quant_gemv
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter
 
 from moestream.kernels import fused_moe_quant_available
 from moestream.kernels.quant_gemv_triton import quant_gemv_supported
@@ -26,15 +26,7 @@ def test_the_gemv_covers_the_common_formats_and_leaves_the_rest_to_the_decode_pa
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_quant_gemv_under_interpreter():
     """Every case in fp32 (the GPU test takes every case in three dtypes)."""
-    checks = Path(__file__).with_name("quant_gemv_checks.py")
-    result = run_under_interpreter(f"""
-        import sys, torch
-        sys.path.insert(0, {str(checks.parent)!r})
-        from {checks.stem} import CASES, check_all
-        check_all("cpu", (torch.float32,))
-        print("interpreter ok")
-    """, timeout=600)
-    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
+    check_all_under_interpreter(Path(__file__).with_name("quant_gemv_checks.py"), timeout=600, dtypes="torch.float32")
 
 
 @pytest.mark.skipif(not fused_moe_quant_available(), reason="needs CUDA and Triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sampling_checks import CASES, check_draw
-from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, run_checks_under_interpreter
 
 from moestream.kernels import fused_moe_available
 from moestream.kernels.sampling_triton import takes_kernel
@@ -25,16 +25,10 @@ def test_the_kernel_takes_the_common_top_k_and_leaves_large_ones_to_torch():
 def test_sampling_kernel_under_interpreter():
     """Two cases: several chunks with min-p, and top-p with a bf16 row's ties (the GPU test takes every
     case in two dtypes)."""
-    checks = Path(__file__).with_name("sampling_checks.py")
-    result = run_under_interpreter(f"""
-        import sys, torch
-        sys.path.insert(0, {str(checks.parent)!r})
-        from {checks.stem} import CASES, check_draw
+    run_checks_under_interpreter(Path(__file__).with_name("sampling_checks.py"), """
         check_draw("cpu", torch.float32, *CASES[1])
         check_draw("cpu", torch.bfloat16, *CASES[0])
-        print("interpreter ok")
     """, timeout=600)
-    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
 
 
 @pytest.mark.skipif(not fused_moe_available(), reason="needs CUDA and Triton")
