@@ -47,14 +47,14 @@ class FusedQKV:
         sizes = tuple(p.out_features for p in projs)
         if all(type(p) in (nn.Linear, Linear) for p in projs):
             self.qkv_weight = _concatenated(projs, "weight")
-            self.qkv_bias = _concatenated(projs, "bias") if True in biased else None
-            self.qkv_sizes = sizes
         elif all(isinstance(p, QuantLinear) for p in projs) and len({p.spec for p in projs}) == 1:
             packed = _concatenated(projs, "qweight"), _concatenated(projs, "scales")
             biases = _concatenated(projs, "biases") if projs[0].biases is not None else None
             self.qkv_packed, self.qkv_spec = (*packed, biases), projs[0].spec
-            self.qkv_bias = _concatenated(projs, "bias") if True in biased else None
-            self.qkv_sizes = sizes
+        else:
+            return
+        self.qkv_bias = _concatenated(projs, "bias") if True in biased else None
+        self.qkv_sizes = sizes
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) projections of x (..., hidden): one GEMM where fused (views of its output)."""
