@@ -1,8 +1,31 @@
+import importlib
+import importlib.util
 import re
+import sys
 
 import pytest
+import torch
 
-from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint
+
+def _hide_fla_from_transformers() -> None:
+    """transformers is the tests' fp32 oracle, run on the CPU; with flash-linear-attention installed it
+    calls fla's Triton kernels on CPU tensors ("cannot be accessed from Triton (cpu tensor?)" with a GPU,
+    "0 active drivers" without one). moestream's own GPU path imports the gated delta rule's module now,
+    and `fla` is then hidden (a None entry in sys.modules: find_spec says absent, import fails), so
+    transformers takes its plain-torch Gated DeltaNet while moestream keeps the imported kernels."""
+    if importlib.util.find_spec("fla") is None:
+        return
+    if torch.cuda.is_available():
+        try:
+            importlib.import_module("fla.ops.gated_delta_rule")
+        except Exception:   # a broken install: moestream treats it as absent too
+            pass
+    sys.modules["fla"] = None
+
+
+_hide_fla_from_transformers()
+
+from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 
 GPU_REASON = re.compile(r"^(?!.*\bno GPU).*needs .*\b(CUDA|GPUs?)\b")   # "needs a CUDA GPU", not "... and no GPU"

@@ -1,8 +1,12 @@
 """Run a script of kernel checks on the CPU under Triton's interpreter, in a subprocess.
 
-`TRITON_INTERPRET=1` must be set before Triton is imported, hence the subprocess. Triton 3.6's
-interpreter turns a scalar into a Python int with `int(array of shape (1,))`, which numpy >= 2.4
-refuses; the preamble reads the single element instead (the same value under any numpy).
+`TRITON_INTERPRET=1` must be set before Triton is imported, hence the subprocess. The preamble works
+around two interpreter bugs, leaving the kernels' meaning unchanged:
+- Triton 3.6's interpreter turns a scalar into a Python int with `int(array of shape (1,))`, which
+  numpy >= 2.4 refuses; the preamble reads the single element instead (the same value under any numpy).
+- The interpreter keeps some int1 results (`a & b` of two masks, one a scalar) as int32 arrays, and
+  from Triton 3.8 its masked loads and stores refuse a mask that is not a bool array; the preamble
+  hands them the same mask as bools (the compiled kernels have a real int1 there).
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ _PREAMBLE = textwrap.dedent("""
         _patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
     _interpreter._patch_lang_tensor = _patch_tensor_index
+
+    import inspect as _inspect
+    def _bool_masks(name):
+        original = getattr(_interpreter.InterpreterBuilder, name, None)
+        if original is None:
+            return
+        where = list(_inspect.signature(original).parameters).index("mask")
+        def call(self, *args, **kwargs):
+            args = list(args)
+            mask = args[where - 1] if len(args) >= where else kwargs.get("mask")
+            if mask is not None and mask.data.dtype != bool:
+                mask = _interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
+                if len(args) >= where:
+                    args[where - 1] = mask
+                else:
+                    kwargs["mask"] = mask
+            return original(self, *args, **kwargs)
+        setattr(_interpreter.InterpreterBuilder, name, call)
+    for _name in ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_load",
+                  "create_atomic_store"):
+        _bool_masks(_name)
 """)
 
 

@@ -13,14 +13,12 @@ Both are device arithmetic only (no read-back), so they work inside captured CUD
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from moestream import kernels
 from moestream.errors import InputError
-from moestream.model.routers import ChosenRouter
 from moestream.warmstart.trace import RoutingTrace
 
 
@@ -31,7 +29,8 @@ class UniformRouting:
     On CUDA with the fused ops one launch per layer draws and weights (`kernels.uniform_topk`), as
     the model's own router takes one: the benchmark's routing then costs what a real router costs
     (the torch form, seven launches per layer, added ~19 µs to every layer of a decode step). The
-    random streams come from `seed` (torch's generator at construction) and a device counter."""
+    random streams come from `seed` (torch's generator at construction) and a counter: a device counter
+    on CUDA, a host one for the CPU's torch form; so ranks given the same routing draw alike."""
 
     label = "uniform (synthetic)"   # what a bench result's `routing` field says
     prediction_accuracy = None
@@ -39,6 +38,7 @@ class UniformRouting:
     def __init__(self, top_k: int, device: torch.device | str | None = None):
         self.top_k = top_k
         self.seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        self.calls = 0   # the CPU form's draws so far (its generator is seeded from seed + calls)
         self.draws: torch.Tensor | None = None   # rows drawn so far, on the device (made outside any capture)
         if device is not None and torch.device(device).type == "cuda":
             self.draws = torch.zeros(1, dtype=torch.int64, device=device)
@@ -51,13 +51,27 @@ class UniformRouting:
                                        "give it the device when making it")
                 self.draws = torch.zeros(1, dtype=torch.int64, device=logits.device)
             return kernels.uniform_topk(logits, self.top_k, self.draws, self.seed)
-        ids = torch.rand(logits.shape, device=logits.device).topk(self.top_k, dim=-1).indices
+        generator = None
+        if logits.device.type == "cpu":   # from the seed, so every CPU rank of a group draws alike
+            generator = torch.Generator().manual_seed(self.seed + self.calls)
+            self.calls += 1
+        ids = torch.rand(logits.shape, device=logits.device, generator=generator).topk(self.top_k, dim=-1).indices
         weights = logits.float().softmax(-1).gather(-1, ids)
         return weights / weights.sum(-1, keepdim=True), ids
 
+    def to(self, device: torch.device | str) -> UniformRouting:
+        """This routing with its draw counter on `device` (a rank's own copy after unpickling)."""
+        if torch.device(device).type == "cuda" and (self.draws is None or self.draws.device != torch.device(device)):
+            self.draws = torch.zeros(1, dtype=torch.int64, device=device)
+        return self
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "draws": None}   # the counter is a device tensor: each rank makes its own
+
     def reset(self) -> None:
-        """Start the draws again (the one-launch form; the torch form follows torch's generator): a
+        """Start the draws again (on CUDA the torch form follows torch's generator): a
         run after a reset draws what the last one drew (a device op: fine between graph replays)."""
+        self.calls = 0
         if self.draws is not None:
             self.draws.zero_()
 
@@ -105,6 +119,15 @@ class TraceRouting:
         keep = torch.rand(ids.shape, device=h.device) < self.prediction_accuracy
         return torch.where(keep, ids, torch.randint_like(ids, self.num_experts))
 
+    def to(self, device: torch.device | str) -> TraceRouting:
+        """This replay with its ids and cursor on `device` (a rank's own copy after unpickling)."""
+        self.per_layer = [ids.to(device) for ids in self.per_layer]
+        self.cursor = self.cursor.to(device)
+        return self
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "per_layer": [ids.cpu() for ids in self.per_layer], "cursor": self.cursor.cpu()}
+
     @classmethod
     def for_engine(cls, trace: RoutingTrace, engine) -> TraceRouting:
         return cls(trace, engine.device, [b.layer for b in engine.model.moe_blocks()],
@@ -130,16 +153,10 @@ class TraceRouting:
 def use_routing(engine, routing: UniformRouting | TraceRouting) -> None:
     """Make every MoE block of `engine` choose its experts by `routing` (benchmark-only). A routing
     swapped in earlier is replaced, not stacked. With a replayed prediction accuracy set, next-layer
-    prefetch predicts from the trace too."""
-    if getattr(engine, "group", None) is not None:   # the other ranks would keep routing by the model
-        raise InputError("benchmark routings (uniform, trace replay) are not supported with several devices yet; "
-                         "measure the model's own routing, or use one device.")
-    for block in engine.model.moe_blocks():
-        router = block.router
-        inner = router.inner if isinstance(router, ChosenRouter) else router
-        predict = (functools.partial(routing.predict, block.layer)
-                   if routing.prediction_accuracy is not None else None)
-        block.swap_router(ChosenRouter(inner, functools.partial(routing, block.layer), predict))
+    prefetch predicts from the trace too. With several devices every rank swaps in the same routing
+    (uniform draws from one seed, a replay from one trace), so the followers route as rank 0 does;
+    reset it with `engine.runner.reset_routing()` so they start again together."""
+    engine.runner.use_routing(routing)
 
 
 def apply_routing(engine, kind: str, trace_path=None) -> UniformRouting | TraceRouting | None:

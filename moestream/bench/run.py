@@ -86,7 +86,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     graph_bytes = (torch.cuda.memory_allocated(engine.device) - before_graphs) if engine.device.type == "cuda" else 0
     engine.reset_stats()
     if routing is not None:
-        routing.reset()
+        engine.runner.reset_routing()   # every rank of a group starts its draws or replay again
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)   # peak memory stays process-wide: loading counts too
     first_stats = None

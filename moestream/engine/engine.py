@@ -118,6 +118,7 @@ class Engine:
         with self._lock:
             self._drain()
             if self.group is not None:
+                self.runner.release_graphs()   # before the communicator goes (see leave_group)
                 self.group.close()
                 self.group = None
             self.bank.close()

@@ -25,7 +25,8 @@ def activate(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
     tl.static_assert((ACTIVATION == 0) | (ACTIVATION == 1) | (ACTIVATION == 2), "unknown activation code")
     if ACTIVATION == 2:   # Gemma 4: gelu_tanh(gate) * up
         inner = gate + 0.044715 * gate * gate * gate
-        return gate * tl.sigmoid(GELU_TANH_2C * inner) * up
+        # tensor * constexpr, not the reverse: Triton 3.9's interpreter keeps constexpr * tensor a constexpr
+        return gate * tl.sigmoid(inner * GELU_TANH_2C) * up
     if ACTIVATION == 1:   # GPT-OSS: gate clamped above, up on both sides, (up + 1) * gate * sigmoid(alpha * gate)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)

@@ -36,6 +36,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -222,14 +223,13 @@ class RankGroup:
             self.publish("stop")
         except Exception:
             pass
+        leave_group(self.timeout.total_seconds())   # with the followers, who leave on "stop"
         for proc in self.procs:
             try:
                 proc.wait(self.timeout.total_seconds())
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     def _kill(self) -> None:
         for proc in self.procs:
@@ -284,6 +284,14 @@ class DistributedRunner(ModelRunner):
         self.group.publish("logits", input_ids.cpu(), attention_mask.cpu() if attention_mask is not None else None)
         return _checked(super().logits, input_ids, attention_mask)
 
+    def use_routing(self, routing) -> None:
+        self.group.publish("use_routing", routing)   # pickled without device tensors: each rank places its own
+        super().use_routing(routing)
+
+    def reset_routing(self) -> None:
+        self.group.publish("reset_routing")
+        super().reset_routing()
+
     def reset_rank_stats(self) -> None:
         """Every follower starts its statistics again (rank 0 resets its own)."""
         self.group.publish("reset_stats")
@@ -299,6 +307,19 @@ class DistributedRunner(ModelRunner):
             out.append(json.loads(self.group.store.get(key)))
             self.group.store.delete_key(key)
         return out
+
+
+def leave_group(timeout_s: float) -> None:
+    """Destroy this rank's process group, every rank at the same time (rank 0 after publishing "stop",
+    each follower on reading it): NCCL's teardown of buffers that graphs registered with the other ranks
+    waits for those ranks to tear down too, so a rank that destroyed its group only after the others had
+    exited would wait forever. A teardown that outlasts `timeout_s` (a rank died) is left behind on a
+    daemon thread rather than hanging the caller."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, daemon=True, name="moestream-leave-group")
+    done.start()
+    done.join(timeout_s)
 
 
 def _checked(call, *args):
@@ -347,6 +368,8 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
             op, args = pickle.loads(store.get(key))
             call += 1
             if op == "stop":
+                runner.release_graphs()
+                leave_group(timeout_s)
                 return
             if op == "report_stats":
                 store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))

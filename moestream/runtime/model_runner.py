@@ -8,6 +8,7 @@ tells the bank what kind of step it is and how many tokens went through.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from moestream.model.cache import ModelCache
 from moestream.model.context import decode_context, no_cache_context, prefill_context
 from moestream.model.decoder import MoECausalLM
 from moestream.model.rotary import rotary_table
+from moestream.model.routers import ChosenRouter
 from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
 
 
@@ -56,6 +58,7 @@ class ModelRunner:
         self.cache: ModelCache | None = None
         self.scratch_row: int | None = None   # the cache's last row, where padded decode rows write
         self._rotary = None
+        self.routing = None   # a benchmark's routing swapped in (use_routing), else the model's own
         self._graphs: dict[int, DecodeGraphs | SegmentedDecode] = {}
         # One memory pool for every batch size's whole-step graphs: only one replays at a time, and
         # each step's logits are consumed before the next replay.
@@ -109,6 +112,37 @@ class ModelRunner:
         pool goes with them: a pool whose graphs are all gone cannot take new captures."""
         self._graphs.clear()
         self._graph_pool = None
+
+    def use_routing(self, routing) -> None:
+        """Make every MoE block choose its experts by `routing` (a benchmark's: a callable
+        (layer, logits) -> (weights, ids) with `reset()`, optionally `predict(layer, h)` and
+        `prediction_accuracy`, and `to(device)` giving the routing on this runner's device). A routing
+        swapped in earlier is replaced, not stacked. An expert-parallel rank makes the same call, so
+        every rank routes alike."""
+        if hasattr(routing, "to"):
+            routing = routing.to(self.device)
+        self.routing = routing
+        for block in self.model.moe_blocks():
+            router = block.router
+            inner = router.inner if isinstance(router, ChosenRouter) else router
+            predict = (functools.partial(routing.predict, block.layer)
+                       if getattr(routing, "prediction_accuracy", None) is not None else None)
+            block.swap_router(ChosenRouter(inner, functools.partial(routing, block.layer), predict))
+
+    def reset_routing(self) -> None:
+        """Start the swapped-in routing's draws or replay again (every rank of a group alike)."""
+        if self.routing is not None:
+            self.routing.reset()
+
+    def release_graphs(self) -> None:
+        """Free every captured decode graph, those `enter_eager` set aside too, and wait for the device.
+        An expert-parallel rank does this before destroying its NCCL communicator: a graph that captured
+        an all-reduce holds buffers registered with the other ranks, and the communicator's teardown
+        waits on them."""
+        self.drop_graphs()
+        self._saved_graphs = (self.cuda_graphs, {})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.cache.move_row(src, dst, length)

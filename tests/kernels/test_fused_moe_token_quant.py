@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant_token_checks import CASES, check_quant_token
-from triton_interpreter import INTERPRETER_SKIP, run_checks_under_interpreter
 
-from moestream.kernels import fused_moe_quant_available
-from moestream.kernels.fused_moe_token_quant import token_path_supported
-from moestream.quant import parse_quant
+pytest.importorskip("triton", reason="the kernels are Triton code: install the test extra on Linux")
+from quant_token_checks import CASES, check_quant_token  # noqa: E402
+from triton_interpreter import INTERPRETER_SKIP, run_checks_under_interpreter  # noqa: E402
+
+from moestream.kernels import fused_moe_quant_available  # noqa: E402
+from moestream.kernels.fused_moe_token_quant import token_path_supported  # noqa: E402
+from moestream.quant import parse_quant  # noqa: E402
 
 
 def test_the_one_token_path_covers_the_common_formats_and_leaves_the_rest_to_the_decode_path():

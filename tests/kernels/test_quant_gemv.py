@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant_gemv_checks import CASES, check_quant_gemv
-from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter
 
-from moestream.kernels import fused_moe_quant_available
-from moestream.kernels.quant_gemv_triton import quant_gemv_supported
-from moestream.quant import parse_quant
+pytest.importorskip("triton", reason="the kernels are Triton code: install the test extra on Linux")
+from quant_gemv_checks import CASES, check_quant_gemv  # noqa: E402
+from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter  # noqa: E402
+
+from moestream.kernels import fused_moe_quant_available  # noqa: E402
+from moestream.kernels.quant_gemv_triton import quant_gemv_supported  # noqa: E402
+from moestream.quant import parse_quant  # noqa: E402
 
 
 def test_the_gemv_covers_the_common_formats_and_leaves_the_rest_to_the_decode_path():

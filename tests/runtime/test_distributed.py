@@ -274,11 +274,34 @@ def test_heterogeneous_budgets_give_banks_in_proportion(tiny_qwen3):
     assert [r.placement.count for r in equal] == [E // 2, E // 2]
 
 
-def test_benchmark_routings_are_refused_with_several_devices():
-    from moestream.bench import UniformRouting, use_routing
+@pytest.mark.parametrize("kind", ["uniform", "trace"])
+def test_benchmark_routings_reach_every_rank(tiny_qwen3, tmp_path, kind):
+    """A benchmark's routing is swapped in on every rank (the followers take rank 0's draws or replay):
+    two CPU ranks under it give the one-process engine's tokens under the same routing, bit for bit,
+    and a reset starts every rank's draws again."""
+    from moestream.bench import TraceRouting, UniformRouting, use_routing
+    from moestream.warmstart.trace import RoutingTrace
 
-    class GroupEngine:   # rank 0 of a group: the followers would keep routing by the model
-        group = object()
+    def routing_for(engine):
+        if kind == "uniform":
+            routing = UniformRouting(engine.config.top_k, engine.device)
+            routing.seed = 1234
+            return routing
+        E, k = engine.config.num_experts, engine.config.top_k
+        ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:k] for t in range(40)])
+        trace = RoutingTrace(name="t", num_experts=E, top_k=k, layers=[0], ids=ids[:, None, :].numpy())
+        return TraceRouting.for_engine(trace, engine)
 
-    with pytest.raises(InputError, match="not supported with several devices"):
-        use_routing(GroupEngine(), UniformRouting(2))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    use_routing(single, routing_for(single))
+    want = single.generate(prompts, max_tokens=8, ignore_eos=True)
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        use_routing(engine, routing_for(engine))
+        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == want
+        engine.runner.reset_routing()
+        single.runner.reset_routing()
+        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == single.generate(prompts, max_tokens=8,
+                                                                                          ignore_eos=True)
+
+

@@ -1,0 +1,173 @@
+"""Decode across GPUs (expert parallel): tok/s at batch 1 and batch 16 on 1, 2 or 4 devices, fully
+resident and with each rank's bank at a fraction of its share of the experts, and the all-reduce's
+cost beside the step it sits in.
+
+Each configuration loads its own engine (one expert-parallel group per process; its followers are
+started and stopped with it). Routing is stated in every row: `--routing uniform` (the default:
+random weights route nearly the same experts for every token, a best case for a bank) draws k
+distinct experts per token from one seed on every rank; `--routing trace --trace FILE` replays a
+recorded trace on every rank; `--routing model` keeps the random model's own.
+
+    python benchmarks/expert_parallel_decode.py --ckpt /tmp/q3 --out /tmp/ep --devices 1 2 \\
+        --bank-share 1 0.25 --batches 1 16 [--allreduce]
+
+Batch 1 is `moestream bench`'s measurement (a 512-token prompt, then `--gen-tokens` decoded, decode
+tok/s after the first token). Batch B decodes B random prompts of `--batch-prompt-tokens` together:
+aggregate tok/s over the decode steps, from two runs that differ only in their token count (so
+prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
+(B, hidden) tensor in the compute dtype, B = 1 and 16, replayed as a CUDA graph of one step's worth
+on two processes, one a GPU: the floor the all-reduces add to a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moestream  # noqa: E402
+from benchmarks.common import log, write_result  # noqa: E402
+from moestream.bench import apply_routing, run_bench  # noqa: E402
+
+
+def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, seed: int = 0) -> float:
+    """Aggregate decode tok/s of `batch` prompts decoded together: (run of 1 + gen tokens) minus (run
+    of 1 token), same prompts, so prefill and the step's fixed work outside decode cancel."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, engine.config.vocab_size, (prompt_tokens,), generator=gen).tolist()
+               for _ in range(batch)]
+    engine.generate(prompts, max_tokens=gen_tokens + 1, ignore_eos=True)   # warm: graphs for this batch
+    times = {}
+    for n in (1, gen_tokens + 1):
+        engine.runner.reset_routing()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        start = time.perf_counter()
+        engine.generate(prompts, max_tokens=n, ignore_eos=True)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        times[n] = time.perf_counter() - start
+    return batch * gen_tokens / (times[gen_tokens + 1] - times[1])
+
+
+def measure(args, world: int, share: float) -> dict:
+    devices = [f"cuda:{i}" for i in range(world)]
+    num_experts = json.loads((Path(args.ckpt) / "config.json").read_text()).get("num_experts")
+    capacity = None if share >= 1 else max(1, round(num_experts / world * share))
+    kwargs = dict(device=devices[0]) if world == 1 else dict(devices=devices)
+    start = time.perf_counter()
+    engine = moestream.load(args.ckpt, dtype="bfloat16", capacity=capacity, max_batch=max(args.batches),
+                            kv_rows=max(args.batches), rank_timeout_s=600, **kwargs)
+    load_s = time.perf_counter() - start
+    try:
+        routing = apply_routing(engine, args.routing, args.trace)
+        row = dict(gpus=world, bank_share=share, capacity_per_rank=capacity, num_experts=num_experts,
+                   routing="model" if routing is None else routing.label, load_s=load_s,
+                   graphs=engine.runner.cuda_graphs)
+        for batch in args.batches:
+            if batch == 1:
+                result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s=load_s, routing=routing)
+                row["b1_decode_tok_s"] = result.decode_tok_s
+                row["b1_hit_rate"] = result.decode_hit_rate
+                row["b1_peak_gib"] = result.peak_device_bytes / 2**30
+            else:
+                row[f"b{batch}_decode_tok_s"] = batch_decode_tok_s(engine, batch, args.batch_prompt_tokens,
+                                                                  args.gen_tokens)
+        if world > 1:
+            row["ranks_collective"] = [r["collective"] for r in engine.stats()["ranks"]]
+    finally:
+        engine.close()
+    return row
+
+
+def _allreduce_rank(rank: int, world: int, port: int, hidden: int, layers: int, batches: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for batch in batches:
+        x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(layers):
+                dist.all_reduce(x)
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+        reps = 200
+        start = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        results[batch] = (time.perf_counter() - start) / reps
+        del graph
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+def allreduce_floor(hidden: int, layers: int, batches: list[int], world: int = 2) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = f"/tmp/allreduce_{os.getpid()}.json"
+    mp.spawn(_allreduce_rank, args=(world, port, hidden, layers, batches, out), nprocs=world)
+    per_step = json.loads(Path(out).read_text())
+    return {f"b{b}_allreduce_ms_per_step": per_step[str(b)] * 1e3 for b in batches}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--bank-share", type=float, nargs="+", default=[1.0, 0.25],
+                    help="each rank's bank as a fraction of its share of the experts (1 = resident)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch-prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--allreduce", action="store_true", help="also time one step's all-reduces alone (2 GPUs)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for world in args.devices:
+        if world > torch.cuda.device_count():
+            log(f"skipping {world} GPUs: {torch.cuda.device_count()} visible")
+            continue
+        for share in args.bank_share:
+            try:
+                row = measure(args, world, share)
+            except Exception as exc:   # one configuration failing leaves the others' rows
+                row = dict(gpus=world, bank_share=share, error=f"{type(exc).__name__}: {exc}")
+            log(json.dumps(row))
+            rows.append(row)
+            write_result(out, "expert_parallel_decode", {"rows": rows})
+    if args.allreduce and torch.cuda.device_count() >= 2:
+        config = json.loads((Path(args.ckpt) / "config.json").read_text())
+        floor = allreduce_floor(config["hidden_size"], config["num_hidden_layers"], args.batches)
+        log(json.dumps(floor))
+        write_result(out, "expert_parallel_decode", {"rows": rows, "allreduce": floor})
+
+
+if __name__ == "__main__":
+    main()
