@@ -295,3 +295,20 @@ def test_the_plan_restores_a_rows_prefix_before_the_first_chunk():
     plan = sched.schedule()
     assert [(r.seq, r.key, r.length) for r in plan.restores] == [(seq, 0, 12)]
     assert spans(plan) == [(seq.id, 12, 17)] and seq.cached_tokens == 12
+
+
+def test_a_step_run_ahead_gets_the_blocks_of_every_sequence_or_none():
+    blocks = BlockManager(num_blocks=5, block_size=4)                    # 4 blocks
+    sched = Scheduler(max_batch=2, prefill_chunk=16, blocks=blocks)
+    a, b = seq_of(3, max_tokens=8), seq_of(3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    execute(sched, sched.schedule())                                    # each holds 1 block, length 4
+    assert sched.decodes_again([a, b]) and not sched.decodes_again([a])
+    writes = sched.reserve_ahead([a, b])                                # position 4 of each: a second block
+    assert [(w.row, w.start, len(w.blocks)) for w in writes] == [(0, 1, 1), (1, 1, 1)]
+    for s in (a, b):
+        for _ in range(4):
+            s.append(7)                                                 # length 8: a third block each next
+    assert blocks.available == 0 and sched.reserve_ahead([a, b]) is None
+    assert len(a.blocks) == len(b.blocks) == 2                          # nothing taken
