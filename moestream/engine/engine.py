@@ -1,7 +1,10 @@
 """The Engine: a loaded model, its tokenizer and runtime, with logits / generate / stream as the public API.
 
 Generation is a loop over `step()`: requests become `Sequence`s that the scheduler admits into
-cache rows; each step prefills the newly admitted ones (their first token) and decodes every
+cache rows. The scheduler plans each step (`Scheduler.schedule`: admissions, prompt chunks of at
+most `prefill_chunk` tokens in all, the decode batch, a paged cache's blocks and preemptions) and
+the engine executes the plan (`_execute`): it writes the blocks into the model's block tables,
+prefills the chunks (a sequence whose prompt is in samples its first token) and decodes every
 sequence that was already running, one token each, in one batch. `generate` and `stream` add
 their sequences and step until those finish; several readers may share one engine (each reads
 its own sequences' outboxes, whoever stepped), so two interleaved streams stay independent.
@@ -36,7 +39,7 @@ from moestream.runtime.blocks import BlockManager
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample_rows
-from moestream.runtime.scheduler import Scheduler
+from moestream.runtime.scheduler import Scheduler, StepPlan, TableWrite
 from moestream.runtime.sequence import Sequence
 from moestream.warmstart.discovery import DEFAULT_PROMPT as DEFAULT_DISCOVERY_PROMPT
 
@@ -54,6 +57,24 @@ class _Sampled:
     tokens: torch.Tensor               # (B,) on the device: the next step's input
     host: torch.Tensor                 # (B, 2) token and finiteness per row (pinned on a GPU)
     done: torch.cuda.Event | None      # when `host` has landed (None: it already has)
+
+
+@dataclass
+class StepCounters:
+    """What the steps did since the engine started (or since `reset_stats`): prompt chunks and
+    their tokens, decode steps, preemptions. Read between steps, like `stats()`."""
+
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+
+    def reset(self) -> None:
+        self.prefill_chunks = self.prefill_tokens = self.decode_steps = self.preemptions = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens,
+                "decode_steps": self.decode_steps, "preemptions": self.preemptions}
 
 
 @dataclass
@@ -88,7 +109,9 @@ class Engine:
         self.group = None                  # the other ranks, when this engine is rank 0 of an expert-parallel group
         self.config, self.spec, self.folder = plan.config, plan.spec, plan.folder
         self.device, self.dtype, self.max_context = plan.device, plan.dtype, plan.context
-        self.scheduler = Scheduler(max_batch)
+        # The step's policy (admission, prompt chunks, blocks, preemption); the engine executes its plans.
+        self.scheduler = Scheduler(max_batch, runner.prefill_chunk, blocks=blocks, prefix_cache=prefix_cache)
+        self.counters = StepCounters()
         self.overlap = overlap             # auto | on | off (RuntimeConfig.overlap)
         self._inflight: _Sampled | None = None   # a decode step launched whose tokens are not read yet
         # One engine, several threads: each call that touches the scheduler or the device holds this
@@ -173,6 +196,7 @@ class Engine:
         with self._lock:
             self.bank.sync_stats()
             self.bank.stats.reset()
+            self.counters.reset()
             if self.collectives is not None:
                 self.collectives.reset()
             if self.group is not None:
@@ -261,10 +285,13 @@ class Engine:
             self.scheduler.add(seq)
 
     def step(self) -> list[Sequence]:
-        """Admit waiting sequences and prefill them (their first token once the whole prompt is in),
-        then decode every sequence that was already decoding by one token, in one batch. Returns the
-        sequences that got a token: with overlap, a decode step's tokens are read by the next call,
-        after it has launched the step that follows (a call that only launches returns none)."""
+        """One step of the scheduler's plan: admit waiting sequences, prefill at most one chunk
+        (`prefill_chunk` tokens) of their prompts (a sequence samples its first token once its whole
+        prompt is in), and decode every sequence that was already decoding by one token, in one
+        batch. A long prompt thus takes several steps, and a reader's `cancel` between them stops its
+        prefill. Returns the sequences that got a token: with overlap, a decode step's tokens are read
+        by the next call, after it has launched the step that follows (a call that only launches
+        returns none)."""
         with self._lock, torch.inference_mode():
             try:
                 return self._step()
@@ -278,42 +305,48 @@ class Engine:
 
     def _step(self) -> list[Sequence]:
         ahead = self._inflight
-        if ahead is not None and self._can_run_ahead(ahead.seqs) and self._reserve_ahead(ahead.seqs):
-            return self._run_ahead(ahead)
+        if ahead is not None and self._can_run_ahead(ahead.seqs):
+            writes = self.scheduler.reserve_ahead(ahead.seqs)
+            if writes is not None:
+                self._write_tables(writes)
+                return self._run_ahead(ahead)
         got = self._drain()
-        sched, runner = self.scheduler, self.runner
         self._retire()   # cancelled since the last step, or ended by the step just read
-        decoding = [s for s in sched.running if not s.prefilling]   # rows 0..B-1
-        if sched.admit(self._fits if self.blocks is not None else None):
-            runner.ensure_rows(len(sched.running))
-        if self.blocks is not None:
-            decoding = self._reserve_decode(decoding)
-        # Prompts go in chunk by chunk, oldest first. While others decode, a step prefills at most one
-        # chunk of prompt tokens, so a long prompt does not stall every running stream.
-        budget = runner.prefill_chunk if decoding else None
+        got += self._execute(self.scheduler.schedule())
+        if self._inflight is None:
+            self._retire()
+        self.scheduler.seal()
+        return got
+
+    def _execute(self, plan: StepPlan) -> list[Sequence]:
+        """Run a step's plan: rows and blocks, prefix restores, the prompt chunks (the sequences whose
+        prompt is in sample their first token together), then the decode batch. Returns the
+        sequences that got a token (none for a decode step left in flight)."""
+        runner, counters = self.runner, self.counters
+        if plan.admitted:
+            runner.ensure_rows(plan.rows)
+        counters.preemptions += len(plan.preempted)
+        self._write_tables(plan.tables)
+        for restore in plan.restores:
+            self.prefix_cache.restore(restore.key, restore.length, runner.cache, restore.seq.row)
         ready, first = [], []
-        for seq in [s for s in sched.running if s.prefilling]:
-            if budget is not None and budget <= 0:
-                break
-            if seq.prefilled == 0:
-                seq.prefilled = self._reuse_prefix(seq)
-            ids = seq.prefill_ids()
-            end = len(ids) if budget is None else min(len(ids), seq.prefilled + budget)
-            if self.blocks is not None and not self._grow(seq, end):
-                break   # no blocks left for it this step: it waits while others finish
-            logits = runner.prefill(seq.row, ids[:end], seq.prefilled)
-            if budget is not None:
-                budget -= end - seq.prefilled
-            seq.prefilled = end
-            if end < len(ids):
-                break   # keeps prefills finishing in row order
+        for chunk in plan.prefills:
+            seq = chunk.seq
+            if seq.finished:   # cancelled by its reader while this step ran: no more work for it
+                continue
+            logits = runner.prefill(seq.row, seq.prefill_ids()[:chunk.end], chunk.start)
+            counters.prefill_chunks += 1
+            counters.prefill_tokens += chunk.tokens
+            seq.prefilled = chunk.end
+            if not chunk.last:
+                continue
             if seq.resuming:   # back after preemption: its next token was sampled before, it decodes on
                 seq.resuming = False
                 continue
             ready.append(seq)
             first.append(logits)
-        if ready:
-            got += self._take(self._sample(ready, torch.cat(first)))
+        got = self._take(self._sample(ready, torch.cat(first))) if ready else []
+        decoding = plan.decodes
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             sampled = self._decode(decoding, tokens)
@@ -321,27 +354,22 @@ class Engine:
                 self._inflight = sampled   # read by the next step, once it has launched the one after
             else:
                 got += self._take(sampled)
-        if self._inflight is None:
-            self._retire()
-        self._seal()
         return got
+
+    def _write_tables(self, writes: list[TableWrite]) -> None:
+        """A plan's blocks into the model's block tables (a paged cache), in the plan's order."""
+        tables = self.runner.cache.tables if writes else None
+        for write in writes:
+            if write.blocks is None:
+                tables.clear(write.row)
+            else:
+                tables.assign(write.row, list(write.blocks), start=write.start)
 
     # ---- overlapped decode ----------------------------------------------------------------
     def _can_run_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether the step after the one in flight may be launched before its tokens are read: the
-        same sequences decode again (nobody is prefilling, or waiting for a row that is free), and
-        each has room for that step's token whatever the token in flight is."""
-        sched = self.scheduler
-        if not self.overlapping or sched.running != seqs:
-            return False
-        if sched.waiting and len(sched.running) < sched.max_batch:
-            return False
-        return all(not s.finished and not s.prefilling and s.sampled + 2 <= s.token_budget() for s in seqs)
-
-    def _reserve_ahead(self, seqs: list[Sequence]) -> bool:
-        """A paged cache's blocks for the positions the step after the one in flight writes (one past
-        each sequence's length); False when the pool is short (the synchronous path then preempts)."""
-        return self.blocks is None or all(self._grow(seq, seq.length + 1) for seq in seqs)
+        """Whether the step after the one in flight may be launched before its tokens are read:
+        overlap is on and the scheduler will decode the same sequences again."""
+        return self.overlapping and self.scheduler.decodes_again(seqs)
 
     def _run_ahead(self, ahead: _Sampled) -> list[Sequence]:
         """Launch the next decode step from the tokens in flight (still on the device), then read
@@ -352,7 +380,7 @@ class Engine:
         if any(s.finished for s in seqs):   # an EOS or a stop string: the batch changes with nothing in flight
             got += [s for s in self._drain() if s not in got]
             self._retire()
-        self._seal()
+        self.scheduler.seal()
         return got
 
     def _decode(self, seqs: list[Sequence], tokens: torch.Tensor, ahead: int = 0) -> _Sampled:
@@ -361,6 +389,7 @@ class Engine:
         in flight, not appended yet)."""
         positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
         kv_len = max(s.length for s in seqs) + ahead
+        self.counters.decode_steps += 1
         return self._sample(seqs, self.runner.decode(tokens, positions, kv_len))
 
     def _drain(self) -> list[Sequence]:
@@ -368,75 +397,18 @@ class Engine:
         ahead, self._inflight = self._inflight, None
         return self._take(ahead) if ahead is not None else []
 
-    def _seal(self) -> None:
-        if self.blocks is not None:
-            for seq in self.scheduler.running:
-                self.blocks.seal(seq)
-
-    # ---- paged KV blocks ----------------------------------------------------------------
-    def _fits(self, seq: Sequence) -> bool:
-        """Admit a sequence only while the blocks of its whole prompt, and one more for each running
-        sequence's next token, are available (blocks shared through the prefix cache count as new)."""
-        blocks = self.blocks
-        return blocks.blocks_for(seq.prefill_len + 1) + len(self.scheduler.running) <= blocks.available
-
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        """Blocks for the sequence's first `tokens` positions, written into its table row."""
-        added = self.blocks.ensure(seq, tokens)
-        if added is None:
-            return False
-        self.runner.cache.tables.assign(seq.row, added, start=len(seq.blocks) - len(added))
-        return True
-
-    def _reserve_decode(self, decoding: list[Sequence]) -> list[Sequence]:
-        """Blocks for this step's decode tokens, oldest sequence first; when the pool runs dry, the
-        newest running sequences give theirs back and wait to be computed again (their keyed blocks
-        stay cached, so that is mostly a prefix-cache hit). The oldest always fits: the pool holds a
-        whole context."""
-        decoding = list(decoding)
-        i = 0
-        while i < len(decoding):
-            if self._grow(decoding[i], decoding[i].length):
-                i += 1
-                continue
-            victim = self._preempt()
-            if victim in decoding:
-                decoding.remove(victim)
-        return decoding
-
-    def _preempt(self) -> Sequence:
-        seq = self.scheduler.running[-1]
-        self.blocks.release(seq)
-        self.runner.cache.tables.clear(seq.row)
-        seq.prefilled, seq.resuming = 0, seq.sampled > 0
-        return self.scheduler.preempt()
-
-    def _reuse_prefix(self, seq: Sequence) -> int:
-        if self.blocks is not None:
-            shared = self.blocks.match(seq, seq.prefill_ids())
-            self.runner.cache.tables.assign(seq.row, shared)
-            reused = len(shared) * self.blocks.block_size
-            if not seq.resuming:
-                seq.cached_tokens = reused
-            return reused
-        if self.prefix_cache is not None:
-            seq.cached_tokens = self.prefix_cache.reuse(seq.prompt, self.runner.cache, seq.row)
-        return seq.cached_tokens
-
     def _retire(self) -> None:
+        """Finished and cancelled sequences leave their rows (a rows-layout prefix cache keeps what
+        their rows hold first); the others move up, and rows left empty point at the null block."""
         running = self.scheduler.running
         held = len(running)
-        for seq in running:
-            if not seq.finished:
-                continue
-            if self.prefix_cache is not None:
-                self.prefix_cache.store(seq.cached_ids(), self.runner.cache, seq.row)
-            if self.blocks is not None:
-                self.blocks.seal(seq)
-                self.blocks.release(seq)
+        if self.prefix_cache is not None:
+            for seq in running:
+                if seq.finished:
+                    self.prefix_cache.store(seq.cached_ids(), self.runner.cache, seq.row)
         for src, dst, length in self.scheduler.retire():
             self.runner.move_row(src, dst, length)
-        if self.blocks is not None:   # rows left empty point at the null block again
+        if self.blocks is not None:
             for row in range(len(self.scheduler.running), held):
                 self.runner.cache.tables.clear(row)
 
@@ -488,9 +460,11 @@ class Engine:
             if self.blocks is None:
                 return self.runner.teacher_forced(context, targets)
             scoring = Sequence(list(context), SamplingParams(), row=0)
-            if not self._grow(scoring, len(context) + len(targets)):
+            writes = self.scheduler.reserve(scoring, len(context) + len(targets))
+            if writes is None:
                 raise InputError(f"the paged KV cache cannot hold {len(context) + len(targets)} positions; "
                                  "raise --kv-cache-memory or score shorter windows.")
+            self._write_tables(writes)
             try:
                 return self.runner.teacher_forced(context, targets)
             finally:
@@ -597,7 +571,8 @@ def load(model: str | EngineConfig, config: EngineConfig | None = None, **kwargs
     """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
 
     Keywords (or an EngineConfig, whose sections they fill): device, dtype, max_context,
-    prefill_chunk, max_batch; the KV cache's `kv_layout` (auto | paged | rows), `kv_block_size` and
+    prefill_chunk (prompt tokens per forward and per step: longer prompts take several steps),
+    max_batch; the KV cache's `kv_layout` (auto | paged | rows), `kv_block_size` and
     `kv_cache_memory` (a paged cache's bytes), `prefix_cache_memory` (> 0: reuse cached prefixes);
     `gpu_memory` (alias `memory`, which names no device) bounds
     everything the engine takes on the device, `capacity` fixes the bank slots per layer instead;

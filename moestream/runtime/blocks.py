@@ -10,9 +10,9 @@ are shared by reference count; a block whose last user leaves stays in the cache
 least-recently-used order, until its room is needed for a new block. So the prefix cache costs
 no memory of its own: it is whatever the running sequences do not use.
 
-Pure bookkeeping on the host: the engine writes the block ids it hands out into the model's
-`BlockTables`. Block 0 is never handed out (it is the null block padding rows write to).
-Owned by the engine and used under its lock only.
+Pure bookkeeping on the host: the scheduler hands blocks out as it plans each step, and the
+engine writes the block ids of the plan into the model's `BlockTables`. Block 0 is never handed
+out (it is the null block padding rows write to). Used under the engine's lock only.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ newer one is dropped (the newer one serves every prompt the old one did).
 Restoring copies the prefix into the sequence's row (a device memcpy, far cheaper than the
 prefill it replaces) rather than sharing blocks through block tables as a paged cache does; the
 cost is that a prefix shared by sequences running at the same time is held once per row.
-Owned by the engine and used under its lock only.
+The scheduler looks entries up when it plans a step; the engine stores and restores them (device
+copies). Used under the engine's lock only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class PrefixEntry:
     tokens: torch.Tensor                    # (n,) long on the host: the ids of the cached positions
     state: list                             # one snapshot per layer (ModelCache.snapshot)
     nbytes: int
+    can_cut: bool = True                    # a shorter prefix of it is usable too (ModelCache.can_cut)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -74,26 +76,37 @@ class PrefixCache:
     def reuse(self, prompt: list[int], cache: ModelCache, row: int) -> int:
         """Restore the longest cached prefix of `prompt` into `row`; returns how many positions it
         filled. At most len(prompt) - 1: the last prompt token always runs, for its logits."""
+        key, length = self.lookup(prompt)
+        if key is not None:
+            self.restore(key, length, cache, row)
+        return length
+
+    def lookup(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The entry sharing the longest prefix with `prompt` and how many positions of it serve
+        (at most len(prompt) - 1: the last prompt token always runs, for its logits); (None, 0) when
+        none does. Host work only (the scheduler's); `restore` copies the positions into a row."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(prompt)
         if not self.entries or len(prompt) < 2:
-            return 0
+            return None, 0
         ids = torch.tensor(prompt, dtype=torch.long)
         best_key, best = None, 0
         for key, entry in self.entries.items():
             n = min(_common_prefix(entry.tokens, ids), len(prompt) - 1)
-            if not cache.can_cut and n != len(entry):
+            if not entry.can_cut and n != len(entry):
                 n = 0
             if n > best:
                 best_key, best = key, n
         if best_key is None:
-            return 0
-        entry = self.entries[best_key]
+            return None, 0
         self.entries.move_to_end(best_key)
-        cache.restore(row, entry.state, best)
         self.stats.hits += 1
         self.stats.reused_tokens += best
-        return best
+        return best_key, best
+
+    def restore(self, key: int, length: int, cache: ModelCache, row: int) -> None:
+        """Copy the first `length` positions of entry `key` (from `lookup`) into `row`."""
+        cache.restore(row, self.entries[key].state, length)
 
     def store(self, tokens: list[int], cache: ModelCache, row: int) -> None:
         """Keep what `row` holds for `tokens` (its first len(tokens) positions)."""
@@ -114,7 +127,7 @@ class PrefixCache:
         while self.entries and self.used_bytes + nbytes > self.budget_bytes:
             self.entries.popitem(last=False)
             self.stats.evicted += 1
-        self.entries[self._next] = PrefixEntry(ids, state, nbytes)
+        self.entries[self._next] = PrefixEntry(ids, state, nbytes, cache.can_cut)
         self._next += 1
         self.stats.stored += 1
 

@@ -70,7 +70,7 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         """Admitted, and its prompt (or, resuming after preemption, its whole context) is still going
-        into the cache (one chunk per step while others decode)."""
+        into the cache (a chunk per step, `Scheduler.schedule`)."""
         return self.sampled == 0 or self.resuming
 
     @property

@@ -159,15 +159,8 @@ def test_a_full_pool_preempts_the_newest_and_every_answer_stays_exact(tiny_qwen3
     assert small.blocks.capacity == 14
     prompts = [FIRST[:20], FIRST[10:35], FIRST[3:21]]
     lengths = [50, 40, 45]
-    preempted = []
-    preempt = small._preempt
-
-    def counting():
-        preempted.append(preempt())
-        return preempted[-1]
-    small._preempt = counting
     got = run_together(small, prompts, lengths)
-    assert preempted                                                      # the pool really ran dry
+    assert small.counters.preemptions                                     # the pool really ran dry
     assert [s.tokens for s in got] == [s.tokens for s in run_together(rows, prompts, lengths)]
     assert [len(s.tokens) for s in got] == lengths
     assert small.blocks.used == 0 and small.scheduler.idle
@@ -268,9 +261,6 @@ def test_a_stream_of_arrivals_cancels_and_shared_prefixes_in_a_small_pool_stays_
     paged, rows = engines
     small = load(tiny_qwen3, kv_layout="paged", kv_block_size=BLOCK, kv_cache_memory=14 * paged.blocks.block_bytes,
                  prefix_cache_memory="1MiB", max_batch=4)
-    preempted = []
-    preempt = small._preempt
-    small._preempt = lambda: preempted.append(preempt()) or preempted[-1]
     rng = random.Random(3)
     shared = FIRST[:24]
     live, done, cancelled = [], [], []
@@ -290,7 +280,7 @@ def test_a_stream_of_arrivals_cancels_and_shared_prefixes_in_a_small_pool_stays_
         small.step()
         done += [s for s in live if s.finished]
         live = [s for s in live if not s.finished]
-    assert len(done) > 10 and cancelled and preempted
+    assert len(done) > 10 and cancelled and small.counters.preemptions
     for seq in done:
         want = run(rows, seq.prompt, max_tokens=seq.params.max_tokens).tokens
         assert seq.tokens == want, seq.prompt

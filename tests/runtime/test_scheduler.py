@@ -5,6 +5,7 @@ import torch
 
 import moestream
 from moestream.cli import DEMO_MODEL
+from moestream.runtime.blocks import BlockManager
 from moestream.runtime.sampling import SamplingParams
 from moestream.runtime.scheduler import Scheduler
 from moestream.runtime.sequence import Sequence, Status
@@ -112,3 +113,202 @@ def test_a_long_prompt_prefills_in_chunks_while_others_keep_decoding(tiny_qwen3)
     while not engine.scheduler.idle:
         engine.step()
     assert long.tokens == want_long and short.tokens == want_short
+
+
+# ---- chunked, cancellable prefill ------------------------------------------------------------
+
+LONG = torch.randint(2, 160, (45,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+def test_a_long_prompt_alone_prefills_one_chunk_per_step_as_a_running_sequence(tiny_qwen3):
+    """Nothing else decodes, yet the prompt goes in one chunk per step: the step returns between
+    chunks with the sequence counted as running and the next request counted as waiting (what a
+    server's gauges read), and the tokens are the one-chunk prefill's."""
+    one_shot = moestream.load(tiny_qwen3, device="cpu", dtype="float32")          # prefill_chunk 512
+    want = one_shot.generate(LONG, max_tokens=6, ignore_eos=True)
+    assert one_shot.counters.prefill_chunks == 1                                  # a prompt that fits is one chunk
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=8, max_batch=1)
+    seq = engine.add_request(LONG, SamplingParams(max_tokens=6, ignore_eos=True))
+    queued = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    steps = 0
+    while not seq.sampled:
+        engine.step()
+        steps += 1
+        assert engine.counters.prefill_chunks == steps and seq.prefilled == min(8 * steps, len(LONG))
+        assert engine.scheduler.running == [seq] and list(engine.scheduler.waiting) == [queued]
+    assert steps == -(-len(LONG) // 8) and engine.counters.prefill_tokens == len(LONG)
+    while not engine.scheduler.idle:
+        engine.step()
+    assert seq.tokens == want and queued.finish_reason == "length"
+
+
+@pytest.mark.parametrize("how", ["cancel", "reader"])
+def test_cancelling_a_long_prompt_between_chunks_stops_its_prefill_and_frees_the_engine(tiny_qwen3, how):
+    """`cancel`, or the reader marking its sequence cancelled (a server's handler, from another
+    thread): no further chunk of it is computed and the request queued behind it runs at once."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=8, max_batch=1)
+    want = engine.generate(PROMPTS[0], max_tokens=5, ignore_eos=True)
+    engine.reset_stats()
+    long = engine.add_request(LONG, SamplingParams(max_tokens=4, ignore_eos=True))
+    after = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.counters.prefill_chunks == 2 and long.prefilled == 16
+    if how == "cancel":
+        engine.cancel(long)
+    else:
+        long.finish("cancelled")
+    engine.step()
+    assert engine.scheduler.running == [after] and after.sampled == 1
+    assert engine.counters.prefill_chunks == 3 and engine.counters.prefill_tokens == 16 + len(PROMPTS[0])
+    while not engine.scheduler.idle:
+        engine.step()
+    assert after.tokens == want and long.finish_reason == "cancelled" and not long.sampled
+    assert engine.counters.prefill_chunks == 3
+
+
+def test_a_prompt_cancelled_while_its_step_runs_gets_no_more_chunks(tiny_qwen3):
+    """Two short prompts share one step's budget; the second is cancelled by its reader while the
+    first one's chunk runs: its chunk is skipped, the first one samples."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    prefill = engine.runner.prefill
+
+    def cancelling(row, ids, start=0):
+        second.finish("cancelled")
+        return prefill(row, ids, start)
+    engine.runner.prefill = cancelling
+    engine.step()
+    assert engine.counters.prefill_chunks == 1 and first.sampled == 1 and not second.sampled
+    engine.runner.prefill = prefill
+    engine.step()
+    assert engine.scheduler.running == [first]
+
+
+# ---- the plan alone (no model) ---------------------------------------------------------------
+
+def seq_of(n: int, max_tokens: int = 4) -> Sequence:
+    return Sequence(list(range(2, 2 + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_len=64)
+
+
+def execute(sched: Scheduler, plan) -> None:
+    """What the engine does with a plan, on the host: chunks in, first tokens and decode tokens appended."""
+    for chunk in plan.prefills:
+        chunk.seq.prefilled = chunk.end
+        if chunk.last:
+            if chunk.seq.resuming:
+                chunk.seq.resuming = False
+            else:
+                chunk.seq.append(7)
+    for seq in plan.decodes:
+        seq.append(7)
+    sched.seal()
+    sched.retire()
+
+
+def spans(plan) -> list[tuple[int, int, int]]:
+    return [(c.seq.id, c.start, c.end) for c in plan.prefills]
+
+
+def test_the_plan_admits_up_to_the_batch_and_takes_whole_chunks_within_one_budget():
+    sched = Scheduler(max_batch=3, prefill_chunk=8)
+    a, b, c, d = seq_of(20), seq_of(5), seq_of(3), seq_of(2)
+    for s in (a, b, c, d):
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.admitted == [a, b, c] and plan.rows == 3 and list(sched.waiting) == [d]
+    assert spans(plan) == [(a.id, 0, 8)] and not plan.decodes          # one chunk per step, oldest first
+    execute(sched, plan)
+    plan = sched.schedule()
+    assert spans(plan) == [(a.id, 8, 16)]
+    execute(sched, plan)
+    plan = sched.schedule()
+    # a's last 4 tokens; b's 5 would not fit the 4 left, and a prompt that fits a chunk is never cut
+    assert spans(plan) == [(a.id, 16, 20)] and plan.prefills[0].last
+    execute(sched, plan)
+    plan = sched.schedule()
+    assert spans(plan) == [(b.id, 0, 5), (c.id, 0, 3)] and plan.decodes == [a] and plan.prefill_tokens == 8
+    execute(sched, plan)
+    a.finish("cancelled")
+    assert sched.retire() == [(1, 0, 5), (2, 1, 3)]                     # b and c move up
+    plan = sched.schedule()
+    assert plan.admitted == [d] and plan.decodes == [b, c] and spans(plan) == [(d.id, 0, 2)]
+    assert [s.row for s in sched.running] == [0, 1, 2]
+
+
+def test_the_plan_reserves_decode_blocks_and_preempts_the_newest_when_the_pool_runs_dry():
+    blocks = BlockManager(num_blocks=7, block_size=4)                    # 6 blocks; a whole sequence needs 5
+    sched = Scheduler(max_batch=2, prefill_chunk=16, blocks=blocks)
+    a, b = seq_of(7, max_tokens=10), seq_of(7, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.admitted == [a, b] and spans(plan) == [(a.id, 0, 7), (b.id, 0, 7)]
+    assert [(w.row, len(w.blocks), w.start) for w in plan.tables] == [(0, 2, 0), (1, 2, 0)]
+    execute(sched, plan)
+    preempted = None
+    while preempted is None:
+        plan = sched.schedule()
+        assert all(len(s.blocks) * 4 >= s.length for s in plan.decodes)   # each decode token has its block
+        for w in plan.tables:
+            if w.blocks is not None:
+                assert w.start + len(w.blocks) == len(sched.running[w.row].blocks)
+        if plan.preempted:
+            preempted = plan
+        execute(sched, plan)
+    assert preempted.preempted == [b] and preempted.decodes == [a]       # the newest gives its blocks back
+    assert (1, None) in [(w.row, w.blocks) for w in preempted.tables]    # and its table row is cleared
+    assert sched.running == [a] and list(sched.waiting) == [b] and b.resuming and b.blocks == []
+    sampled = b.sampled
+    while not sched.idle:
+        plan = sched.schedule()
+        for chunk in plan.prefills:
+            assert chunk.seq is b and chunk.end == 7 + sampled - 1          # its context goes in again
+        execute(sched, plan)
+    assert a.sampled == b.sampled == 10 and blocks.used == 0
+
+
+def test_a_prompt_waits_for_the_blocks_of_its_whole_prompt():
+    blocks = BlockManager(num_blocks=6, block_size=4)                    # 5 blocks
+    sched = Scheduler(max_batch=4, prefill_chunk=8, blocks=blocks)
+    a, b = seq_of(11), seq_of(16)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    # b needs 5 blocks for its prompt and first token, and a's next token one more: it waits
+    assert plan.admitted == [a] and list(sched.waiting) == [b]
+    assert spans(plan) == [(a.id, 0, 8)] and len(a.blocks) == 2         # blocks as the chunks need them
+    while not b.sampled:
+        execute(sched, sched.schedule())
+    assert a.finished                                                   # b ran once a's blocks came back
+
+
+def test_the_plan_restores_a_rows_prefix_before_the_first_chunk():
+    from moestream.runtime.prefix_cache import PrefixCache, PrefixEntry
+
+    cache = PrefixCache(budget_bytes=1 << 20)
+    seq = seq_of(20)
+    cache.entries[0] = PrefixEntry(torch.tensor(seq.prompt[:12]), state=[], nbytes=0)
+    sched = Scheduler(prefill_chunk=5, prefix_cache=cache)
+    sched.add(seq)
+    plan = sched.schedule()
+    assert [(r.seq, r.key, r.length) for r in plan.restores] == [(seq, 0, 12)]
+    assert spans(plan) == [(seq.id, 12, 17)] and seq.cached_tokens == 12
+
+
+def test_a_step_run_ahead_gets_the_blocks_of_every_sequence_or_none():
+    blocks = BlockManager(num_blocks=5, block_size=4)                    # 4 blocks
+    sched = Scheduler(max_batch=2, prefill_chunk=16, blocks=blocks)
+    a, b = seq_of(3, max_tokens=8), seq_of(3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    execute(sched, sched.schedule())                                    # each holds 1 block, length 4
+    assert sched.decodes_again([a, b]) and not sched.decodes_again([a])
+    writes = sched.reserve_ahead([a, b])                                # position 4 of each: a second block
+    assert [(w.row, w.start, len(w.blocks)) for w in writes] == [(0, 1, 1), (1, 1, 1)]
+    for s in (a, b):
+        for _ in range(4):
+            s.append(7)                                                 # length 8: a third block each next
+    assert blocks.available == 0 and sched.reserve_ahead([a, b]) is None
+    assert len(a.blocks) == len(b.blocks) == 2                          # nothing taken
