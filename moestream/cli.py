@@ -460,7 +460,7 @@ def cmd_serve(args) -> int:
                 server.should_exit = True
             raise
 
-    options = ServeOptions(model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    options = ServeOptions(model_name=name, api_key=args.api_key, max_queue=args.max_queue, max_tokens=args.max_tokens)
     app = create_app(load, options)
     class GracefulServer(uvicorn.Server):
         """Uvicorn re-raises SIGTERM / SIGINT once it has shut down gracefully, so the process would die of
@@ -841,6 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences decoded together (without --kv-cache-memory the cache is sized for this many "
                             "full contexts)")
     serve.add_argument("--max-queue", type=integer(1), default=256, help="requests waiting for a batch place before 429")
+    serve.add_argument("--max-tokens", type=integer(0), default=8192, help="tokens one reply may generate: the default when a request names none, and the ceiling (default 8192: a whole-file write in one tool call, while a reply stuck repeating itself stops within minutes; 0: only the context)")
     serve.add_argument("--prefix-cache-memory", default="1GiB",
                        help="device memory for finished conversations' KV, reused by prompts that extend them (0 = off; "
                             "a paged cache adds it to its blocks, which sequences and cached prefixes share)")

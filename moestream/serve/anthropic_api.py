@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from moestream.serve.chat import anthropic_messages, anthropic_tools
 from moestream.serve.errors import get
-from moestream.serve.generation import Generation, Outcome
+from moestream.serve.generation import Generation, KeepAlive, Outcome
 from moestream.serve.openai_api import sse
 from moestream.serve.state import ServerState, new_id
 from moestream.serve.tool_calls import TextDelta, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
@@ -20,19 +20,21 @@ from moestream.serve.tool_calls import TextDelta, ToolArgumentsDelta, ToolCallEn
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def _render(state: ServerState, body: dict) -> tuple[list[int], list[dict] | None]:
-    messages, tools = anthropic_messages(body), anthropic_tools(body)
+def _render(state: ServerState, body: dict, dropped: list[str] | None = None) -> tuple[list[int], list[dict] | None]:
+    messages, tools = anthropic_messages(body), anthropic_tools(body, dropped)
     return state.check_prompt(state.renderer.render(messages, tools)), tools
 
 
 def start_messages(state: ServerState, body: dict) -> tuple[Generation, bool]:
-    ids, tools = _render(state, body)
+    dropped: list[str] = []
+    ids, tools = _render(state, body, dropped)
+    state.note_dropped(dropped)
     params = state.sampling(body, ("max_tokens",), stop_field="stop_sequences", required_max=True)
-    return Generation(state.worker, ids, params, tools, state.parser), bool(get(body, "stream", bool, False))
+    return state.start(ids, params, tools), bool(get(body, "stream", bool, False))
 
 
 def count_tokens(state: ServerState, body: dict) -> dict:
-    return {"input_tokens": len(_render(state, body)[0])}
+    return {"input_tokens": len(_render(state, body)[0])}   # mid-conversation system turns included
 
 
 def _stop(out: Outcome) -> tuple[str, str | None]:
@@ -46,7 +48,8 @@ def _usage(out: Outcome) -> dict:
             "cache_read_input_tokens": out.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def message_response(state: ServerState, out: Outcome) -> dict:
+async def message_response(state: ServerState, gen: Generation) -> dict:
+    out = await gen.run()
     content: list[dict] = [{"type": "text", "text": out.text}] if out.text else []   # as the stream has blocks
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in out.calls]
     reason, sequence = _stop(out)
@@ -55,18 +58,26 @@ def message_response(state: ServerState, out: Outcome) -> dict:
 
 
 async def message_stream(state: ServerState, gen: Generation) -> AsyncIterator[str]:
+    """`message_start` waits for the prompt's prefix lookup, so its usage is the final split (pings
+    keep the connection alive meanwhile: every Anthropic client skips them wherever they come)."""
     def event(kind: str, data: dict) -> str:
         return sse({"type": kind, **data}, event=kind)
 
-    start = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_name, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": gen.outcome.prompt_tokens, "output_tokens": 0,
-                       "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
-    yield event("message_start", {"message": start})
-    yield event("ping", {})
+    def start() -> str:
+        return event("message_start", {"message": {
+            "id": new_id("msg_"), "type": "message", "role": "assistant", "model": state.model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {**_usage(gen.outcome), "output_tokens": 0}}})
+
+    started = False
     index = -1
     text_open = False
     async for e in gen.events():
+        if isinstance(e, KeepAlive):
+            yield event("ping", {})
+            continue
+        if not started:
+            started = True
+            yield start()
         if isinstance(e, TextDelta):
             if not text_open:
                 index += 1
@@ -85,6 +96,8 @@ async def message_stream(state: ServerState, gen: Generation) -> AsyncIterator[s
                                                                           "partial_json": e.json}})
         elif isinstance(e, ToolCallEnd):
             yield event("content_block_stop", {"index": index})
+    if not started:
+        yield start()
     if text_open:
         yield event("content_block_stop", {"index": index})
     reason, sequence = _stop(gen.outcome)

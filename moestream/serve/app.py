@@ -1,9 +1,11 @@
-"""The HTTP server: routes, API keys, body limits, error shapes, health, metrics.
+"""The HTTP server: routes, API keys, body limits, error shapes, health, metrics, the access log.
 
 `create_app(load)` returns a FastAPI app whose startup runs `load()` (the engine) in a thread: the
 server answers `/health` with 503 while the model loads and warms up, then 200. Every error is a
 one-sentence message in the shape of the API the client speaks (OpenAI `{"error": {...}}`,
-Anthropic `{"type": "error", "error": {...}}` for `/v1/messages`), never a traceback.
+Anthropic `{"type": "error", "error": {...}}` for `/v1/messages`), never a traceback. A client
+that leaves before its answer is complete, streaming or not, is noticed at once: its sequence is
+cancelled and the request is logged and counted with status 499 (nginx's "client closed request").
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,19 +26,81 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moestream.serve import anthropic_api, openai_api
 from moestream.serve.errors import ApiError, bad_request
 from moestream.serve.generation import Generation
-from moestream.serve.state import ServerState
+from moestream.serve.state import ServeOptions, ServerState
+
+__all__ = ["ServeOptions", "create_app"]
 
 log = logging.getLogger("moestream.serve")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = 499          # the status a request whose client left before its answer is counted under
+LOG_KEY = "moestream.log"  # the ASGI scope entry where handlers leave what the access log reports
+QUIET_PATHS = ("/health", "/metrics")   # polled by monitors: logged at debug only
+METRICS_WAIT_S = 1.0       # how long a scrape waits for the engine's figures before answering without them
 
 
-@dataclass
-class ServeOptions:
-    model_name: str = "moestream"
-    api_key: str | None = None
-    max_queue: int = 256                  # requests waiting for a batch place before 429
-    max_body_bytes: int = 32 * 2**20      # a request body larger than this is refused (413)
+class AccessLog:
+    """ASGI middleware: one line per request once its answer is complete (a stream at its end):
+    method, route, status, prompt / cached / generated tokens, time to first token, total time."""
+
+    def __init__(self, app, options: ServeOptions):
+        self.app, self.options = app, options
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        note: dict = {}
+        scope[LOG_KEY] = note
+
+        async def noting_send(message):
+            if message["type"] == "http.response.start":
+                note.setdefault("status", message["status"])
+            await send(message)
+        try:
+            await self.app(scope, receive, noting_send)
+        finally:
+            status = note.get("gone") and CLIENT_GONE or note.get("status", 500)
+            parts = [scope["method"], scope["path"], str(status)]
+            if note.get("gone"):
+                parts.append("(the client disconnected; its generation was cancelled)")
+            gen: Generation | None = note.get("gen")
+            if gen is not None:
+                out = gen.outcome
+                parts += [f"prompt={out.prompt_tokens}", f"cached={out.cached_tokens}", f"generated={out.completion_tokens}"]
+                parts.append(f"ttft={gen.ttft:.2f}s" if gen.ttft is not None else "ttft=-")
+            parts.append(f"total={time.perf_counter() - t0:.2f}s")
+            if note.get("gone"):
+                level = logging.INFO   # always said, access log or not
+            elif not self.options.access_log or scope["path"] in QUIET_PATHS:
+                level = logging.DEBUG
+            else:
+                level = logging.INFO
+            log.log(level, " ".join(parts))
+
+
+async def _client_left(receive) -> None:
+    """Returns once the client has disconnected (the body has been read: nothing else arrives)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(request: Request, gen: Generation, work) -> tuple[bool, object]:
+    """Run `work` (a coroutine reading `gen`) while watching the connection: (True, its result), or
+    (False, None) as soon as the client disconnects, its sequence cancelled."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_left(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:   # also when this handler is itself cancelled
+        gone.cancel()
+        if not task.done():
+            gen.cancel()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
 
 
 def _anthropic(path: str) -> bool:
@@ -95,7 +158,7 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
     def load_in_thread(loop: asyncio.AbstractEventLoop) -> None:
         try:
             engine = load()
-            state = ServerState.build(engine, options.model_name, options.max_queue)
+            state = ServerState.build(engine, options)
             state.worker.start(loop)
             status["state"] = state
         except BaseException as exc:   # reported by /health and by the CLI, which then exits 1
@@ -117,6 +180,7 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
     app = FastAPI(title="moestream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.status = status
     app.add_middleware(Guard, options=options)
+    app.add_middleware(AccessLog, options=options)   # outermost: it sees the Guard's refusals too
 
     def ready() -> ServerState:
         if status["error"] is not None:
@@ -140,6 +204,9 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
         return error_response(request.url.path, ApiError(500, f"the server failed on this request: {type(exc).__name__}: {exc}"))
 
     # ---- generation endpoints ---------------------------------------------------------------
+    def noted(request: Request) -> dict:
+        return request.scope.setdefault(LOG_KEY, {})
+
     async def answer(api: str, request: Request, start, respond, stream_of):
         state = ready()
         body = await read_json(request, options.max_body_bytes)
@@ -149,63 +216,65 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
             state.metrics.answered(api, err.status)
             raise
         gen: Generation = started[0]
+        noted(request)["gen"] = gen
         if started[1]:   # stream
-            return StreamingResponse(_guarded(api, state, gen, stream_of(state, *started)), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return StreamingResponse(_guarded(api, state, gen, stream_of(state, *started), noted(request)),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            await gen.run(request.is_disconnected)
+            complete, result = await unless_client_leaves(request, gen, respond(state, gen, *started[2:]))
         except ApiError as err:
             state.metrics.answered(api, err.status)
             raise
+        if not complete:
+            return _gone(api, state, gen, noted(request))
         state.metrics.answered(api, 200, gen.outcome.completion_tokens)
-        return JSONResponse(respond(state, gen.outcome))
+        return JSONResponse(result)
 
-    async def _guarded(api: str, state: ServerState, gen: Generation, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    def _gone(api: str, state: ServerState, gen: Generation, note: dict) -> Response:
+        note["gone"] = True
+        state.metrics.answered(api, CLIENT_GONE, gen.outcome.completion_tokens)
+        return Response(status_code=CLIENT_GONE)   # nobody reads it: uvicorn drops it on a closed connection
+
+    async def _guarded(api: str, state: ServerState, gen: Generation, stream: AsyncIterator[str],
+                       note: dict) -> AsyncIterator[str]:
+        ended = False
         try:
             async for piece in stream:
                 yield piece
+            ended = True
             state.metrics.answered(api, 200, gen.outcome.completion_tokens)
         except ApiError as err:   # the engine failed mid-stream: the API's error event, then the end
+            ended = True
             state.metrics.answered(api, err.status)
+            note["status"] = err.status
             if api == "messages":
                 yield openai_api.sse(err.anthropic_body(), event="error")
             else:
                 yield openai_api.sse(err.openai_body())
         finally:
+            if not ended:   # the client disconnected (the stream was cancelled or closed mid-way)
+                gen.cancel()
+                _gone(api, state, gen, note)
             gen.worker.cancel(gen.request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await answer("chat", request, openai_api.start_chat,
-                            lambda state, out: openai_api.chat_response(state, out),
+        return await answer("chat", request, openai_api.start_chat, openai_api.chat_response,
                             lambda state, gen, stream, usage: openai_api.chat_stream(state, gen, usage))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer("completions", request, openai_api.start_completion,
-                            lambda state, out: openai_api.completion_response(state, out),
+        return await answer("completions", request, openai_api.start_completion, openai_api.completion_response,
                             lambda state, gen, stream, usage: openai_api.completion_stream(state, gen, usage))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        state = ready()
-        body = await read_json(request, options.max_body_bytes)
-        try:
-            gen, stream, echo = await asyncio.to_thread(openai_api.start_responses, state, body)
-        except ApiError as err:
-            state.metrics.answered("responses", err.status)
-            raise
-        if stream:
-            return StreamingResponse(_guarded("responses", state, gen, openai_api.responses_stream(state, gen, echo)),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await openai_api.responses_result(state, gen, echo, request.is_disconnected)
-        state.metrics.answered("responses", 200, gen.outcome.completion_tokens)
-        return JSONResponse(result)
+        return await answer("responses", request, openai_api.start_responses, openai_api.responses_result,
+                            lambda state, gen, stream, echo: openai_api.responses_stream(state, gen, echo))
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        return await answer("messages", request, anthropic_api.start_messages,
-                            lambda state, out: anthropic_api.message_response(state, out),
+        return await answer("messages", request, anthropic_api.start_messages, anthropic_api.message_response,
                             lambda state, gen, stream: anthropic_api.message_stream(state, gen))
 
     @app.post("/v1/messages/count_tokens")
@@ -215,6 +284,15 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
         return JSONResponse(await asyncio.to_thread(anthropic_api.count_tokens, state, body))
 
     # ---- information ------------------------------------------------------------------------
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root(request: Request):
+        """Agents probe the base URL before their first request (Claude Code sends HEAD /)."""
+        if request.method == "HEAD":
+            return Response(status_code=200)
+        state = status["state"]
+        return {"name": "moestream", "model": state.model_name if state is not None else None,
+                "health": "/health", "apis": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]}
+
     @app.get("/health")
     async def health():
         if status["error"] is not None:
@@ -249,7 +327,11 @@ def create_app(load: Callable[[], object], options: ServeOptions | None = None) 
     @app.get("/metrics")
     async def metrics():
         state = ready()
-        return Response(await asyncio.to_thread(state.metrics.render), media_type="text/plain; version=0.0.4")
+        # The bank and prefix-cache figures are read between engine steps; a scrape during a long
+        # step answers at once with the last ones (the queue gauges are live either way).
+        refresh = asyncio.ensure_future(asyncio.to_thread(state.metrics.refresh_engine))
+        await asyncio.wait({refresh}, timeout=METRICS_WAIT_S)
+        return Response(state.metrics.render(refresh=False), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/cache/stats")
     async def cache_stats():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from moestream.serve.errors import bad_request, get
@@ -118,7 +119,36 @@ def custom_tool_names(body: dict) -> set[str]:
             and isinstance(t.get("name"), str)}
 
 
-def openai_tools(body: dict) -> list[dict] | None:
+# A Responses `namespace` tool (Codex's sub-agent and MCP functions) groups functions under one name.
+# The model sees each as one flat function `<namespace>__<name>`; its calls go back to the client as
+# `function_call` items with `name` and `namespace` apart again, the way the client routes them.
+NAMESPACE_SEPARATOR = "__"
+
+
+def flat_tool_name(namespace: str | None, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def namespaced_tool_names(body: dict) -> dict[str, tuple[str, str]]:
+    """The flat name of every function inside a namespace tool → (namespace, name)."""
+    out = {}
+    for tool in body.get("tools") or []:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for fn in tool.get("tools") or []:
+                if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                    out[flat_tool_name(tool["name"], fn["name"])] = (tool["name"], fn["name"])
+    return out
+
+
+def _dropped(dropped: list[str] | None, what: str) -> None:
+    log.debug("dropped a tool: %s", what)
+    if dropped is not None:
+        dropped.append(what)
+
+
+def openai_tools(body: dict, dropped: list[str] | None = None) -> list[dict] | None:
+    """The request's tools as the template takes them; each tool the model cannot call is named,
+    with why, in `dropped` (hosted tools such as web_search run on OpenAI's servers, not here)."""
     tools = get(body, "tools", list)
     if not tools or body.get("tool_choice") == "none":
         return None
@@ -126,18 +156,29 @@ def openai_tools(body: dict) -> list[dict] | None:
     for tool in tools:
         if not isinstance(tool, dict):
             raise bad_request("'tools' must be an array of objects.", "tools")
-        if tool.get("type") == "custom":   # Responses freeform tools (Codex's apply_patch): one string input
+        kind = tool.get("type", "function")
+        if kind == "custom":   # Responses freeform tools (Codex's apply_patch): one string input
             out.append(_function_tool(tool.get("name"), _custom_description(tool), CUSTOM_TOOL_PARAMETERS, "tools"))
-            continue
-        if tool.get("type", "function") != "function":
-            log.debug("dropped a non-function tool: %r", tool.get("type"))
-            continue
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool   # Chat nests, Responses does not
-        out.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), "tools"))
+        elif kind == "namespace":
+            space = tool.get("name")
+            if not isinstance(space, str) or not space:
+                raise bad_request("every namespace tool needs a name (tools).", "tools")
+            for fn in tool.get("tools") or []:
+                if not isinstance(fn, dict) or fn.get("type", "function") != "function":
+                    _dropped(dropped, f"{space}.{fn.get('name') if isinstance(fn, dict) else fn} (not a function)")
+                    continue
+                described = " ".join(t for t in (tool.get("description"), fn.get("description")) if isinstance(t, str))
+                out.append(_function_tool(flat_tool_name(space, str(fn.get("name") or "")), described or None,
+                                          fn.get("parameters"), "tools"))
+        elif kind == "function":
+            fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool   # Chat nests, Responses does not
+            out.append(_function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), "tools"))
+        else:
+            _dropped(dropped, f"{kind} (a hosted tool that runs on the provider's servers; this server cannot run it)")
     return out or None
 
 
-def anthropic_tools(body: dict) -> list[dict] | None:
+def anthropic_tools(body: dict, dropped: list[str] | None = None) -> list[dict] | None:
     tools = get(body, "tools", list)
     choice = body.get("tool_choice")
     if not tools or (isinstance(choice, dict) and choice.get("type") == "none"):
@@ -147,7 +188,8 @@ def anthropic_tools(body: dict) -> list[dict] | None:
         if not isinstance(tool, dict):
             raise bad_request("'tools' must be an array of objects.", "tools")
         if tool.get("type") not in (None, "custom") and "input_schema" not in tool:
-            log.debug("dropped a server tool: %r", tool.get("type"))
+            _dropped(dropped, f"{tool.get('name') or tool.get('type')} (a server tool that runs on Anthropic's "
+                              "servers; this server cannot run it)")
             continue
         out.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), "tools"))
     return out or None
@@ -190,9 +232,12 @@ def anthropic_messages(body: dict) -> list[Message]:
     if not messages:
         raise bad_request("'messages' must hold at least one message.", "messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request(f"messages.{i}.role must be 'user' or 'assistant'.", "messages")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_request(f"messages.{i}.role must be 'user', 'assistant' or 'system'.", "messages")
         content = m.get("content")
+        if m["role"] == "system":   # a mid-conversation instruction (string or text blocks)
+            out.append({"role": "system", "content": _text_of(content, f"messages.{i}")})
+            continue
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -243,7 +288,9 @@ def responses_messages(body: dict) -> list[Message]:
                 raise bad_request(f"input[{i}] has the unknown role {item.get('role')!r}.", "input")
             out.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}]")})
         elif kind == "function_call":
-            call = _tool_call(str(item.get("call_id", "")), str(item.get("name", "")), item.get("arguments"))
+            space = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+            call = _tool_call(str(item.get("call_id", "")), flat_tool_name(space, str(item.get("name", ""))),
+                              item.get("arguments"))
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -268,21 +315,92 @@ def responses_messages(body: dict) -> list[Message]:
 # ---- the prompt --------------------------------------------------------------------------------
 
 class PromptRenderer:
-    """Messages and tools → token ids, through the checkpoint's chat template (or the fallback)."""
+    """Messages and tools → token ids, through the checkpoint's chat template (or the fallback).
 
-    def __init__(self, tokenizer):
+    Two facts about the template are read once, by rendering probe conversations: whether it
+    shows a system turn in mid-conversation (else such turns are folded into the next user
+    turn), and the text that ends an assistant turn (a stop, in case the tokenizer's EOS is
+    something else)."""
+
+    def __init__(self, tokenizer, template: str | None = None):
         self.tokenizer = tokenizer   # None: a checkpoint without tokenizer files (token-id completions only)
-        self.template = getattr(tokenizer, "chat_template", None) or None
+        self.template = template or getattr(tokenizer, "chat_template", None) or None
         self.uses_fallback = tokenizer is not None and self.template is None
+        self.system_turns = tokenizer is None or self._shows_mid_system_turns()
+        self.end_of_turn: str | None = None       # the end-of-turn text, as a stop string
+        self.end_of_turn_id: int | None = None    # or, when it is one special token, its id
+        if tokenizer is not None:
+            self._find_end_of_turn()
 
     def render(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this checkpoint has no tokenizer files, so messages cannot be rendered; use "
                               "/v1/completions with a prompt of token ids.")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                  chat_template=self.template or FALLBACK_TEMPLATE)
-        return self.encode(text)
+        return self.encode(self._apply(self.arrange(messages), tools))
 
     def encode(self, text: str) -> list[int]:
         """Text already holding its special tokens: no BOS or other tokens are added."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def arrange(self, messages: list[Message]) -> list[Message]:
+        """System turns where the template takes them: the leading ones merged into one system
+        prompt; later ones kept as system turns if the template shows them, else folded into the
+        next user turn (or, with none after, the last one)."""
+        out: list[Message] = []
+        folded: list[str] = []
+        leading = True
+        for m in messages:
+            if m["role"] == "system":
+                if not m["content"]:
+                    continue
+                if leading and out:
+                    out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+                elif leading or self.system_turns:
+                    out.append(m)
+                else:
+                    folded.append(m["content"])
+                continue
+            leading = False
+            if folded and m["role"] == "user":
+                m = {**m, "content": "\n\n".join(folded + [m["content"]])}
+                folded = []
+            out.append(m)
+        if folded:
+            last = next((i for i in range(len(out) - 1, -1, -1) if out[i]["role"] == "user"), None)
+            if last is None:
+                out.append({"role": "user", "content": "\n\n".join(folded)})
+            else:
+                out[last] = {**out[last], "content": "\n\n".join([out[last]["content"]] + folded)}
+        return out
+
+    def _apply(self, messages: list[Message], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False, chat_template=self.template or FALLBACK_TEMPLATE)
+
+    def _shows_mid_system_turns(self) -> bool:
+        probe = "moestream system probe"
+        try:
+            text = self._apply([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                {"role": "assistant", "content": "a"}, {"role": "system", "content": probe},
+                                {"role": "user", "content": "v"}])
+        except Exception:   # templates that insist on alternating roles raise
+            return False
+        return probe in text
+
+    def _find_end_of_turn(self) -> None:
+        reply = "moestream reply probe"
+        try:
+            text = self._apply([{"role": "user", "content": "u"}, {"role": "assistant", "content": reply}],
+                               generation_prompt=False)
+        except Exception:
+            return
+        at = text.rfind(reply)
+        tail = text[at + len(reply):].split() if at >= 0 else []
+        if not tail:
+            return
+        mark = tail[0]
+        vocab = self.tokenizer.get_added_vocab() if hasattr(self.tokenizer, "get_added_vocab") else {}
+        if mark in vocab:   # one special token: the detokenizer never shows it as text, so stop on its id
+            self.end_of_turn_id = int(vocab[mark])
+        elif re.fullmatch(r"[<\[].{1,30}[>\]]", mark):   # a marker such as <|im_end|> spelled in ordinary tokens
+            self.end_of_turn = mark

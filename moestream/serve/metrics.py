@@ -11,11 +11,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+# An agent's first turn on an offloaded model prefills tens of thousands of tokens: minutes, up to
+# the half hour after which agents give up anyway.
+_TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800)
 
 
 class ServerMetrics:
     def __init__(self, engine):
         self.engine = engine
+        self.worker = None   # set once the worker exists: the queue gauges are read from it at scrape time too
         self.registry = r = CollectorRegistry()
         self.requests = Counter("moestream_requests", "Requests answered, by API and HTTP status", ["api", "status"],
                                 registry=r)
@@ -24,7 +28,7 @@ class ServerMetrics:
                                      "Prompt tokens restored from the prefix cache instead of prefilled", registry=r)
         self.generated_tokens = Counter("moestream_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("moestream_time_to_first_token_seconds", "Submit to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
+                              buckets=_TTFT_BUCKETS)
         self.itl = Histogram("moestream_inter_token_seconds", "Time between a sequence's tokens", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting for a place in the batch", registry=r)
@@ -66,9 +70,7 @@ class ServerMetrics:
         self.itl.observe(seconds)
 
     def after_step(self, worker) -> None:
-        self.queue_depth.set(worker.waiting)
-        self.running.set(worker.running)
-        self.kv_rows_used.set(worker.running)
+        self._gauge_queue(worker)
         cache = self.engine.runner.cache
         self.kv_rows.set(cache.rows if cache is not None else 0)
         blocks = self.engine.blocks
@@ -77,13 +79,19 @@ class ServerMetrics:
             self.kv_blocks_used.set(blocks.used)
             self.kv_blocks_cached.set(len(blocks.cached))
 
+    def _gauge_queue(self, worker) -> None:
+        self.queue_depth.set(worker.waiting)
+        self.running.set(worker.running)
+        self.kv_rows_used.set(worker.running)
+
     # ---- called by handlers ---------------------------------------------------------------
     def answered(self, api: str, status: int, generated: int = 0) -> None:
         self.requests.labels(api, str(status)).inc()
         if generated:
             self.generated_tokens.inc(generated)
 
-    def render(self) -> bytes:
+    def refresh_engine(self) -> None:
+        """Read the prefix cache's and the bank's figures (they wait for the step in progress)."""
         stats = self.engine.prefix_cache_stats()
         if stats is not None:
             self.prefix_bytes.set(stats["used_bytes"])
@@ -100,4 +108,12 @@ class ServerMetrics:
             self.rank_collective_calls.labels(*labels).set(collective.get("calls", 0))
             self.rank_collective_bytes.labels(*labels).set(collective.get("bytes", 0))
             self.rank_collective_seconds.labels(*labels).set(collective.get("seconds", 0.0))
+
+    def render(self, refresh: bool = True) -> bytes:
+        """The exposition text; `refresh=False` when the engine's figures were read already (or are
+        being waited for: the server does not hold a scrape behind a long step)."""
+        if refresh:
+            self.refresh_engine()
+        if self.worker is not None:   # live even while one long step (a long prefill) holds the worker
+            self._gauge_queue(self.worker)
         return generate_latest(self.registry)

@@ -12,9 +12,10 @@ import time
 from collections.abc import AsyncIterator
 
 from moestream.errors import InputError
-from moestream.serve.chat import custom_tool_names, openai_messages, openai_tools, responses_messages
+from moestream.serve.chat import (custom_tool_names, namespaced_tool_names, openai_messages, openai_tools,
+                                   responses_messages)
 from moestream.serve.errors import bad_request, get
-from moestream.serve.generation import Generation, Outcome
+from moestream.serve.generation import Generation, KeepAlive, Outcome
 from moestream.serve.state import ServerState, new_id
 from moestream.serve.tool_calls import TextDelta, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
@@ -22,6 +23,9 @@ from moestream.serve.tool_calls import TextDelta, ToolArgumentsDelta, ToolCallEn
 def sse(data: dict | str, event: str | None = None) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+SSE_KEEPALIVE = ": keep-alive\n\n"   # an SSE comment: every client skips it, every byte counts as activity
 
 
 def _usage(out: Outcome) -> dict:
@@ -38,15 +42,18 @@ def _tool_call_json(call, index: int | None = None) -> dict:
 # ---- Chat Completions ----------------------------------------------------------------------------
 
 def start_chat(state: ServerState, body: dict) -> tuple[Generation, bool, bool]:
-    messages, tools = openai_messages(body), openai_tools(body)
+    dropped: list[str] = []
+    messages, tools = openai_messages(body), openai_tools(body, dropped)
+    state.note_dropped(dropped)
     params = state.sampling(body, ("max_completion_tokens", "max_tokens"))
     ids = state.check_prompt(state.renderer.render(messages, tools))
     stream = bool(get(body, "stream", bool, False))
     options = get(body, "stream_options", dict) or {}
-    return Generation(state.worker, ids, params, tools, state.parser), stream, bool(options.get("include_usage"))
+    return state.start(ids, params, tools), stream, bool(options.get("include_usage"))
 
 
-def chat_response(state: ServerState, out: Outcome) -> dict:
+async def chat_response(state: ServerState, gen: Generation, include_usage: bool = False) -> dict:
+    out = await gen.run()
     message: dict = {"role": "assistant", "content": out.text if out.text or not out.calls else None}
     if out.calls:
         message["tool_calls"] = [_tool_call_json(c) for c in out.calls]
@@ -65,7 +72,9 @@ async def chat_stream(state: ServerState, gen: Generation, include_usage: bool) 
 
     yield chunk({"role": "assistant", "content": ""})
     async for e in gen.events():
-        if isinstance(e, TextDelta):
+        if isinstance(e, KeepAlive):
+            yield SSE_KEEPALIVE
+        elif isinstance(e, TextDelta):
             yield chunk({"content": e.text})
         elif isinstance(e, ToolCallStart):
             yield chunk({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
@@ -99,16 +108,17 @@ def start_completion(state: ServerState, body: dict) -> tuple[Generation, bool, 
                           "supported; send one request each).", "prompt")
     if get(body, "echo", bool) or get(body, "suffix", str) or (get(body, "best_of", int) or 1) != 1:
         raise bad_request("echo, suffix and best_of are not supported by this server.")
-    params = state.sampling(body, ("max_tokens",), chat=False)
+    params = state.sampling(body, ("max_tokens",))
     if body.get("max_tokens") is None:
-        params.max_tokens = 16   # the Completions API's default
+        params.max_tokens = min(16, params.max_tokens)   # the Completions API's default
     ids = state.check_prompt(ids)
     stream = bool(get(body, "stream", bool, False))
     options = get(body, "stream_options", dict) or {}
-    return Generation(state.worker, ids, params), stream, bool(options.get("include_usage"))
+    return state.start(ids, params, chat=False), stream, bool(options.get("include_usage"))
 
 
-def completion_response(state: ServerState, out: Outcome) -> dict:
+async def completion_response(state: ServerState, gen: Generation, include_usage: bool = False) -> dict:
+    out = await gen.run()
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": state.model_name,
             "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.reason}],
             "usage": _usage(out)}
@@ -117,7 +127,9 @@ def completion_response(state: ServerState, out: Outcome) -> dict:
 async def completion_stream(state: ServerState, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     async for e in gen.events():
-        if isinstance(e, TextDelta):
+        if isinstance(e, KeepAlive):
+            yield SSE_KEEPALIVE
+        elif isinstance(e, TextDelta):
             yield sse({**head, "choices": [{"index": 0, "text": e.text, "logprobs": None, "finish_reason": None}]})
     yield sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": gen.outcome.reason}]})
     if include_usage:
@@ -133,11 +145,13 @@ def start_responses(state: ServerState, body: dict) -> tuple[Generation, bool, d
                           "conversation in 'input' (and store: false).", "previous_response_id")
     if body.get("store") is True:
         raise bad_request("store: true is not supported: this server keeps no responses; send store: false.", "store")
-    messages, tools = responses_messages(body), openai_tools(body)
+    dropped: list[str] = []
+    messages, tools = responses_messages(body), openai_tools(body, dropped)
+    state.note_dropped(dropped)
     params = state.sampling(body, ("max_output_tokens",))
     ids = state.check_prompt(state.renderer.render(messages, tools))
-    gen = Generation(state.worker, ids, params, tools, state.parser)
-    echo = {"_custom": custom_tool_names(body), "instructions": body.get("instructions"), "tools": body.get("tools") or [],
+    gen = state.start(ids, params, tools)
+    echo = {"_custom": custom_tool_names(body), "_namespaced": namespaced_tool_names(body), "instructions": body.get("instructions"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "temperature": params.temperature, "top_p": params.top_p,
             "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
@@ -153,6 +167,7 @@ class ResponseBuilder:
     def __init__(self, state: ServerState, echo: dict):
         echo = dict(echo)
         self.custom = echo.pop("_custom", set())   # tools whose calls are custom_tool_call items (raw text input)
+        self.namespaced = echo.pop("_namespaced", {})   # flat name → (namespace, name) of namespaced functions
         self.body = {"id": new_id("resp_"), "object": "response", "created_at": int(time.time()),
                      "status": "in_progress", "model": state.model_name, "output": [], "error": None,
                      "incomplete_details": None, "usage": None, **echo}
@@ -200,6 +215,8 @@ class ResponseBuilder:
         else:
             item = {"type": "function_call", "id": new_id("fc_"), "call_id": e.id, "name": e.name, "arguments": "",
                     "status": "in_progress"}
+            if e.name in self.namespaced:   # back under the names the client routes by
+                item["namespace"], item["name"] = self.namespaced[e.name]
         self.body["output"].append(item)
         self.calls[e.index] = item
         events.append(("response.output_item.added", {"output_index": self._index(item), "item": _copy(item)}))
@@ -260,9 +277,9 @@ def _copy(item: dict) -> dict:
     return json.loads(json.dumps(item))
 
 
-async def responses_result(state: ServerState, gen: Generation, echo: dict, disconnected) -> dict:
+async def responses_result(state: ServerState, gen: Generation, echo: dict) -> dict:
     builder = ResponseBuilder(state, echo)
-    async for e in gen.events(disconnected):
+    async for e in gen.events():
         builder.feed(e)
     builder.finish(gen.outcome)
     return builder.body
@@ -280,6 +297,8 @@ async def responses_stream(state: ServerState, gen: Generation, echo: dict) -> A
     yield emit("response.created", {"response": builder.snapshot()})
     yield emit("response.in_progress", {"response": builder.snapshot()})
     async for e in gen.events():
+        if isinstance(e, KeepAlive):   # Codex's idle timer counts events, not bytes: a comment is not enough
+            yield emit("response.in_progress", {"response": builder.snapshot()})
         for kind, data in builder.feed(e):
             yield emit(kind, data)
     for kind, data in builder.finish(gen.outcome):

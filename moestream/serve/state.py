@@ -3,16 +3,40 @@ the served name, the metrics. Built once the model has loaded (until then the se
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from moestream.runtime.sampling import SamplingParams
-from moestream.serve.chat import END_OF_TURN, PromptRenderer
+from moestream.serve.chat import PromptRenderer
 from moestream.serve.errors import bad_request, get
+from moestream.serve.generation import Generation
 from moestream.serve.metrics import ServerMetrics
 from moestream.serve.tool_calls import ToolCallParser, parser_for_template
 from moestream.serve.worker import EngineWorker
+
+log = logging.getLogger("moestream.serve")
+
+DEFAULT_MAX_TOKENS = 8192
+
+
+@dataclass
+class ServeOptions:
+    model_name: str = "moestream"
+    api_key: str | None = None
+    max_queue: int = 256                  # requests waiting for a batch place before 429
+    max_body_bytes: int = 32 * 2**20      # a request body larger than this is refused (413)
+    # Tokens one reply may generate: the default when a request names none (Codex never does) and the
+    # ceiling on what one asks for (opencode asks for 32,000). 8192 holds a whole-file write in one
+    # tool call, yet bounds a reply stuck repeating itself to minutes, not the whole context. 0: no cap
+    # but the context.
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    # Seconds without a byte on a stream (queued, prefilling, or a tool call still being written)
+    # before a keep-alive is sent: agents give up on a silent stream after a few minutes.
+    keepalive_s: float = 10.0
+    chat_template: str | None = None      # a Jinja chat template used instead of the checkpoint's
+    access_log: bool = True               # one info line per request
 
 
 def new_id(prefix: str) -> str:
@@ -27,14 +51,39 @@ class ServerState:
     parser: ToolCallParser
     model_name: str
     metrics: ServerMetrics
+    options: ServeOptions = field(default_factory=ServeOptions)
     created: int = field(default_factory=lambda: int(time.time()))
+    _dropped_seen: set[str] = field(default_factory=set)
 
     @classmethod
-    def build(cls, engine, model_name: str, max_queue: int) -> ServerState:
+    def build(cls, engine, options: ServeOptions) -> ServerState:
         metrics = ServerMetrics(engine)
-        renderer = PromptRenderer(engine.tokenizer)
-        return cls(engine, EngineWorker(engine, max_queue, metrics), renderer, parser_for_template(renderer.template),
-                   model_name, metrics)
+        renderer = PromptRenderer(engine.tokenizer, options.chat_template)
+        worker = EngineWorker(engine, options.max_queue, metrics)
+        metrics.worker = worker
+        return cls(engine, worker, renderer, parser_for_template(renderer.template), options.model_name, metrics,
+                   options)
+
+    def start(self, ids: list[int], params: SamplingParams, tools: list[dict] | None = None,
+              chat: bool = True) -> Generation:
+        """Submit a prompt: a chat reply also ends at the template's end of turn."""
+        stops = set(params.stop)
+        stop_ids: frozenset[int] = frozenset()
+        if chat:
+            r = self.renderer
+            if r.end_of_turn_id is not None and r.end_of_turn_id not in self.engine.eos_ids:
+                stop_ids = frozenset({r.end_of_turn_id})
+            elif r.end_of_turn is not None and r.end_of_turn not in params.stop:
+                params.stop.append(r.end_of_turn)   # spelled in ordinary tokens: a stop string
+        return Generation(self.worker, ids, params, tools, self.parser, stop_ids=stop_ids, user_stops=stops,
+                          keepalive_s=self.options.keepalive_s or None)
+
+    def note_dropped(self, dropped: list[str]) -> None:
+        """Say once per kind of tool that the model will not see it, and why."""
+        for what in dropped:
+            if what not in self._dropped_seen:
+                self._dropped_seen.add(what)
+                log.info("a tool the model cannot call was left out: %s", what)
 
     @property
     def max_context(self) -> int:
@@ -54,8 +103,9 @@ class ServerState:
         return ids
 
     def sampling(self, body: dict, max_fields: tuple[str, ...], stop_field: str = "stop",
-                 default_temperature: float = 1.0, required_max: bool = False, chat: bool = True) -> SamplingParams:
-        """Sampling parameters of a request; max tokens beyond the context are clamped to it."""
+                 default_temperature: float = 1.0, required_max: bool = False) -> SamplingParams:
+        """Sampling parameters of a request; max tokens beyond the server's cap (or the context) are
+        clamped to it, and a request that names none gets the cap."""
         n = get(body, "n", int, 1)
         if n != 1:
             raise bad_request(f"n={n} is not supported: this server returns one choice per request (n=1).", "n")
@@ -74,23 +124,21 @@ class ServerState:
                 if max_tokens < 1:
                     raise bad_request(f"'{name}' must be at least 1, got {max_tokens}.", name)
                 break
-        if max_tokens is None:
-            if required_max:
-                raise bad_request(f"'{max_fields[0]}' is required.", max_fields[0])
-            max_tokens = self.max_context
+        if max_tokens is None and required_max:
+            raise bad_request(f"'{max_fields[0]}' is required.", max_fields[0])
+        cap = self.options.max_tokens or self.max_context   # the server's --max-tokens: default and ceiling
+        max_tokens = min(max_tokens or cap, cap, self.max_context)
         stop = body.get(stop_field)
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
             raise bad_request(f"'{stop_field}' must be a string or an array of strings.", stop_field)
         params = SamplingParams(
-            max_tokens=min(max_tokens, self.max_context),
+            max_tokens=max_tokens,
             temperature=get(body, "temperature", float, default_temperature),
             top_p=get(body, "top_p", float, 1.0), top_k=get(body, "top_k", int, 0) or 0,
             min_p=get(body, "min_p", float, 0.0), seed=get(body, "seed", int),
             stop=[s for s in stop or [] if s], ignore_eos=bool(get(body, "ignore_eos", bool, False)))
-        if chat and self.renderer.uses_fallback and END_OF_TURN not in params.stop:
-            params.stop.append(END_OF_TURN)   # the fallback template's end of turn is plain text to this tokenizer
         try:
             params.validate()
         except Exception as exc:   # InputError: one sentence naming the value

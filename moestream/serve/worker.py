@@ -37,6 +37,13 @@ class Token:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """The sequence holds a batch place and its prompt's cached prefix is known (sent once, before
+    its first token, as soon as the step that looked the prefix up has ended)."""
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Finished:
     reason: str           # "eos" | "stop" | "length" | "cancelled"
 
@@ -56,6 +63,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
+    admitted: bool = False
 
     @property
     def done(self) -> bool:
@@ -81,7 +89,8 @@ class EngineWorker:
         self.loop = loop
         self._thread.start()
 
-    def submit(self, ids: list[int], params: SamplingParams) -> Request:
+    def submit(self, ids: list[int], params: SamplingParams, stop_ids: frozenset[int] = frozenset()) -> Request:
+        """Queue a prompt; `stop_ids` end it like EOS (a chat template's end-of-turn token)."""
         if self._stopping:
             raise QueueFull("the server is shutting down")
         with self._count_lock:
@@ -90,6 +99,8 @@ class EngineWorker:
                 raise QueueFull(f"{waiting} requests are already waiting")
             self._queued += 1
         seq = self.engine.new_sequence(ids, params)
+        if stop_ids:
+            seq.eos_ids = seq.eos_ids | stop_ids
         request = Request(seq, asyncio.Queue(), self.loop)
         self._intake.put(request)
         self._wake.set()
@@ -144,10 +155,10 @@ class EngineWorker:
                 request = self._intake.get_nowait()
             except queue.Empty:
                 return
-            with self._count_lock:
-                self._queued -= 1
             self._active[request.seq.id] = request
             self.engine.add_sequence(request.seq)
+            with self._count_lock:   # counted as waiting until the scheduler holds it
+                self._queued -= 1
 
     def _cancelled_pending(self) -> bool:
         return any(r.seq.finished for r in self._active.values())
@@ -156,6 +167,9 @@ class EngineWorker:
         now = time.perf_counter()
         for key, request in list(self._active.items()):
             seq = request.seq
+            if not request.admitted and (seq.prefilled > 0 or seq.sampled > 0):
+                request.admitted = True   # the prefix lookup has run: the prompt's cached/prefilled split is final
+                request.loop.call_soon_threadsafe(request.events.put_nowait, Admitted(seq.cached_tokens))
             while seq.outbox:
                 token, text = seq.outbox.popleft()
                 if request.first_token is None:

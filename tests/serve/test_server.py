@@ -214,8 +214,9 @@ def test_messages_tool_use_round_trip_and_stop_sequences(claude, force):
 
 def test_anthropic_errors_have_the_anthropic_shape(claude, server):
     with pytest.raises(anthropic.BadRequestError) as err:
-        claude.messages.create(model="claude", max_tokens=5, messages=[{"role": "system", "content": "x"}])
+        claude.messages.create(model="claude", max_tokens=5, messages=[{"role": "wizard", "content": "x"}])
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages.0.role" in err.value.body["error"]["message"]
     r = httpx.post(f"{server.url}/v1/messages", json={"model": "c", "messages": PROMPT})
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
 
