@@ -29,6 +29,7 @@ exactly in fp32. The bias is exact in fp32 always; in bf16 when z is a power of 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class IntQuant:
     sym: bool
     act_order: bool      # g_idx permutes the groups (GPTQ desc_act without static groups, CT actorder "group")
     zero_offset: int = 0  # added to stored zero points (GPTQ v1: 1)
+    scale_dtype: torch.dtype = torch.float16   # the stored scales' (config.json's torch_dtype; GPTQ writes fp16)
 
     @property
     def name(self) -> str:
@@ -72,11 +74,9 @@ def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
     if not isinstance(q, dict) or q.get("quant_method") not in METHODS:
         return None
     method = q["quant_method"]
-    if method == "gptq":
-        return _gptq_config(q)
-    if method == "awq":
-        return _awq_config(q)
-    return _compressed_config(q)
+    parsed = _gptq_config(q) if method == "gptq" else _awq_config(q) if method == "awq" else _compressed_config(q)
+    dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "float16"), None)
+    return dataclasses.replace(parsed, scale_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float16)
 
 
 def _bits_group(bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
@@ -158,7 +158,7 @@ def dequantize_int(w: IntWeight) -> Tensor:
 
 def bitstream(words: Tensor, bits: int, count: int) -> Tensor:
     """int32 words (..., W), a little-endian bit stream along the last dim → its first `count` values (uint8)."""
-    raw = words.contiguous().view(torch.uint8)
+    raw = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], -1)
     _, unit = pack_geometry(bits)
     pad = -raw.shape[-1] % unit
     if pad:
@@ -255,11 +255,11 @@ def affine_group(q: IntQuant, k: int | None = None) -> int | None:
     return None
 
 
-def affine_spec(q: IntQuant, scale_dtype: torch.dtype) -> QuantSpec | None:
+def affine_spec(q: IntQuant, scale_dtype: torch.dtype | None = None) -> QuantSpec | None:
     """The affine spec that holds this checkpoint's weights exactly, or None when none does (act-order,
     or a group no GROUPS size divides): scales and biases in bf16 for symmetric bf16-scaled weights
     (the bias -2^(bits-1)·s is then exact in bf16), else in fp32 (every -z·s is)."""
-    group = affine_group(q)
+    group, scale_dtype = affine_group(q), scale_dtype or q.scale_dtype
     if q.act_order or group is None:
         return None
     exact_bf16 = q.sym and scale_dtype == torch.bfloat16 and q.method != "awq"
@@ -303,7 +303,8 @@ def quantize_int(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch
 
 def _words(values: Tensor, bits: int) -> Tensor:
     """uint8 values (R, C) → int32 words (R, C·bits/32), a little-endian bit stream per row."""
-    return pack(values, bits).contiguous().view(torch.int32)
+    packed = pack(values, bits)
+    return packed.reshape(-1).view(torch.int32).reshape(packed.shape[0], -1)
 
 
 def pack_gptq(w: IntWeight, bits: int, v1: bool = True) -> dict[str, Tensor]:
