@@ -28,7 +28,7 @@ from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
-from moestream.quant.gptq import IntQuant, affine_spec, int_quantization
+from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
 from moestream.quant.recipe import module_class
 from moestream.quant.recipe import QuantRecipe
@@ -384,14 +384,15 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
 def _plan_int(q: IntQuant, config: ModelConfig,
               dtype: torch.dtype) -> tuple[QuantRecipe, Precision, dict[int, ExpertFormat]]:
     """GPTQ / AWQ / compressed-tensors: experts in the affine spec that holds them exactly, else
-    dequantized to the compute dtype (act-order, or a group none of ours divides: the reason is
-    printed once at load); attention and shared experts planned the same (the build follows what
-    each module's tensors say)."""
+    (act-order, or a group none of ours divides: the reason is printed once at load) requantized to
+    int8 or dequantized (`fallback_spec`); attention and shared experts planned in the exact spec
+    (the build follows what each module's tensors say; without an exact form they dequantize)."""
     spec = affine_spec(q)
+    held = spec or fallback_spec(q)
 
     def precision(path: str) -> QuantSpec | None:
         return spec if module_class(path)[0] in ("attention", "shared") else None
-    formats = {layer: QuantizedFormat(spec, dtype) if spec is not None else dense_format(dtype)
+    formats = {layer: QuantizedFormat(held, dtype) if held is not None else dense_format(dtype)
                for layer, moe in enumerate(config.moe_layers) if moe}
     return QuantRecipe(), precision, formats
 

@@ -3,8 +3,9 @@
 Their experts are per-expert modules (`...experts.E.gate_proj.qweight`, ...), each read through
 `IntQuantReader`: repacked at load into the affine format that holds the same weights bit for bit
 (`native`: the bank, host tier and staging keep 2/3/4/8-bit codes with their scales and biases), or,
-where no affine format does (act-order groups, a group size none of ours divides), dequantized
-into the compute dtype's dense format: the fallback, announced once when the store opens.
+where no affine format does (act-order groups, a group size none of ours divides), dequantized and
+encoded into the plan's fallback format (int8 for 2-4-bit checkpoints, the compute dtype for
+8-bit ones: `fallback_spec`), announced once when the store opens.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from moestream.checkpoint.safetensors_index import TensorIndex
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat
 from moestream.experts.store import ExpertStore
+from moestream.quant.gptq import fallback_spec
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -44,9 +46,12 @@ class IntQuantExpertStore(ExpertStore):
         if reader.spec is not None:
             self.native = {layer: reader.spec for layer in self.moe_layers}
         else:
+            held = fallback_spec(reader.quant)
+            how = (f"requantized to {held.name} at load (about 0.6% relative weight error on top of the checkpoint's "
+                   "own, twice the bytes of 4-bit codes)" if held is not None else
+                   "dequantized to the compute dtype at load (twice the bytes of the 8-bit codes)")
             print(f"moestream: {reader.quant.name} has no exact form in moestream's affine formats (its groups are "
-                  "permuted by act-order or finer than 32 columns), so its experts are dequantized to the compute "
-                  "dtype at load (exact in fp32, 2-4x the bytes of the stored codes).", file=sys.stderr)
+                  f"permuted by act-order, or not a multiple of 32 columns), so its experts are {how}.", file=sys.stderr)
 
     def _paths(self, layer: int, expert: int) -> dict[str, str]:
         names = self.spec.expert_tensor_names(layer, expert)

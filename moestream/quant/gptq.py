@@ -266,6 +266,15 @@ def affine_spec(q: IntQuant, scale_dtype: torch.dtype | None = None) -> QuantSpe
     return QuantSpec("int", q.bits, group, torch.bfloat16 if exact_bf16 else torch.float32)
 
 
+def fallback_spec(q: IntQuant) -> QuantSpec | None:
+    """Experts with no exact affine form (act-order, a group none of ours divides) are dequantized
+    and requantized to int8 in groups of 64 when stored at 2-4 bits: half the bytes of bf16, and
+    about 0.6% relative weight error (measured on Gaussian weights, int4-g128 act-order), some 17x
+    below the 4-bit quantization's own. 8-bit ones (None) are dequantized to the compute dtype:
+    requantizing them to int8 would double their error, and bf16 costs only twice their bytes."""
+    return QuantSpec("int", 8, 64, torch.bfloat16) if q.bits < 8 else None
+
+
 def to_affine(w: IntWeight, spec: QuantSpec, name: str = "") -> QuantizedTensor:
     """The same weights in `spec` (q = u, scale = s, bias = -z·s), checked exact; a weight that is
     not (act-order, a misfit group, a bias the scale dtype cannot hold) is refused."""
@@ -288,7 +297,7 @@ def quantize_int(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch
     the absolute max): what random GPTQ-form checkpoints are written from. Not GPTQ's solver."""
     n, k = w.shape
     g, groups = _groups(k, group)
-    wg = w.float().reshape(n, groups, g)
+    wg = torch.nn.functional.pad(w.float(), (0, groups * g - k)).reshape(n, groups, g)   # a short last group
     top = (1 << bits) - 1
     if sym:
         scales = (wg.abs().amax(-1) / ((1 << (bits - 1)) - 0.5)).clamp_min(1e-8).to(scale_dtype)
@@ -298,7 +307,7 @@ def quantize_int(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch
         scales = ((hi - lo) / top).clamp_min(1e-8).to(scale_dtype)
         zeros = (-lo / scales.float()).round().clamp(0, top).to(torch.int32)
     codes = (wg / scales.float()[..., None] + zeros[..., None]).round().clamp(0, top)
-    return IntWeight(codes.reshape(n, k).to(torch.uint8), zeros, scales, g)
+    return IntWeight(codes.reshape(n, -1)[:, :k].to(torch.uint8).contiguous(), zeros, scales, g)
 
 
 def _words(values: Tensor, bits: int) -> Tensor:
