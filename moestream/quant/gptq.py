@@ -54,7 +54,7 @@ class IntQuant:
     sym: bool
     act_order: bool      # g_idx permutes the groups (GPTQ desc_act without static groups, CT actorder "group")
     zero_offset: int = 0  # added to stored zero points (GPTQ v1: 1)
-    scale_dtype: torch.dtype = torch.float16   # the stored scales' (config.json's torch_dtype; GPTQ writes fp16)
+    scale_dtype: torch.dtype = torch.float16   # the stored scales': fp16 for GPTQ / AWQ, the model's for compressed-tensors
 
     @property
     def name(self) -> str:
@@ -75,6 +75,8 @@ def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
         return None
     method = q["quant_method"]
     parsed = _gptq_config(q) if method == "gptq" else _awq_config(q) if method == "awq" else _compressed_config(q)
+    if method != "compressed-tensors":   # GPTQ and AWQ write fp16 scales whatever the model's dtype
+        return parsed
     dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "float16"), None)
     return dataclasses.replace(parsed, scale_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float16)
 
