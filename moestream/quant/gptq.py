@@ -112,9 +112,12 @@ def _awq_config(q: dict) -> IntQuant:
 
 
 def _compressed_config(q: dict) -> IntQuant:
-    fmt = q.get("format")
     groups = q.get("config_groups") or {}
     weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+    fmt = q.get("format")
+    if fmt in (None, "mixed-precision"):   # newer writers name the format per group
+        formats = {g.get("format") for g in groups.values() if isinstance(g, dict)}
+        fmt = formats.pop() if len(formats) == 1 else fmt
     if fmt != "pack-quantized":
         raise _refuse(f"stores compressed-tensors in format {fmt!r} (moestream reads 'pack-quantized' integers)")
     if not weights or any(w is None for w in weights) or any(w != weights[0] for w in weights):

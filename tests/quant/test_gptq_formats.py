@@ -207,6 +207,10 @@ def test_configs_parse():
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                            "group_size": 128, "actorder": None}}}}
     assert int_quantization({"quantization_config": ct}) == IntQuant("compressed-tensors", 4, 128, True, False)
+    per_group = {**ct, "format": "mixed-precision",
+                 "config_groups": {"group_0": {**ct["config_groups"]["group_0"], "format": "pack-quantized"}}}
+    assert int_quantization({"quantization_config": per_group, "torch_dtype": "bfloat16"}) == \
+        IntQuant("compressed-tensors", 4, 128, True, False, scale_dtype=torch.bfloat16)
     assert int_quantization({"quantization_config": {"quant_method": "fp8"}}) is None
     assert int_quantization({}) is None
 
