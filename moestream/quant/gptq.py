@@ -63,8 +63,8 @@ class IntQuant:
 
 
 def _refuse(what: str) -> CheckpointError:
-    return CheckpointError(f"config.json's quantization_config {what}; moestream reads GPTQ (2/3/4/8 bits), AWQ "
-                           "(4-bit GEMM) and compressed-tensors pack-quantized int4/int8 weight-only checkpoints.")
+    return CheckpointError(f"config.json's quantization_config {what}; use a checkpoint in a form moestream reads: "
+                           "GPTQ at 2/3/4/8 bits, AWQ 4-bit GEMM, or compressed-tensors pack-quantized weight-only.")
 
 
 def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
@@ -83,8 +83,8 @@ def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
 
 def _bits_group(bits: Any, group: Any, allowed: tuple[int, ...]) -> tuple[int, int]:
     if not isinstance(bits, int) or bits not in allowed:
-        raise _refuse(f"stores {bits}-bit weights, a width moestream does not read "
-                      f"(it reads {'/'.join(map(str, allowed))} bits)")
+        raise _refuse(f"stores {bits}-bit weights, a width moestream does not read in this format "
+                      f"(it reads {'/'.join(map(str, allowed))})")
     if not isinstance(group, int) or not (group == -1 or group > 0):
         raise _refuse(f"names group size {group!r}, which is neither -1 (per channel) nor a positive count")
     return bits, group
