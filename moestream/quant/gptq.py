@@ -138,37 +138,85 @@ def _compressed_config(q: dict) -> IntQuant:
 @dataclass
 class IntWeight:
     """One linear's stored weight, unpacked: W[n, k] = (codes[n, k] - zeros[n, g]) · scales[n, g],
-    g = g_idx[k] when given, else k // group."""
-    codes: Tensor        # (N, K) uint8
-    zeros: Tensor        # (N, G) int32
-    scales: Tensor       # (N, G) as stored (fp16 / bf16 / fp32)
-    group: int           # columns per group (K for one group per row)
+    g = g_idx[k] when given, else k // group. The codes are kept either as values (`codes`, (N, K)
+    uint8) or as the packed rows of moestream's layout (`packed`, (N, K·bits/8) uint8: what GPTQ's
+    and compressed-tensors' words already are once transposed or cut), unpacked only when asked."""
+    codes: Tensor | None        # (N, K) uint8, or None when only `packed` is held
+    zeros: Tensor               # (N, G) int32
+    scales: Tensor              # (N, G) as stored (fp16 / bf16 / fp32)
+    group: int                  # columns per group (K for one group per row)
     g_idx: Tensor | None = None   # (K,) int64
+    packed: Tensor | None = None  # (N, K·bits/8) uint8 in packing.py's layout
+    bits: int = 0
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[1] if self.codes is not None else self.packed.shape[1] * 8 // self.bits
+
+    def values(self) -> Tensor:
+        """(N, K) uint8 codes."""
+        return self.codes if self.codes is not None else unpack_rows(self.packed, self.bits)
+
+    def packed_as(self, bits: int) -> Tensor:
+        """The codes packed in moestream's layout at `bits` (the stored bytes when they already are)."""
+        if self.packed is not None and self.bits == bits:
+            return self.packed
+        return pack_rows(self.values(), bits)
 
     def column_groups(self) -> Tensor:
-        k = self.codes.shape[1]
-        return self.g_idx if self.g_idx is not None else torch.arange(k) // self.group
+        return self.g_idx if self.g_idx is not None else torch.arange(self.k) // self.group
 
     @property
     def ordered(self) -> bool:
         """Whether groups are contiguous runs of columns (no act-order permutation)."""
-        return self.g_idx is None or bool(torch.equal(self.g_idx, torch.arange(self.codes.shape[1]) // self.group))
+        return self.g_idx is None or bool(torch.equal(self.g_idx, torch.arange(self.k) // self.group))
 
 
 def dequantize_int(w: IntWeight) -> Tensor:
     """The reference: (N, K) fp32, (u - z)·s exactly."""
     cols = w.column_groups()
-    return (w.codes.to(torch.int32) - w.zeros[:, cols]).float() * w.scales.float()[:, cols]
+    return (w.values().to(torch.int32) - w.zeros[:, cols]).float() * w.scales.float()[:, cols]
+
+
+def unpack_rows(packed: Tensor, bits: int) -> Tensor:
+    """packing.unpack, in uint8 arithmetic for 2/4/8 bits (a load repacks every expert through here)."""
+    if bits not in (2, 4, 8):
+        return unpack(packed, bits)
+    if bits == 8:
+        return packed
+    mask = (1 << bits) - 1
+    parts = [(packed >> shift) & mask for shift in range(0, 8, bits)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def pack_rows(values: Tensor, bits: int) -> Tensor:
+    """packing.pack, in uint8 arithmetic for 2/4/8 bits."""
+    if bits not in (2, 4, 8):
+        return pack(values, bits)
+    if bits == 8:
+        return values.to(torch.uint8).contiguous()
+    per = 8 // bits
+    v = values.reshape(*values.shape[:-1], -1, per)
+    out = v[..., 0].clone()
+    for i in range(1, per):
+        out |= v[..., i] << (i * bits)
+    return out
+
+
+def _bytes(words: Tensor) -> Tensor:
+    """int32 words (R, W) → their little-endian bytes (R, 4W), contiguous."""
+    words = words.contiguous()
+    return words.reshape(-1).view(torch.uint8).reshape(words.shape[0], -1)
 
 
 def bitstream(words: Tensor, bits: int, count: int) -> Tensor:
     """int32 words (..., W), a little-endian bit stream along the last dim → its first `count` values (uint8)."""
-    raw = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape[:-1], -1)
+    raw = _bytes(words)
     _, unit = pack_geometry(bits)
     pad = -raw.shape[-1] % unit
     if pad:
         raw = torch.nn.functional.pad(raw, (0, pad))
-    values = unpack(raw, bits)
+    values = unpack_rows(raw, bits)
     if values.shape[-1] < count:
         raise ValueError(f"{values.shape[-1]} packed values, {count} wanted")
     return values[..., :count]
@@ -198,18 +246,17 @@ def unpack_gptq(q: IntQuant, n: int, k: int, qweight: Tensor, qzeros: Tensor, sc
         _need(g_idx, (k,), f"{name}.g_idx", None)
         if g_idx.min() < 0 or g_idx.max() >= groups:
             raise CheckpointError(f"tensor '{name}.g_idx' names groups outside 0..{groups - 1}; the checkpoint is damaged.")
-    codes = bitstream(qweight.t(), q.bits, k)                                 # (N, K)
+    packed = _bytes(qweight.t())                   # each column's bit stream along K is a row of ours
     zeros = bitstream(qzeros, q.bits, n).t().to(torch.int32) + q.zero_offset  # (N, G)
-    return IntWeight(codes, zeros.contiguous(), scales.t().contiguous(), g,
-                     g_idx.long() if g_idx is not None else None)
+    return IntWeight(None, zeros.contiguous(), scales.t().contiguous(), g,
+                     g_idx.long() if g_idx is not None else None, packed, q.bits)
 
 
 def _awq_columns(words: Tensor, n: int) -> Tensor:
-    """(R, N/8) AWQ words → (R, N) 4-bit values in column order."""
-    packed = bitstream(words, 4, words.shape[1] * 8).view(words.shape[0], -1, 8)
-    out = torch.empty_like(packed)
-    out[:, :, list(AWQ_ORDER)] = packed
-    return out.reshape(words.shape[0], -1)[:, :n]
+    """(R, N/8) AWQ words → (R, N) 4-bit values in column order: column 8c + j sits in nibble
+    AWQ_ORDER.index(j) of word c."""
+    parts = [(words >> (4 * AWQ_ORDER.index(j))) & 0xF for j in range(8)]
+    return torch.stack(parts, dim=-1).to(torch.uint8).reshape(words.shape[0], -1)[:, :n]
 
 
 def unpack_awq(q: IntQuant, n: int, k: int, qweight: Tensor, qzeros: Tensor, scales: Tensor,
@@ -231,7 +278,7 @@ def unpack_compressed(q: IntQuant, n: int, k: int, packed: Tensor, scale: Tensor
                               f"{[n, k]}; the checkpoint does not match its config.")
     _need(packed, (n, -(-k * q.bits // 32)), f"{name}.weight_packed")
     _need(scale, (n, groups), f"{name}.weight_scale", None)
-    codes = bitstream(packed, q.bits, k)
+    codes = _bytes(packed)[:, :k * q.bits // 8].contiguous()   # the dense stream's first K values: ours
     if q.sym:
         zeros = torch.full((n, groups), 1 << (q.bits - 1), dtype=torch.int32)
     elif zero_point is None:
@@ -248,7 +295,8 @@ def unpack_compressed(q: IntQuant, n: int, k: int, packed: Tensor, scale: Tensor
         if g_idx.min() < 0 or g_idx.max() >= groups:
             raise CheckpointError(f"tensor '{name}.weight_g_idx' names groups outside 0..{groups - 1}; the "
                                   "checkpoint is damaged.")
-    return IntWeight(codes, zeros.contiguous(), scale.contiguous(), g, g_idx.long() if g_idx is not None else None)
+    return IntWeight(None, zeros.contiguous(), scale.contiguous(), g, g_idx.long() if g_idx is not None else None,
+                     codes, q.bits)
 
 
 def affine_group(q: IntQuant, k: int | None = None) -> int | None:
@@ -283,7 +331,7 @@ def fallback_spec(q: IntQuant) -> QuantSpec | None:
 def to_affine(w: IntWeight, spec: QuantSpec, name: str = "") -> QuantizedTensor:
     """The same weights in `spec` (q = u, scale = s, bias = -z·s), checked exact; a weight that is
     not (act-order, a misfit group, a bias the scale dtype cannot hold) is refused."""
-    n, k = w.codes.shape
+    n, k = w.zeros.shape[0], w.k
     if not w.ordered or (w.group % spec.group and w.group != k):
         raise CheckpointError(f"{name} does not map exactly onto {spec.name} (its groups are permuted or do not "
                               "split into ours); the checkpoint's config does not describe its tensors.")
@@ -294,7 +342,7 @@ def to_affine(w: IntWeight, spec: QuantSpec, name: str = "") -> QuantizedTensor:
     if not (torch.equal(s.float(), scales) and torch.equal(b.float(), biases)):
         raise CheckpointError(f"the scales of {name} are not exact in {str(spec.scale_dtype).removeprefix('torch.')} "
                               "(config.json's dtype does not match the stored scales); fix torch_dtype in config.json.")
-    return QuantizedTensor(pack(w.codes, spec.bits), s, b, spec)
+    return QuantizedTensor(w.packed_as(spec.bits), s, b, spec)
 
 
 def quantize_int(w: Tensor, bits: int, group: int, sym: bool, scale_dtype: torch.dtype = torch.float16) -> IntWeight:
@@ -323,11 +371,10 @@ def _words(values: Tensor, bits: int) -> Tensor:
 
 def pack_gptq(w: IntWeight, bits: int, v1: bool = True) -> dict[str, Tensor]:
     """IntWeight → GPTQ's `qweight`, `qzeros`, `scales`, `g_idx` (v1 stores z - 1)."""
-    n, k = w.codes.shape
     stored = w.zeros - (1 if v1 else 0)
     if stored.min() < 0 or stored.max() >= 1 << bits:
         raise ValueError("zero points outside the stored range")
-    return {"qweight": _words(w.codes, bits).t().contiguous(),
+    return {"qweight": _words(w.values(), bits).t().contiguous(),
             "qzeros": _words(stored.t().to(torch.uint8).contiguous(), bits),
             "scales": w.scales.t().contiguous(), "g_idx": w.column_groups().to(torch.int32)}
 
@@ -337,15 +384,15 @@ def pack_awq(w: IntWeight) -> dict[str, Tensor]:
     def words(cols: Tensor) -> Tensor:   # (R, N) column order → (R, N/8) words in AWQ's nibble order
         r = cols.shape[0]
         return _words(cols.reshape(r, -1, 8)[:, :, list(AWQ_ORDER)].reshape(r, -1).contiguous(), 4)
-    return {"qweight": words(w.codes.t()), "qzeros": words(w.zeros.t().to(torch.uint8)),
+    return {"qweight": words(w.values().t()), "qzeros": words(w.zeros.t().to(torch.uint8)),
             "scales": w.scales.t().contiguous()}
 
 
 def pack_compressed(w: IntWeight, bits: int, sym: bool) -> dict[str, Tensor]:
     """IntWeight → compressed-tensors pack-quantized `weight_packed`, `weight_scale`, `weight_shape`
     [, `weight_zero_point` packed along N]."""
-    n, k = w.codes.shape
-    out = {"weight_packed": _words(w.codes, bits), "weight_scale": w.scales.contiguous(),
+    n, k = w.zeros.shape[0], w.k
+    out = {"weight_packed": _words(w.values(), bits), "weight_scale": w.scales.contiguous(),
            "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
     if not sym:
         out["weight_zero_point"] = _words(w.zeros.t().to(torch.uint8).contiguous(), bits).t().contiguous()
