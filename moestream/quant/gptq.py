@@ -43,6 +43,7 @@ from moestream.quant.tensor import QuantizedTensor
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
 METHODS = ("gptq", "awq", "compressed-tensors")
+INT_FORMATS = ("pack-quantized", "int-quantized")   # compressed-tensors' integer formats (the second refused)
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,15 @@ def _refuse(what: str) -> CheckpointError:
 
 
 def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
-    """The integer quantization config.json declares, None when it declares none of these methods;
-    anything of these methods that moestream cannot read exactly is refused here, by name."""
+    """The integer quantization config.json declares, None when it declares none of these methods
+    (compressed-tensors' float formats belong to another reader); anything of these methods that
+    moestream cannot read exactly is refused here, by name."""
     q = raw.get("quantization_config")
     if not isinstance(q, dict) or q.get("quant_method") not in METHODS:
         return None
     method = q["quant_method"]
+    if method == "compressed-tensors" and _compressed_format(q) not in INT_FORMATS:
+        return None
     parsed = _gptq_config(q) if method == "gptq" else _awq_config(q) if method == "awq" else _compressed_config(q)
     if method != "compressed-tensors":   # GPTQ and AWQ write fp16 scales whatever the model's dtype
         return parsed
@@ -111,13 +115,19 @@ def _awq_config(q: dict) -> IntQuant:
     return IntQuant("awq", bits, group, False, False)
 
 
+def _compressed_format(q: dict) -> str | None:
+    """compressed-tensors' format: the top-level one, or the one every config group names (newer writers)."""
+    fmt = q.get("format")
+    if fmt in (None, "mixed-precision"):
+        formats = {g.get("format") for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)}
+        fmt = formats.pop() if len(formats) == 1 else fmt
+    return fmt
+
+
 def _compressed_config(q: dict) -> IntQuant:
     groups = q.get("config_groups") or {}
     weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
-    fmt = q.get("format")
-    if fmt in (None, "mixed-precision"):   # newer writers name the format per group
-        formats = {g.get("format") for g in groups.values() if isinstance(g, dict)}
-        fmt = formats.pop() if len(formats) == 1 else fmt
+    fmt = _compressed_format(q)
     if fmt != "pack-quantized":
         raise _refuse(f"stores compressed-tensors in format {fmt!r} (moestream reads 'pack-quantized' integers)")
     if not weights or any(w is None for w in weights) or any(w != weights[0] for w in weights):

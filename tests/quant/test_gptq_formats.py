@@ -212,6 +212,8 @@ def test_configs_parse():
     assert int_quantization({"quantization_config": per_group, "torch_dtype": "bfloat16"}) == \
         IntQuant("compressed-tensors", 4, 128, True, False, scale_dtype=torch.bfloat16)
     assert int_quantization({"quantization_config": {"quant_method": "fp8"}}) is None
+    float_ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}
+    assert int_quantization({"quantization_config": float_ct}) is None   # another reader's
     assert int_quantization({}) is None
 
 
