@@ -30,8 +30,7 @@ from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
-from moestream.quant.recipe import module_class
-from moestream.quant.recipe import QuantRecipe
+from moestream.quant.recipe import QuantRecipe, module_class
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
 # cuBLAS/cuDNN workspaces (one per stream: compute and copy), CUDA-graph pools of the decode

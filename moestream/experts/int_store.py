@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
@@ -50,7 +49,7 @@ class IntQuantExpertStore(ExpertStore):
             how = (f"requantized to {held.name} at load (about 0.6% relative weight error on top of the checkpoint's "
                    "own, twice the bytes of 4-bit codes)" if held is not None else
                    "dequantized to the compute dtype at load (twice the bytes of the 8-bit codes)")
-            print(f"moestream: {reader.quant.name} has no exact form in moestream's affine formats (its groups are "
+            print(f"[moestream] {reader.quant.name} has no exact form in moestream's affine formats (its groups are "
                   f"permuted by act-order, or not a multiple of 32 columns), so its experts are {how}.", file=sys.stderr)
 
     def _paths(self, layer: int, expert: int) -> dict[str, str]:
