@@ -49,6 +49,7 @@ def make_int_checkpoint(hf_folder: Path, out: Path, reference: Path, moe_prefix:
         path, _, part = name.rpartition(".")
         router = path.endswith(f"{moe_prefix}.gate") or path.endswith("shared_expert_gate")
         if (part != "weight" or w.dim() != 2 or not path.startswith("model.layers.") or router
+                or w.shape[0] * bits % 32 or w.shape[1] * bits % 32   # too narrow to pack: quantizers skip them too
                 or any(s in part or s in path for s in skip)):
             stored[name] = deq[name] = w
             continue

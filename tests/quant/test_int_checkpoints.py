@@ -36,6 +36,8 @@ CASES = [
      torch.bfloat16),
     ("ct-w8a16-asym-channel", "qwen3_moe", dict(method="compressed-tensors", bits=8, group=-1, sym=False),
      "int8-g128", torch.float32),
+    ("gptq-int4-mla", "deepseek_v2", dict(method="gptq", group=64, sym=False, v1=False), "int4-g64", torch.float32),
+    ("awq-int4-glm", "glm4_moe", dict(method="awq", sym=False, group=64), "int4-g64", torch.float32),
 ]
 
 
@@ -67,7 +69,7 @@ def test_matches_transformers_on_the_dequantized_weights(int_checkpoints, case, 
     engine = moestream.load(folder, device="cpu", dtype="float32")
     fmt = engine.bank.formats[first_moe_layer(engine)]
     assert engine.plan.kind == "int" and fmt.name == held and fmt.spec.scale_dtype == scale_dtype
-    attention = engine.model.model.layers[0].self_attn.q_proj   # dense linears repacked too
+    attention = engine.model.model.layers[0].self_attn.o_proj   # dense linears repacked too
     assert type(attention).__name__ == "QuantLinear" and attention.spec == fmt.spec
     with torch.no_grad():
         ref = reference(IDS, attention_mask=MASK).logits
