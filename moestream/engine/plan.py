@@ -390,7 +390,7 @@ def _plan_int(q: IntQuant, config: ModelConfig,
     held = spec or fallback_spec(q)
 
     def precision(path: str) -> QuantSpec | None:
-        return spec if module_class(path)[0] in ("attention", "shared") else None
+        return spec if module_class(path)[0] in ("attention", "shared") and not q.skips(path) else None
     formats = {layer: QuantizedFormat(held, dtype) if held is not None else dense_format(dtype)
                for layer, moe in enumerate(config.moe_layers) if moe}
     return QuantRecipe(), precision, formats

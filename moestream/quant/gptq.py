@@ -30,6 +30,7 @@ exactly in fp32. The bias is exact in fp32 always; in bf16 when z is a power of 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,19 @@ class IntQuant:
     act_order: bool      # g_idx permutes the groups (GPTQ desc_act without static groups, CT actorder "group")
     zero_offset: int = 0  # added to stored zero points (GPTQ v1: 1)
     scale_dtype: torch.dtype = torch.float16   # the stored scales': fp16 for GPTQ / AWQ, the model's for compressed-tensors
+    skipped: tuple[str, ...] = ()   # modules left at full precision: `modules_to_not_convert` / compressed-tensors `ignore`
+
+    def skips(self, path: str) -> bool:
+        """Whether config.json says the module at `path` is left unquantized (planning only: the load
+        follows the tensors). `re:` entries are regular expressions (compressed-tensors); others match
+        a whole name or a dotted part of one (transformers' `modules_to_not_convert`)."""
+        for entry in self.skipped:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], path):
+                    return True
+            elif path == entry or f".{entry}." in f".{path}.":
+                return True
+        return False
 
     @property
     def name(self) -> str:
@@ -79,6 +93,8 @@ def int_quantization(raw: dict[str, Any]) -> IntQuant | None:
     if method == "compressed-tensors" and _compressed_format(q) not in INT_FORMATS:
         return None
     parsed = _gptq_config(q) if method == "gptq" else _awq_config(q) if method == "awq" else _compressed_config(q)
+    skipped = q.get("ignore" if method == "compressed-tensors" else "modules_to_not_convert") or ()
+    parsed = dataclasses.replace(parsed, skipped=tuple(str(e) for e in skipped if isinstance(e, str)))
     if method != "compressed-tensors":   # GPTQ and AWQ write fp16 scales whatever the model's dtype
         return parsed
     dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "float16"), None)

@@ -217,6 +217,16 @@ def test_configs_parse():
     assert int_quantization({}) is None
 
 
+def test_modules_left_unquantized_are_read_from_the_config():
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*mlp.gate$"],
+          "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}}
+    q = int_quantization({"quantization_config": ct})
+    assert q.skips("lm_head") and q.skips("model.layers.3.mlp.gate") and not q.skips("model.layers.3.mlp.gate_proj")
+    awq = int_quantization({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                    "modules_to_not_convert": ["shared_expert"]}})
+    assert awq.skips("model.layers.0.mlp.shared_expert.up_proj") and not awq.skips("model.layers.0.self_attn.q_proj")
+
+
 def test_wrong_shapes_are_named():
     q = IntQuant("gptq", 4, 32, True, False, 1)
     w = random_int_weight(16, 64, 4, 32, True)
