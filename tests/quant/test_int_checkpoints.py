@@ -84,11 +84,16 @@ def test_matches_transformers_on_the_dequantized_weights(int_checkpoints, case, 
     assert bounded.generate(PROMPT, max_tokens=16, ignore_eos=True) == got
 
 
-def test_check_plans_with_the_bytes_the_bank_holds(int_checkpoints, capsys):
+def test_bytes_planned_are_the_bytes_held_and_cpu_misses_read_them(int_checkpoints, capsys):
     from moestream.engine.weights import parameter_bytes
 
     folder, _ = int_checkpoints["gptq-int4-sym-v1"]
-    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned")
+    # misses computed on the CPU from the pinned host tier (the C kernel reads the fp32 scales and biases)
+    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0)
+    resident = moestream.load(folder, device="cpu", dtype="float32")
+    assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True) == resident.generate(PROMPT, max_tokens=8,
+                                                                                       ignore_eos=True)
+    assert engine.stats()["cpu_served"] > 0
     layer = first_moe_layer(engine)
     fmt, shape = engine.bank.formats[layer], ExpertShape.of(engine.config)
     I, H = shape.intermediate, shape.hidden
