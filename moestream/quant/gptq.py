@@ -15,9 +15,12 @@ compressed  `weight_packed` (N, ⌈K·bits/32⌉) int32, a dense little-endian b
             (asymmetric only) packed the same way along N, (⌈N·bits/32⌉, G); `weight_shape` (N, K);
             `weight_g_idx` (K,) for group act-order. Symmetric: z = 2^(bits-1) in unsigned terms.
 
-Every form unpacks to one `IntWeight` (codes (N, K) uint8, zeros (N, G), scales (N, G), group,
-g_idx), whose reference dequantization is (u - z)·s computed in fp32: exact, since |u - z| < 2^9
-and a fp16/bf16 scale has at most 11 significant bits. (The formats' own dequantizers round that
+Every form unpacks to one `IntWeight` (the codes, zeros (N, G), scales (N, G), group, g_idx),
+whose reference dequantization is (u - z)·s computed in fp32: exact, since |u - z| < 2^9 and a
+fp16/bf16 scale has at most 11 significant bits. GPTQ's words transposed, and compressed-tensors'
+rows cut to K values, already are moestream's packed rows (little-endian bit streams along K), so
+those codes are kept packed and never unpacked on the way to the affine format; AWQ's, packed
+along N in its own nibble order, are unpacked and packed again. (The formats' own dequantizers round that
 product to the scale dtype; ours keeps it exact, and rounding it gives theirs.)
 
 Mapping onto moestream's affine format (w = q·scale + bias per group, MLX's bit layout) is exact
@@ -365,6 +368,8 @@ def to_affine(w: IntWeight, spec: QuantSpec, name: str = "") -> QuantizedTensor:
     scales = w.scales.float()[:, ours]
     biases = -w.zeros[:, ours].float() * scales
     s, b = scales.to(spec.scale_dtype), biases.to(spec.scale_dtype)
+    if not bool(torch.isfinite(scales).all()):
+        raise CheckpointError(f"the scales of {name} hold inf or NaN; the checkpoint is damaged.")
     if not (torch.equal(s.float(), scales) and torch.equal(b.float(), biases)):
         raise CheckpointError(f"the scales of {name} are not exact in {str(spec.scale_dtype).removeprefix('torch.')} "
                               "(config.json's dtype does not match the stored scales); fix torch_dtype in config.json.")
