@@ -233,3 +233,15 @@ def test_wrong_shapes_are_named():
     parts = pack_gptq(w, 4)
     with pytest.raises(CheckpointError, match=r"'m.qzeros' is int32 \[2, 2\].*\[2, 4\]"):
         unpack_gptq(q, 32, 64, torch.zeros(8, 32, dtype=torch.int32), parts["qzeros"], parts["scales"], None, "m")
+
+
+def test_scales_the_planned_dtype_cannot_hold_are_refused():
+    """A compressed-tensors config saying bf16 over fp16 scales: the repacking checks, it does not round."""
+    w = random_int_weight(16, 64, 4, 32, sym=True, scale_dtype=torch.float16)
+    spec = affine_spec(IntQuant("compressed-tensors", 4, 32, True, False), torch.bfloat16)
+    assert spec.scale_dtype == torch.bfloat16
+    with pytest.raises(CheckpointError, match="not exact in bfloat16"):
+        to_affine(w, spec, "m")
+    w.scales[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="inf or NaN"):
+        to_affine(w, affine_spec(IntQuant("gptq", 4, 32, True, False)), "m")
