@@ -109,6 +109,18 @@ def test_bytes_planned_are_the_bytes_held_and_cpu_misses_read_them(int_checkpoin
     assert "gptq int4-g32; experts repacked exactly as int4-g32 (float32 scales and biases)" in out
 
 
+def test_a_prepacked_bank_of_repacked_experts_warm_starts(int_checkpoints, tmp_path):
+    folder, _ = int_checkpoints["awq-int4"]
+    snap = tmp_path / "bank"
+    cold = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap, warmup_tokens=4)
+    assert not cold.prepack.loaded and (snap / "bank.json").exists()
+    warm = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    layer = first_moe_layer(warm)
+    assert torch.equal(warm.bank.layers[layer].tensors["gate_up.scales"], cold.bank.layers[layer].tensors["gate_up.scales"])
+    assert warm.generate(PROMPT, max_tokens=8, ignore_eos=True) == cold.generate(PROMPT, max_tokens=8, ignore_eos=True)
+
+
 def test_act_order_experts_are_requantized_to_int8_and_attention_dequantized(int_checkpoints, capfd):
     folder, ref_folder = int_checkpoints["gptq-act-order"]
     engine = moestream.load(folder, device="cpu", dtype="float32")
