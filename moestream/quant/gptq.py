@@ -294,9 +294,24 @@ def unpack_awq(q: IntQuant, n: int, k: int, qweight: Tensor, qzeros: Tensor, sca
     _need(qweight, (k, n // 8), f"{name}.qweight")
     _need(qzeros, (groups, n // 8), f"{name}.qzeros")
     _need(scales, (groups, n), f"{name}.scales", None)
-    codes = _awq_columns(qweight, n).t().contiguous()
     zeros = _awq_columns(qzeros, n).t().to(torch.int32).contiguous()
-    return IntWeight(codes, zeros, scales.t().contiguous(), g)
+    if k % 8:   # rows of ours cannot be whole words: through the values
+        return IntWeight(_awq_columns(qweight, n).t().contiguous(), zeros, scales.t().contiguous(), g)
+    return IntWeight(None, zeros, scales.t().contiguous(), g, None, _awq_rows(qweight, n, k), 4)
+
+
+def _awq_rows(words: Tensor, n: int, k: int) -> Tensor:
+    """(K, N/8) AWQ words → moestream's packed rows (N, K/2): for each column 8c + j, the nibble
+    AWQ_ORDER.index(j) of eight consecutive rows' words gathered into one little-endian word."""
+    w = words.view(k // 8, 8, n // 8)                          # [row block, row in block, column block]
+    out = torch.empty(n // 8, 8, k // 8, dtype=torch.int32)    # [column block, column in block, row block]
+    for j in range(8):
+        nib = (w >> (4 * AWQ_ORDER.index(j))) & 0xF
+        word = nib[:, 0]
+        for i in range(1, 8):
+            word = word | (nib[:, i] << (4 * i))
+        out[:, j] = word.t()
+    return _bytes(out.view(n, k // 8))
 
 
 def unpack_compressed(q: IntQuant, n: int, k: int, packed: Tensor, scale: Tensor, zero_point: Tensor | None,
