@@ -20,7 +20,7 @@ whose reference dequantization is (u - z)·s computed in fp32: exact, since |u -
 fp16/bf16 scale has at most 11 significant bits. GPTQ's words transposed, and compressed-tensors'
 rows cut to K values, already are moestream's packed rows (little-endian bit streams along K), so
 those codes are kept packed and never unpacked on the way to the affine format; AWQ's, packed
-along N in its own nibble order, are unpacked and packed again. (The formats' own dequantizers round that
+along N in its own nibble order, are regathered word by word (`_awq_rows`). (The formats' own dequantizers round that
 product to the scale dtype; ours keeps it exact, and rounding it gives theirs.)
 
 Mapping onto moestream's affine format (w = q·scale + bias per group, MLX's bit layout) is exact
