@@ -657,6 +657,19 @@ def _print_model(plan) -> None:
     config = plan.config
     print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
+    if getattr(plan, "int_quant", None) is not None:
+        _print_int_quant(plan)
+
+
+def _print_int_quant(plan) -> None:
+    """A GPTQ / AWQ / compressed-tensors checkpoint: what it stores and what the experts are held as."""
+    from moestream.quant.gptq import affine_spec
+
+    held = next(iter(plan.expert_formats.values()), None)
+    spec = getattr(held, "spec", None)
+    scales = f" ({str(spec.scale_dtype).removeprefix('torch.')} scales and biases)" if spec is not None else ""
+    how = "repacked exactly as" if affine_spec(plan.int_quant) is not None else "without an exact form, as"
+    print(f"weights           {plan.int_quant.name}; experts {how} {held.name if held else '-'}{scales}")
 
 
 def cmd_convert(args) -> int:

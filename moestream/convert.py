@@ -35,6 +35,7 @@ from moestream.fileio import write_atomic, write_json_atomic
 from moestream.model.decoder import MoECausalLM, parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear, quantize_modules
 from moestream.quant import QuantizedTensor, quantize
+from moestream.quant.gptq import int_quantization
 from moestream.quant.mlx import mlx_quantization
 from moestream.quant.recipe import QuantRecipe
 
@@ -93,6 +94,10 @@ class Converter:
         raw = read_config(self.folder)
         if PackedLayout.present(self.folder):
             raise InputError(f"{self.folder} is already a packed checkpoint; convert its Hugging Face source instead.")
+        int_quant = int_quantization(raw)
+        if int_quant is not None:
+            raise InputError(f"{self.folder} is a {int_quant.method}-quantized checkpoint; run it as it is (moestream "
+                             "reads it directly) or convert its full-precision source.")
         if mlx_quantization(raw) is not None:
             raise InputError(f"{self.folder} is an MLX-quantized checkpoint; run it as it is (moestream reads MLX "
                              "checkpoints directly) or convert its full-precision source.")

@@ -43,6 +43,14 @@ Design notes:
   ``lm_head.weight``), the last layer full attention whatever ``--layers`` says, as transformers forces.
 * Qwen3-Next: its zero-centred norms (scale 1 + weight) are written as zeros, as HF initialises
   them; its multi-token-prediction weights (``mtp.*``) are not written (transformers ignores them).
+* ``--gptq BITS`` (2/3/4/8, ``--gptq-group`` 128 by default, -1 per channel) writes the GPTQ form a
+  GPTQModel/AutoGPTQ export has: every 2-D linear weight inside the decoder layers (attention,
+  experts, shared experts, dense MLPs; routers and embeddings stay in ``--dtype``) becomes
+  ``qweight`` (K·bits/32, N) I32 of random codes, ``qzeros`` (G, N·bits/32) I32 holding the
+  symmetric zero point (2^(bits-1), stored minus 1 as GPTQ v1 does), ``scales`` (G, N) F16 drawn
+  so that the weights spread like normal(0, 0.02), and ``g_idx`` (K,) I32 in group order;
+  ``quantization_config`` names it (symmetric, no act-order). Per-expert tensors only: GPT-OSS's
+  and Gemma 4's stacked experts are left in ``--dtype``.
 """
 
 from __future__ import annotations
@@ -565,6 +573,10 @@ INIT_STD = 0.02
 # generated in parallel and never need more than one block in flight per worker.
 CHUNK_ELEMS = 16 * 1024 * 1024
 
+STORED_DTYPES = {"I32": torch.int32, "F16": torch.float16}
+GPTQ_BITS = (2, 3, 4, 8)
+GPTQ_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")
+
 INDEX_NAME = "model.safetensors.index.json"
 _OUR_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?$|^model\.safetensors\.index\.json$")
 
@@ -678,6 +690,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     init: str  # "normal" | "ones" | "zeros"
     fp32: bool = False  # F32 whatever the checkpoint dtype (transformers keeps it so)
+    stored: str | None = None  # a fixed safetensors dtype ("I32", "F16"): GPTQ's parts, whatever --dtype says
 
     @property
     def numel(self) -> int:
@@ -688,6 +701,8 @@ class TensorSpec:
 
     def nbytes(self, itemsize: int) -> int:
         """Bytes on disk when the checkpoint's dtype has ``itemsize`` bytes."""
+        if self.stored is not None:
+            return self.numel * STORED_DTYPES[self.stored].itemsize
         return self.numel * (4 if self.fp32 else itemsize)
 
 
@@ -912,6 +927,34 @@ def _moe_specs(cfg: dict[str, Any], p: str) -> list[TensorSpec]:
     return specs
 
 
+def gptq_specs(specs: Sequence[TensorSpec], bits: int, group: int) -> list[TensorSpec]:
+    """Every 2-D linear weight inside the decoder layers (no router) as GPTQ's four parts."""
+    zero_field = (1 << (bits - 1)) - 1   # the symmetric zero point 2^(bits-1), stored minus 1 (GPTQ v1)
+    out = []
+    for s in specs:
+        n, k = s.shape if len(s.shape) == 2 else (0, 0)
+        if (not s.name.startswith("model.layers.") or not s.name.endswith(".weight") or len(s.shape) != 2
+                or s.name.endswith(GPTQ_ROUTERS) or k * bits % 32 or n * bits % 32
+                or (group != -1 and k % group)):
+            out.append(s)
+            continue
+        base, g = s.name.removesuffix(".weight"), (k if group == -1 else group)
+        word = sum(zero_field << (bits * i) for i in range(32 // bits)) if 32 % bits == 0 else None
+        out += [TensorSpec(f"{base}.qweight", (k * bits // 32, n), "codes", stored="I32"),
+                TensorSpec(f"{base}.qzeros", (k // g, n * bits // 32),
+                           f"fill:{word - (1 << 32) if word >= 1 << 31 else word}" if word is not None else "codes",
+                           stored="I32"),
+                TensorSpec(f"{base}.scales", (k // g, n), f"scale:{bits}", stored="F16"),
+                TensorSpec(f"{base}.g_idx", (k,), f"g_idx:{g}", stored="I32")]
+    return out
+
+
+def gptq_config(bits: int, group: int) -> dict[str, Any]:
+    """`quantization_config` as GPTQModel writes it (symmetric, no act-order, v1 zero points)."""
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": False,
+            "static_groups": False, "true_sequential": True, "damp_percent": 0.01, "checkpoint_format": "gptq"}
+
+
 def _mlp_specs(p: str, hidden: int, inter: int) -> list[TensorSpec]:
     """A SwiGLU MLP in the gate_proj/up_proj/down_proj naming."""
     return [
@@ -965,7 +1008,8 @@ def safetensors_header(specs: Sequence[TensorSpec], st_dtype: str, itemsize: int
     off = 0
     for s in specs:
         end = off + s.nbytes(itemsize)
-        meta[s.name] = {"dtype": "F32" if s.fp32 else st_dtype, "shape": list(s.shape), "data_offsets": [off, end]}
+        dtype = s.stored or ("F32" if s.fp32 else st_dtype)
+        meta[s.name] = {"dtype": dtype, "shape": list(s.shape), "data_offsets": [off, end]}
         off = end
     js = json.dumps(meta, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
@@ -1019,13 +1063,25 @@ class ChunkGenerator:
     def __call__(self, c: Chunk) -> torch.Tensor:
         """Return the chunk as a contiguous CPU tensor."""
         shape = (c.rows, *c.spec.shape[1:]) if len(c.spec.shape) >= 2 else c.spec.shape
-        dtype = torch.float32 if c.spec.fp32 else self.dtype
+        dtype = STORED_DTYPES[c.spec.stored] if c.spec.stored else torch.float32 if c.spec.fp32 else self.dtype
+        kind, _, arg = c.spec.init.partition(":")
+        if kind == "fill":      # GPTQ's qzeros: one stored zero point repeated in every field
+            return torch.full(shape, int(arg), dtype=torch.int64).to(dtype)
+        if kind == "g_idx":     # GPTQ's group of each input column, in order
+            return (torch.arange(c.spec.shape[0]) // int(arg)).to(dtype)
         if c.spec.init == "ones":
             return torch.ones(shape, dtype=dtype)
         if c.spec.init == "zeros":
             return torch.zeros(shape, dtype=dtype)
         g = self._gen()
         g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
+        if kind == "codes":     # GPTQ's qweight: random words are random codes of any width
+            t = torch.randint(-(1 << 31), 1 << 31, shape, dtype=torch.int64, device=self.device, generator=g)
+            return t.to(torch.int32).cpu()
+        if kind == "scale":     # GPTQ's scales: (q - z)·s spread like normal(0, INIT_STD) for `arg` bits
+            levels = (1 << int(arg)) / 2
+            t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(0.8, 1.2, generator=g)
+            return (t * INIT_STD * 1.7 / levels).to(dtype).cpu()
         t = torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
         return t.cpu() if t.device.type != "cpu" else t
 
@@ -1140,12 +1196,19 @@ def write_checkpoint(
     tiny: bool = False,
     workers: int | None = None,
     overwrite: bool = False,
+    gptq: int | None = None,
+    gptq_group: int = 128,
 ) -> dict[str, Any]:
     """Write config.json, generation_config.json, the shards and the index; return a summary dict."""
     torch_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     cfg = build_config(shape, layers, dtype, tiny)
     specs = plan_tensors(cfg)
+    if gptq is not None:
+        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
+            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
+        specs = gptq_specs(specs, gptq, gptq_group)
+        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
     total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
@@ -1205,6 +1268,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=None, help="generator threads (default: all cores; 4 on cuda)")
     ap.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and size, write nothing")
+    ap.add_argument("--gptq", type=int, default=None, metavar="BITS",
+                    help="write the linears inside the layers in GPTQ form at 2/3/4/8 bits (symmetric, v1 zero points)")
+    ap.add_argument("--gptq-group", type=int, default=128, help="GPTQ group size (-1: one group per row)")
     return ap.parse_args(argv)
 
 
@@ -1216,13 +1282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.dry_run:
         cfg = build_config(a.shape, a.layers, a.dtype, a.tiny)
         specs = plan_tensors(cfg)
+        if a.gptq is not None:
+            specs = gptq_specs(specs, a.gptq, a.gptq_group)
+            cfg["quantization_config"] = gptq_config(a.gptq, a.gptq_group)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
         total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
         print(json.dumps(cfg, indent=2))
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
         return 0
-    write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite)
+    write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite,
+                     a.gptq, a.gptq_group)
     return 0
 
 

@@ -18,6 +18,7 @@ import torch
 
 from moestream.checkpoint import TensorIndex
 from moestream.engine.config import EngineConfig
+from moestream.checkpoint.int_quantized import IntQuantReader
 from moestream.engine.plan import LoadPlan, plan_load, read_model
 from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_budget
 from moestream.engine.weights import load_dense_weights
@@ -26,6 +27,7 @@ from moestream.experts.bank import ExpertBank
 from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
+from moestream.experts.int_store import IntQuantExpertStore
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
 from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
@@ -80,9 +82,19 @@ def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
     with torch.device("meta"):
         model = MoECausalLM(plan.config, plan.spec)
     stored = _stored_precision(plan, index)
-    quantize_modules(model, stored if plan.kind == "mlx" else plan.precision)
-    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored)
+    reader = int_reader(plan, index)
+    if reader is not None:   # each module as its tensors say: affine where exact, else dequantized
+        stored = reader.stored_spec
+    quantize_modules(model, stored if plan.kind in ("mlx", "int") else plan.precision)
+    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored, reader)
     return model.eval()
+
+
+def int_reader(plan: LoadPlan, index: TensorIndex) -> IntQuantReader | None:
+    """The reader of a GPTQ / AWQ / compressed-tensors checkpoint's quantized modules, else None."""
+    if plan.int_quant is None:
+        return None
+    return IntQuantReader(index, plan.int_quant)
 
 
 def _stored_precision(plan: LoadPlan, index: TensorIndex):
@@ -103,6 +115,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return PackedExpertStore(index, plan.config, plan.spec, plan.layout)
     if plan.kind == "mlx":
         return MLXExpertStore(index, plan.config, plan.spec, plan.mlx)
+    if plan.kind == "int":
+        return IntQuantExpertStore(index, plan.config, plan.spec, int_reader(plan, index))
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 

@@ -28,8 +28,9 @@ from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
+from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
-from moestream.quant.recipe import QuantRecipe
+from moestream.quant.recipe import QuantRecipe, module_class
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
 # cuBLAS/cuDNN workspaces (one per stream: compute and copy), CUDA-graph pools of the decode
@@ -299,7 +300,8 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    kind: str                    # "hf" (full precision), "packed" (moestream convert) or "mlx" (MLX-quantized)
+    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized) or
+                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -307,6 +309,7 @@ class LoadPlan:
     host_memory: int | None      # bytes of pinned host RAM the expert store may take (None: 60% of available)
     layout: PackedLayout | None = None        # a packed checkpoint's layout.json
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
+    int_quant: IntQuant | None = None         # a GPTQ / AWQ / compressed-tensors checkpoint's quantization
 
 
 def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
@@ -330,10 +333,12 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     asked = cfg.quant.validate(config.num_layers)
     asked.check_dtype(dtype)
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
-    mlx = mlx_quantization(raw)
-    kind = "packed" if layout is not None else "mlx" if mlx is not None else "hf"
+    int_quant = int_quantization(raw)
+    mlx = mlx_quantization(raw) if int_quant is None else None   # GPTQ's block also has bits and group_size
+    kind = "packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None else "hf"
     if kind != "hf" and (asked.quantized or asked.layer_formats):
-        stored = "a packed (moestream convert)" if layout is not None else "an MLX-quantized"
+        stored = ("a packed (moestream convert)" if layout is not None else "an MLX-quantized" if mlx is not None
+                  else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
@@ -348,6 +353,8 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         formats = {layer: QuantizedFormat(mlx_spec(mlx, f"model.layers.{layer}.{spec.moe_prefix}.switch_mlp.gate_proj",
                                                    scale_dtype), dtype)
                    for layer, moe in enumerate(config.moe_layers) if moe}
+    elif int_quant is not None:
+        recipe, precision, formats = _plan_int(int_quant, config, dtype)
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)
@@ -370,7 +377,23 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          min_capacity=1 if bank.miss_policy == "hybrid" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
-                    host_memory, layout, mlx)
+                    host_memory, layout, mlx, int_quant)
+
+
+def _plan_int(q: IntQuant, config: ModelConfig,
+              dtype: torch.dtype) -> tuple[QuantRecipe, Precision, dict[int, ExpertFormat]]:
+    """GPTQ / AWQ / compressed-tensors: experts in the affine spec that holds them exactly, else
+    (act-order, or a group none of ours divides: the reason is printed once at load) requantized to
+    int8 or dequantized (`fallback_spec`); attention and shared experts planned in the exact spec
+    (the build follows what each module's tensors say; without an exact form they dequantize)."""
+    spec = affine_spec(q)
+    held = spec or fallback_spec(q)
+
+    def precision(path: str) -> QuantSpec | None:
+        return spec if module_class(path)[0] in ("attention", "shared") and not q.skips(path) else None
+    formats = {layer: QuantizedFormat(held, dtype) if held is not None else dense_format(dtype)
+               for layer, moe in enumerate(config.moe_layers) if moe}
+    return QuantRecipe(), precision, formats
 
 
 def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:

@@ -11,6 +11,7 @@ load), on the target device where that is faster.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +25,15 @@ from moestream.quant import QuantSpec, dequantize, quantize
 
 QUANT_PARTS = ("qweight", "scales", "biases")
 StoredSpec = Callable[[str], QuantSpec | None]   # module path → the spec it is stored with (MLX), else None
+
+
+class StoredReader(Protocol):
+    """Modules a checkpoint stores in a foreign quantization (GPTQ, AWQ, compressed-tensors:
+    checkpoint/int_quantized.py): given as our affine parts where exact, else dequantized."""
+
+    def holds(self, path: str) -> bool: ...
+    def parts(self, path: str, n: int, k: int) -> dict[str, Tensor]: ...
+    def dense(self, path: str, n: int, k: int) -> Tensor: ...
 
 
 def parameter_bytes(model: nn.Module, dtype: torch.dtype) -> int:
@@ -66,9 +76,13 @@ def _read_packed(index: TensorIndex, module: str, spec: QuantSpec, rows: int) ->
     return out
 
 
-def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ...], stored: StoredSpec) -> Tensor:
-    """A full-precision tensor, dequantized when the file stores its module MLX-quantized."""
+def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ...], stored: StoredSpec,
+                reader: StoredReader | None = None) -> Tensor:
+    """A full-precision tensor, dequantized when the file stores its module quantized (MLX's, or a
+    foreign quantization `reader` reads)."""
     name = f"{module}.{part}"
+    if reader is not None and part == "weight" and len(shape) == 2 and reader.holds(module):
+        return reader.dense(module, *shape)
     if part != "weight" or f"{module}.scales" not in index:
         return index.read(name, expected_shape=shape, floating=True)
     spec = stored(module)
@@ -79,8 +93,10 @@ def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ..
 
 
 def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: TensorIndex, stored: StoredSpec,
-                    device: torch.device) -> dict[str, Tensor]:
+                    device: torch.device, reader: StoredReader | None = None) -> dict[str, Tensor]:
     """The packed parts of a quantized module: as stored, or quantized now from full precision."""
+    if reader is not None and reader.holds(source):
+        return reader.parts(source, module.qweight.shape[0], module.qweight.shape[1] * 8 // module.spec.bits)
     if f"{source}.qweight" in index or f"{source}.scales" in index:
         held = stored(source) if f"{source}.qweight" not in index else module.spec
         if held != module.spec:
@@ -91,7 +107,8 @@ def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: Te
 
 
 def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig, device: torch.device,
-                       dtype: torch.dtype, stored: StoredSpec = lambda path: None) -> None:
+                       dtype: torch.dtype, stored: StoredSpec = lambda path: None,
+                       reader: StoredReader | None = None) -> None:
     """Fill every parameter of `model` (built on the meta device) from `index`, checking shapes."""
     for path, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
@@ -99,7 +116,7 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
             continue
         source = _module_source(path, config, index)
         quant = isinstance(module, (QuantLinear, QuantEmbedding))
-        parts = _load_quantized(module, source, index, stored, device) if quant else {}
+        parts = _load_quantized(module, source, index, stored, device, reader) if quant else {}
         for name, param in params.items():
             if name in parts:
                 tensor = parts[name]
@@ -108,7 +125,7 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
                                           f"expects {param.dtype} {list(param.shape)}; the checkpoint does not match.")
                 tensor = tensor.to(device)
             else:
-                tensor = _read_float(index, source, name, tuple(param.shape), stored).to(
+                tensor = _read_float(index, source, name, tuple(param.shape), stored, reader).to(
                     device=device, dtype=parameter_dtype(module, name, dtype))
             setattr(module, name, nn.Parameter(tensor, requires_grad=False))
         if isinstance(module, QuantEmbedding):

@@ -13,7 +13,7 @@ from moestream.quant import parse_quant
 
 # (format, H, I): the common 4-bit case with whole K steps, and widths whose last K step is partial
 CASES = (("int4-g64", 128, 64), ("int4-g32", 192, 96), ("int8-g32", 192, 96), ("int2-g32", 128, 96),
-         ("nf4-g32", 192, 64))
+         ("nf4-g32", 192, 64), ("int4-g64:fp32", 128, 64))   # ":fp32": fp32 scales and biases (GPTQ/AWQ repacked)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -23,7 +23,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_quant_token(device: str, dtype: torch.dtype, fmt: str, H: int, I: int) -> None:
     from moestream.kernels.fused_moe_triton import sum_pairs
 
-    spec = parse_quant(fmt)
+    spec = parse_quant(fmt.removesuffix(":fp32"), torch.float32 if fmt.endswith(":fp32") else torch.bfloat16)
     assert token_path_supported(spec, H, I)
     S, E, k = 4, 10, 6
     g = torch.Generator().manual_seed(H + I)

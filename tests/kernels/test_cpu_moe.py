@@ -116,15 +116,22 @@ def _quantized_experts(S, H, I, spec, seed=0):
     return slots
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64"])
+def _spec(name):
+    """`int4-g32`, or `int4-g32:fp32` for fp32 scales and biases (GPTQ / AWQ checkpoints repacked)."""
+    from moestream.quant import parse_quant
+
+    return parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64",
+                                  "int4-g32:fp32", "int8-g128:fp32", "int2-g32:fp32"])
 @pytest.mark.parametrize("H, I", [(128, 64), (96, 40)])   # whole groups, and a ragged last group
 def test_quantized_fp32_equals_the_reference(name, H, I):
     """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
     loads, the portable one elsewhere) give the reference's dequantize-then-multiply result."""
     from moestream.kernels.quant_moe_reference import quant_moe_reference
-    from moestream.quant import parse_quant
 
-    spec = parse_quant(name)
+    spec = _spec(name)
     assert cpu_moe.supports_quant(spec)
     slots = _quantized_experts(5, H, I, spec)
     g = torch.Generator().manual_seed(3)
@@ -143,14 +150,12 @@ def test_quantized_specs_the_kernel_does_not_read_are_named():
     assert not cpu_moe.supports_quant(parse_quant("int4", scale_dtype=torch.float16))
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g128"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128", "int4-g128:fp32"])
 def test_affine_4bit_with_bf16_inputs_takes_bf16_dot_products(name, monkeypatch):
     """bf16 hidden rows meet affine 4-bit rows through bf16 dot products of the codes (exact
     products, fp32 sums) and the group sums of the inputs: the result of the fp32 path, to fp32's
     rounding."""
-    from moestream.quant import parse_quant
-
-    spec = parse_quant(name)
+    spec = _spec(name)
     H, I = 256, 128
     slots = _quantized_experts(6, H, I, spec, seed=1)
     g = torch.Generator().manual_seed(5)

@@ -1,6 +1,6 @@
 """The dequantizing Triton kernels on the CPU, under Triton's interpreter (CI's check of them).
 
-Every format (8/4/3/2-bit affine, NF4, NF3) through both MoE paths (decode: GEMV at one pair
+Every format (8/4/3/2-bit affine, NF4, NF3; 4-bit with fp32 scales and biases too) through both MoE paths (decode: GEMV at one pair
 per slot, dot for several; grouped: align + grouped GEMM) and the quantized linear layer, in fp32
 and fp16 (the interpreter's bf16 `tl.dot` is broken), against the plain-torch references. The
 shapes are small but odd: a ragged last group (96 = 64 + 32 at g64), N not a multiple of the
@@ -43,7 +43,7 @@ def bank(spec, H, I, S, g):
 g = torch.Generator().manual_seed(0)
 H, I, S, K = 96, 48, 5, 3
 for name in FORMATS:
-    spec = parse_quant(name)
+    spec = parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
     slots = bank(spec, H, I, S, g)
     for T, dtype in ((1, torch.float32), (3, torch.float16), (6, torch.float32)):
         hidden = torch.randn(T, H, generator=g).to(dtype)
@@ -73,7 +73,8 @@ print("interpreter ok")
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
-@pytest.mark.parametrize("formats", [["int8-g32", "int4-g64", "nf4-g32"], ["int3-g32", "int2-g32", "nf3-g64"]])
+@pytest.mark.parametrize("formats", [["int8-g32", "int4-g64", "nf4-g32"], ["int3-g32", "int2-g32", "nf3-g64"],
+                                     ["int4-g32:fp32"]])   # fp32 scales and biases: GPTQ/AWQ repacked
 def test_quant_kernels_under_triton_interpreter(formats) -> None:
     result = run_under_interpreter(f"FORMATS = {formats!r}\n" + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
