@@ -36,8 +36,24 @@ def pytest_addoption(parser):
                      help="run only the tests that need a GPU (those skipped without one): the GPU machine's check")
 
 
+# The long tests `-m "not slow"` leaves out: kernels under Triton's interpreter, end-to-end servers,
+# expert-parallel groups of processes, and whole-model checks of every family.
+SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_cli.py", "tests/test_convert.py",
+              "tests/quant/test_int_checkpoints.py", "tests/warmstart/")
+SLOW_NAMES = re.compile(r"interpreter")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long end-to-end or interpreter tests (`-m \"not slow\"` skips them)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """--gpu-only keeps the tests whose skip condition names a GPU; the rest run in CI anyway."""
+    """Marks the long tests slow; --gpu-only keeps the tests whose skip condition names a GPU (the rest
+    run in CI anyway)."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path.startswith(SLOW_FILES) or SLOW_NAMES.search(item.name):
+            item.add_marker(pytest.mark.slow)
     if not config.getoption("--gpu-only"):
         return
     needs_gpu = [item for item in items
