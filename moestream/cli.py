@@ -252,9 +252,9 @@ def _torchrun():
 def _follow_rank_0(launched) -> int:
     """A torchrun rank other than 0: make rank 0's model calls until it stops (it owns the command's
     output, the server socket and every error message)."""
-    from moestream.runtime.distributed import follow
+    from moestream.engine.follower import run_follower
 
-    follow(launched.rank, launched.store_port, launched.world, timeout_s=600.0, host=launched.master_addr)
+    run_follower(launched.rank, launched.store_port, launched.world, timeout_s=600.0, host=launched.master_addr)
     return 0
 
 
@@ -660,7 +660,7 @@ def _print_model(plan) -> None:
 
 
 def cmd_convert(args) -> int:
-    from moestream.convert import convert
+    from moestream.engine.convert import convert
     from moestream.sizes import format_bytes
 
     if args.experts is None:

@@ -10,7 +10,7 @@ import torch
 
 import moestream
 from moestream.cli import main as cli_main
-from moestream.convert import Converter, convert
+from moestream.engine.convert import Converter, convert
 from moestream.errors import CheckpointError, InputError
 from moestream.quant.recipe import QuantRecipe
 from tiny_models import QUANT_ARCHS

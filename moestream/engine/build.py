@@ -42,6 +42,8 @@ from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_ro
 from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
 from moestream.warmstart.profile import apply_profile, prepare_profile, profile_seed
 
+FOLLOWER = "moestream.engine.follower"   # the module each follower process runs (it builds that rank's engine)
+
 
 @dataclass
 class PrepackStatus:
@@ -190,7 +192,7 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1, gather: Callable[[in
     group = None
     if cfg.runtime.devices:
         _check_expert_parallel(cfg, plan_load(rank_config(cfg, 0)).config.num_experts)
-        group = RankGroup(cfg)
+        group = RankGroup(cfg, FOLLOWER)
         world = group.world
         try:
             cfg = rank_config(cfg, 0)

@@ -1,5 +1,9 @@
 """`moestream convert`: a Hugging Face checkpoint → the engine's packed checkpoint (checkpoint/packed.py).
 
+It sits in the engine layer, beside the loader that reads what it writes (weights.py for the dense
+file, `experts/store.py: PackedExpertStore` for the expert records), because deciding what to write
+takes both the model's modules (which tensors a recipe quantizes) and the expert formats.
+
 Layer by layer, with bounded memory: the dense tensors go to one safetensors file (quantized where
 the recipe says), each MoE layer's experts to one file of 4 KiB-aligned records (one record per
 expert, every tensor of it back to back, quantized by the expert format) with a CRC-32 each.
@@ -26,7 +30,7 @@ import torch
 
 from moestream.archs import ModelConfig, detect_arch, model_config_from_hf
 from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
-from moestream.checkpoint.packed import LAYOUT_NAME, LayerRecords, PackedLayout, record_layout
+from moestream.checkpoint.packed import FORMAT, LAYOUT_NAME, VERSION, LayerRecords, PackedLayout, record_layout
 from moestream.checkpoint.safetensors_writer import write_safetensors
 from moestream.errors import InputError
 from moestream.experts.format import QuantizedFormat
@@ -232,7 +236,7 @@ class Converter:
 
     def _write_layout(self, records: dict[int, dict]) -> None:
         layers = {str(k): v for k, v in sorted(records.items())}
-        data = {"format": "moestream-packed", "version": 1, "dtype": str(self.dtype).removeprefix("torch."),
+        data = {"format": FORMAT, "version": VERSION, "dtype": str(self.dtype).removeprefix("torch."),
                 "recipe": self.recipe.as_dict(), "num_experts": self.config.num_experts, "layers": layers,
                 "source": {"checkpoint": self.folder.name, "arch": self.spec.name}}
         text = json.dumps(data, indent=1, sort_keys=True).encode()
