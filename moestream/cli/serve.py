@@ -1,0 +1,105 @@
+"""`moestream serve`: the engine behind an OpenAI- and Anthropic-compatible HTTP server."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from moestream.cli.common import engine_config
+from moestream.cli.flags import add_load_args, add_profile_args, integer
+from moestream.errors import InputError, MoestreamError
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI (Chat, Completions, Responses) and Anthropic (Messages) compatible server")
+    add_load_args(serve)
+    add_profile_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=integer(0, 65535), default=8080)
+    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
+    serve.add_argument("--max-batch", type=integer(1), default=8,
+                       help="sequences decoded together (without --kv-cache-memory the cache is sized for this many "
+                            "full contexts)")
+    serve.add_argument("--max-queue", type=integer(1), default=256, help="requests waiting for a batch place before 429")
+    serve.add_argument("--prefix-cache-memory", default="1GiB",
+                       help="device memory for finished conversations' KV, reused by prompts that extend them (0 = off; "
+                            "a paged cache adds it to its blocks, which sequences and cached prefixes share)")
+    serve.add_argument("--served-model-name", default=None, help="the model name reported to clients (default: the folder name)")
+    serve.add_argument("--shutdown-timeout", type=integer(0), default=10,
+                       help="seconds in-flight requests get to finish on SIGTERM/Ctrl-C")
+    serve.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """Load in the background behind a listening server (/health answers 503 until ready)."""
+    import ipaddress
+    import logging
+
+    import uvicorn
+
+    from moestream.serve.app import ServeOptions, create_app
+
+    config = engine_config(args)
+    config.runtime.max_batch = args.max_batch
+    config.runtime.kv_rows = args.max_batch
+    config.runtime.prefix_cache_memory = args.prefix_cache_memory
+    if args.warmup_tokens is None:   # compile kernels and capture graphs before the first request
+        config.warm_start.warmup_tokens = 8
+    config.validate()
+    name = args.served_model_name or Path(config.model).name or str(config.model)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="[moestream] %(message)s")
+    try:
+        exposed = not ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        exposed = args.host != "localhost"
+    if exposed and args.api_key is None:
+        print(f"[moestream] warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    server: uvicorn.Server | None = None
+
+    def load():
+        import moestream
+
+        t0 = time.perf_counter()
+        try:
+            if config.quant.quantized:
+                print("[moestream] quantizing on load (a slower start; `moestream convert` once to skip this)", file=sys.stderr)
+            engine = moestream.load(config)
+            if engine.tokenizer is None:
+                print(f"[moestream] warning: {config.model} has no tokenizer files; only /v1/completions with token-id "
+                      "prompts will work", file=sys.stderr)
+            elif not getattr(engine.tokenizer, "chat_template", None):
+                print("[moestream] warning: this checkpoint has no chat template; using ChatML with Qwen3-style tools",
+                      file=sys.stderr)
+            if args.verbose:
+                print(engine.plan.memory.explain(), file=sys.stderr)
+            print(f"[moestream] serving {name} on http://{args.host}:{args.port} (loaded in "
+                  f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+            return engine
+        except BaseException:
+            if server is not None:
+                server.should_exit = True
+            raise
+
+    options = ServeOptions(model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(load, options)
+    class GracefulServer(uvicorn.Server):
+        """Uvicorn re-raises SIGTERM / SIGINT once it has shut down gracefully, so the process would die of
+        the signal; a clean shutdown exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    error = app.state.status["error"]
+    if error is not None:
+        raise error if isinstance(error, MoestreamError) else InputError(f"loading failed: {error}")
+    return 0
+
