@@ -11,7 +11,7 @@ from pathlib import Path
 from moestream.cli.interrupts import interrupts
 from moestream.errors import InputError
 
-DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"   # moestream/demo_model
 
 
 def check_output_folder(path: str | None, flag: str) -> None:
