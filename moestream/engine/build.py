@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from moestream.checkpoint import TensorIndex
+from moestream.checkpoint.resolve import has_tokenizer
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan, plan_load, read_model
 from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_budget
@@ -56,8 +57,7 @@ class PrepackStatus:
 
 def load_tokenizer(folder: Path):
     """The checkpoint's tokenizer, or None when it has no tokenizer files; damaged files are named."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((folder / n).exists() for n in names):
+    if not has_tokenizer(folder):
         return None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = folder / name

@@ -54,7 +54,8 @@ class ConvertResult:
     source_bytes: int      # bytes of the source tensors read
     written_bytes: int
     seconds: float
-    resumed_layers: int
+    resumed_layers: int    # MoE layers an interrupted run had finished, kept
+    resumed_parts: int = 0  # the same, counting the dense file
 
     @property
     def gb_per_s(self) -> float:
@@ -127,6 +128,7 @@ class Converter:
         t0 = time.perf_counter()
         identity = _identity(self.folder, self.index, self.recipe, self.dtype)
         done = self._resume(identity)
+        kept = set(done)
         resumed = sum(1 for k in done if k != "dense")
         layers = self.store.moe_layers
         per_expert = self.store.dtype.itemsize * 3 * self.config.hidden_size * self.config.moe_intermediate
@@ -156,7 +158,8 @@ class Converter:
             bar.close()
         self._install()
         written = sum(p.stat().st_size for p in self.out.rglob("*") if p.is_file())
-        return ConvertResult(self.out, source_bytes, written, time.perf_counter() - t0, resumed)
+        return ConvertResult(self.out, source_bytes, written, time.perf_counter() - t0, resumed,
+                             resumed + ("dense" in kept))
 
     def _bar(self, total: int, initial: int):
         from tqdm import tqdm
@@ -164,8 +167,16 @@ class Converter:
         return tqdm(total=total, initial=initial, unit="expert", desc="convert", disable=not self.progress,
                     dynamic_ncols=True)
 
-    def _resume(self, identity: dict) -> dict:
-        """What a previous run with the same identity finished; anything else is wiped."""
+    @property
+    def parts(self) -> int:
+        """What a run writes and a rerun can keep: the dense file and one file per MoE layer."""
+        return 1 + len(self.store.moe_layers)
+
+    def finished_parts(self) -> int:
+        """Parts an interrupted run with the same source and recipe left finished: this run keeps them."""
+        return len(self._saved(_identity(self.folder, self.index, self.recipe, self.dtype)))
+
+    def _saved(self, identity: dict) -> dict:
         progress = self.work / PROGRESS
         if progress.is_file():
             try:
@@ -174,6 +185,13 @@ class Converter:
                     return dict(saved.get("done", {}))
             except (OSError, ValueError):
                 pass
+        return {}
+
+    def _resume(self, identity: dict) -> dict:
+        """What a previous run with the same identity finished; anything else is wiped."""
+        done = self._saved(identity)
+        if done:
+            return done
         if self.work.exists():
             shutil.rmtree(self.work)
         try:
