@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moestream.cli.common import check_output, load_engine, stats_text, write_json
+from moestream.cli.common import check_output, checked_model, load_engine, stats_text, write_json
 from moestream.cli.flags import add_load_args, add_profile_args, integer, number
 from moestream.errors import InputError
 
@@ -13,11 +13,12 @@ from moestream.errors import InputError
 def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="measure TTFT, prefill and decode speed, hit rate and bytes moved")
     add_load_args(bench)
-    bench.add_argument("--prompt-tokens", type=integer(1), default=512)
-    bench.add_argument("--gen-tokens", type=integer(1), default=128)
-    bench.add_argument("--seed", type=integer(0, 2**63 - 1), default=0)
+    bench.add_argument("--prompt-tokens", type=integer(1), default=512, help="random prompt tokens (default 512)")
+    bench.add_argument("--gen-tokens", type=integer(1), default=128, help="tokens to decode (default 128)")
+    bench.add_argument("--seed", type=integer(0, 2**63 - 1), default=0, help="seed of the prompt and the sampling (default 0)")
     bench.add_argument("--temperature", type=number(0), default=0.0,
-                       help="sample the decoded tokens (seeded); use 1.0 on random-weight checkpoints for near-uniform routing")
+                       help="sample the decoded tokens (seeded; default 0: greedy); use 1.0 on random-weight checkpoints for "
+                            "near-uniform routing")
     bench.add_argument("--routing", choices=["model", "uniform"], default="model",
                        help="uniform: replace the model's expert choice by uniform random experts (worst case for the bank; labelled)")
     bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
@@ -29,9 +30,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    check_output(args.json, "--json")
+    checked_model(args)
     from moestream.bench import run_bench
 
-    check_output(args.json, "--json")
     trace = None
     if args.routing_trace is not None:
         from moestream.warmstart.trace import RoutingTrace

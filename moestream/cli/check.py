@@ -9,10 +9,13 @@ from moestream.cli.flags import add_budget_args, add_devices_args, add_kv_args, 
 def add_parser(sub) -> None:
     check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
     check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
-    check.add_argument("--device", default="auto")
+    check.add_argument("--device", default="auto",
+                       help="the device the plan is for: cpu | cuda | cuda:N | auto (default: auto; a CPU plan counts "
+                            "RAM and no CUDA workspace)")
     add_devices_args(check, "; one plan per rank")
-    check.add_argument("--dtype", default="auto")
-    check.add_argument("--max-context", type=integer(2), default=None)
+    check.add_argument("--dtype", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    check.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
     add_kv_args(check)
     add_budget_args(check)
     add_quant_args(check)

@@ -47,7 +47,7 @@ def parse_token_ids(text: str, where: str) -> list[int]:
     """Space-separated token ids (prompts of checkpoints without a tokenizer); names the first bad one."""
     ids = []
     for word in text.split():
-        if not word.isdigit():
+        if not (word.isascii() and word.isdigit()):   # "²³" is digits to str.isdigit, not to int()
             raise InputError(f"{where} holds {word!r}, which is not a token id (this checkpoint has no tokenizer "
                              "files, so prompts are space-separated non-negative integers).")
         ids.append(int(word))
@@ -55,11 +55,73 @@ def parse_token_ids(text: str, where: str) -> list[int]:
 
 
 def model_arg(value: str | None) -> str:
+    """MODEL, or the bundled demo model; a local path is checked here (it exists, it is a checkpoint
+    folder that may be read, not a GGUF file), before torch imports or any weight loads."""
+    from moestream.checkpoint.resolve import local_checkpoint
+
     if value:
+        local_checkpoint(value)
         return value
     if not (DEMO_MODEL / "config.json").is_file():
         raise InputError("no MODEL was given and the bundled demo model is missing; pass a checkpoint folder or hub id.")
     return str(DEMO_MODEL)
+
+
+def checked_model(args) -> str:
+    """What a loading command checks before anything heavy imports: MODEL (or the demo model) and
+    every memory size flag. Returns the model to load."""
+    model = model_arg(args.model)
+    check_sizes(args)
+    return model
+
+
+SIZE_FLAGS = ("--gpu-memory", "--memory", "--host-memory", "--kv-cache-memory", "--prefix-cache-memory")
+
+
+def check_sizes(args) -> None:
+    """Every memory size flag parses, checked before anything loads; the message names the flag."""
+    from moestream.sizes import parse_bytes
+
+    for flag in SIZE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is None:
+            continue
+        try:
+            parse_bytes(value)
+        except InputError:
+            raise InputError(f"{flag} {value!r} is not a memory size; write it like 16GiB, 12000MB or 8G.") from None
+
+
+def check_chat_template(model: str) -> None:
+    """--chat needs a chat template: read from the checkpoint's tokenizer files (a local folder),
+    before any weight loads."""
+    from moestream.checkpoint.resolve import chat_template_of, has_tokenizer, local_checkpoint
+
+    folder = local_checkpoint(model)
+    if folder is None:   # a hub id: the engine's own check, after the download
+        return
+    if not has_tokenizer(folder):
+        raise InputError("--chat needs the checkpoint's tokenizer and chat template, and this checkpoint has no "
+                         "tokenizer files; run without --chat and pass token ids.")
+    if chat_template_of(folder) is None:
+        raise InputError(f"{folder} has no chat template (none in tokenizer_config.json, no chat_template.jinja); "
+                         "run without --chat to use the prompt as it is.")
+
+
+def set_threads(args) -> None:
+    """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else every core this
+    process may use but one (the rest of the machine stays responsive; on a CPU shared with other
+    work, torch's default of one thread per core collapses under contention)."""
+    import torch
+
+    from moestream.kernels import cpu_moe
+
+    threads = getattr(args, "cpu_threads", None)
+    if threads is None:
+        if os.environ.get("OMP_NUM_THREADS"):
+            return
+        threads = cpu_moe.default_threads(len(cpu_moe.usable_cpus()))
+    torch.set_num_threads(threads)
 
 
 def recipe(args):
@@ -113,12 +175,15 @@ def follow_rank_0(launched) -> int:
 
 
 def engine_config(args):
-    """The EngineConfig of a command's flags (run, bench, profile, perplexity, check)."""
-    from moestream.engine import BankConfig, EngineConfig, RuntimeConfig, WarmStartConfig
-
+    """The EngineConfig of a command's flags (run, bench, profile, perplexity, check, serve): what
+    needs no model (the path, the sizes) is checked before torch imports."""
+    model = checked_model(args)
     if args.gpu_memory is not None and args.memory is not None:
         raise InputError("give either --gpu-memory or --memory (they are the same budget), not both.")
     check_output_folder(getattr(args, "prepack", None), "--prepack")
+
+    from moestream.engine import BankConfig, EngineConfig, RuntimeConfig, WarmStartConfig
+
     devices = parse_devices(getattr(args, "devices", None))
     device = args.device
     launched = torchrun()
@@ -139,7 +204,7 @@ def engine_config(args):
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))
-    return EngineConfig(model_arg(args.model), runtime, bank, warm, recipe(args)).validate()
+    return EngineConfig(model, runtime, bank, warm, recipe(args)).validate()
 
 
 def load_engine(args):
@@ -147,6 +212,7 @@ def load_engine(args):
 
     t0 = time.perf_counter()
     config = engine_config(args)
+    set_threads(args)
     if config.quant.quantized:
         print("[moestream] quantizing on load (a slower start; `moestream convert` once to skip this)", file=sys.stderr)
     engine = moestream.load(config)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from moestream.checkpoint.resolve import local_checkpoint
 from moestream.cli.common import recipe
+from moestream.cli.interrupts import interrupts
 from moestream.cli.flags import add_quant_args
 from moestream.errors import InputError
 
@@ -22,15 +24,23 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moestream.engine.convert import convert
-    from moestream.sizes import format_bytes
-
     if args.experts is None:
         raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts.")
-    result = convert(args.source, args.out, recipe(args), dtype=args.dtype, device=args.device, force=args.force,
-                     progress=sys.stderr.isatty())
-    resumed = f", resumed after {result.resumed_layers} finished layers" if result.resumed_layers else ""
-    print(f"[moestream] wrote {result.out} ({format_bytes(result.written_bytes)}) in {result.seconds:.1f} s, "
-          f"{result.gb_per_s:.2f} GB/s of expert weights{resumed}", file=sys.stderr)
-    return 0
+    local_checkpoint(args.source)
+    from moestream.engine.convert import Converter
+    from moestream.sizes import format_bytes, format_rate
 
+    converter = Converter(args.source, args.out, recipe(args), dtype=args.dtype, device=args.device, force=args.force,
+                          progress=sys.stderr.isatty())
+    kept = converter.finished_parts()
+    if kept:
+        print(f"[moestream] resuming an interrupted conversion: {kept} of {converter.parts} parts (the dense "
+              f"tensors, one per MoE layer) are already written in {converter.work}", file=sys.stderr)
+    interrupts.note = f"run the same command again to resume ({converter.work} keeps the finished layers)"
+    result = converter.run()
+    interrupts.note = None
+    resumed = (f"; resumed, keeping {result.resumed_parts} of {converter.parts} parts from the interrupted run"
+               if result.resumed_parts else "")
+    print(f"[moestream] wrote {result.out} ({format_bytes(result.written_bytes)}) in {result.seconds:.1f} s, "
+          f"{format_rate(result.source_bytes, result.seconds)} of expert weights{resumed}", file=sys.stderr)
+    return 0

@@ -73,11 +73,12 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")
     p.add_argument("--host-tier", default="auto", choices=["auto", "pinned", "disk"], help="where missing experts come from")
     p.add_argument("--miss-policy", default="auto", choices=["auto", "fetch", "hybrid", "skip"],
-                   help="hybrid = the GPU reads some missing experts from host RAM in place while a CPU thread "
-                        "computes the others, decode steps as whole CUDA graphs (exact; needs a GPU and the pinned host "
-                        "tier; bf16/fp32, 8/4/2-bit or NF4 experts); fetch = copy missing experts into the bank (exact); skip = drop "
-                        "non-resident experts and renormalise (approximate); auto (default) = hybrid where it can "
-                        "run, else fetch")
+                   help="hybrid = missing experts computed from host RAM without a read-back: on a GPU, the GPU "
+                        "reads some in place while a CPU thread computes the others, decode steps as whole CUDA "
+                        "graphs; on the CPU, the CPU thread computes them all (exact; needs the host tier in RAM; "
+                        "bf16/fp32, 8/4/2-bit or NF4 experts); fetch = copy missing experts into the bank (exact); "
+                        "skip = drop non-resident experts and renormalise (approximate); auto (default) = hybrid "
+                        "with a bounded bank on a GPU, else fetch")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
     p.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
                    help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
@@ -86,8 +87,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "one-stream step's missing experts, the GPU reading the rest (default auto: from 0.6, moved "
                         "while decoding until both sides finish together)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
-                   help="threads the CPU computes missed experts with (--cpu-misses, --miss-policy hybrid; default: "
-                        "every core this process may use but one)")
+                   help="threads of the CPU's work: torch's intra-op threads (the whole model on --device cpu) and "
+                        "the kernel computing missed experts (--cpu-misses, --miss-policy hybrid) (default: every "
+                        "core this process may use but one; OMP_NUM_THREADS, where set, sizes torch's instead)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")

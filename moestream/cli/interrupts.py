@@ -15,6 +15,10 @@ class Interrupts:
 
     def __init__(self):
         self.seen = False
+        self.note: str | None = None   # what the command adds to "moestream: interrupted" (how to resume)
+
+    def message(self) -> str:
+        return "moestream: interrupted" + (f"; {self.note}" if self.note else "")
 
     def install(self) -> None:
         import signal

@@ -4,10 +4,11 @@ with the KL divergence to a reference."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
-from moestream.cli.common import load_engine
+from moestream.cli.common import checked_model, load_engine
 from moestream.cli.flags import add_load_args, add_profile_args, integer
 from moestream.errors import InputError
 
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     add_load_args(ppl)
     ppl.add_argument("--file", required=True, help="text or code file to score")
     ppl.add_argument("--window", type=integer(2), default=None, help="window length (default: the context)")
-    ppl.add_argument("--json", action="store_true")
+    ppl.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a sentence")
     ppl.add_argument("--decode", action="store_true",
                      help="score every token through a decode step (what decode-only approximations such as --miss-policy skip change)")
     ppl.add_argument("--max-tokens", type=integer(1), default=None, help="with --decode: score at most this many tokens")
@@ -29,8 +30,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from moestream.runtime.perplexity import sliding_window_scores
-
     path = Path(args.file)
     if not path.is_file():
         raise InputError(f"--file {path} does not exist; give a text or code file.")
@@ -38,6 +37,13 @@ def run(args) -> int:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise InputError(f"--file {path} is not UTF-8 text; give a text or code file.") from None
+    except OSError as exc:
+        raise InputError(f"--file {path} cannot be read ({exc.strerror or exc}); give a readable text file.") from None
+    if args.decode and args.kl_reference is not None:
+        raise InputError("--kl-reference scores prompt windows; run it without --decode.")
+    checked_model(args)
+    from moestream.runtime.perplexity import decode_perplexity, sliding_window_scores
+
     engine, _ = load_engine(args)
     if engine.tokenizer is None:
         raise InputError("this checkpoint has no tokenizer files, so a text file cannot be scored.")
@@ -54,17 +60,15 @@ def run(args) -> int:
     window = min(args.window or engine.max_context, engine.max_context)
     t0 = time.perf_counter()
     kl = None
-    if args.decode:
-        from moestream.runtime.perplexity import decode_perplexity
-
-        if args.kl_reference is not None:
-            raise InputError("--kl-reference scores prompt windows; run it without --decode.")
-        ppl, n = decode_perplexity(engine, ids, window, args.max_tokens)
-    else:
-        reference = kl_reference(args, engine) if args.kl_reference is not None else None
-        scores = sliding_window_scores(engine.logits, ids, window, engine.device,
-                                       reference.logits if reference is not None else None)
-        ppl, n, kl = scores.perplexity, scores.tokens, scores.kl
+    total = len(ids) - 1 if not args.decode else min(len(ids) - 1, args.max_tokens or len(ids))
+    with progress_bar(total) as bar:
+        if args.decode:
+            ppl, n = decode_perplexity(engine, ids, window, args.max_tokens, progress=bar.update)
+        else:
+            reference = kl_reference(args, engine) if args.kl_reference is not None else None
+            scores = sliding_window_scores(engine.logits, ids, window, engine.device,
+                                           reference.logits if reference is not None else None, progress=bar.update)
+            ppl, n, kl = scores.perplexity, scores.tokens, scores.kl
     result = {"perplexity": ppl, "tokens": n, "window": window, "seconds": time.perf_counter() - t0,
               "mode": "decode" if args.decode else "prefill", "miss_policy": engine.bank.miss_policy,
               "capacity": engine.bank.capacity, "experts": engine.bank.formats[next(iter(engine.bank.formats))].name
@@ -74,6 +78,14 @@ def run(args) -> int:
           f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {engine.bank.miss_policy}, "
           f"capacity {engine.bank.capacity}/{engine.config.num_experts}{extra})")
     return 0
+
+
+def progress_bar(total: int):
+    """Tokens scored so far, on stderr where it is a terminal (a long file takes minutes)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="token", desc="perplexity", disable=not sys.stderr.isatty(), dynamic_ncols=True,
+                leave=False)
 
 
 def kl_reference(args, engine):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from moestream.cli.common import check_output, load_engine, parse_token_ids
+from moestream.cli.common import check_output, checked_model, load_engine, parse_token_ids
 from moestream.cli.flags import add_load_args, integer
 from moestream.errors import InputError
 
@@ -65,14 +65,15 @@ def read_profile_prompts(args, engine) -> list[str | list[int]]:
 
 def run(args) -> int:
     """Record which experts the prompts use (and optionally the full routing trace)."""
-    from moestream.warmstart.trace import record_profile_and_trace
-
     if args.max_tokens < 0:
         raise InputError("--max-tokens must be 0 or more.")
     if not Path(args.prompts).is_file():
         raise InputError(f"--prompts {args.prompts} does not exist; give a text file with one prompt per line.")
     for flag, out in (("--out", args.out), ("--trace", args.trace)):
         check_output(out, flag)
+    checked_model(args)
+    from moestream.warmstart.trace import record_profile_and_trace
+
     engine, load_s = load_engine(args)
     prompts = read_profile_prompts(args, engine)
     t0 = time.perf_counter()
