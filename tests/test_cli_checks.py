@@ -168,27 +168,47 @@ def test_bench_table_names_its_routing(tiny_qwen3, capsys, routing, says):
 
 # ---- threads, Ctrl-C, progress ----------------------------------------------------------------
 
-@pytest.fixture
-def restore_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+THREADS = ("import sys, torch\n"
+           "from moestream.cli import main\n"
+           "torch.set_num_threads(7)\n"
+           "sys.argv[0] = 'moestream'\n"
+           "rc = main()\n"
+           "print('threads', torch.get_num_threads())\n")
 
 
-def test_cpu_threads_sets_torchs_threads(tiny_qwen3, capsys, monkeypatch, restore_threads):
+def _threads_after_run(folder, *extra: str) -> int:
+    """torch's threads after `moestream run` as the process's own command (7 before it)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    argv = ["run", str(folder), "-p", "3 4", "--max-tokens", "1", "--device", "cpu", *extra]
+    proc = subprocess.run([sys.executable, "-c", THREADS, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split("threads")[-1])
+
+
+def test_cpu_threads_sets_torchs_threads(tiny_qwen3):
     from moestream.kernels import cpu_moe
 
     default = cpu_moe.default_threads(len(cpu_moe.usable_cpus()))   # every core but one
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    argv = ["run", str(tiny_qwen3), "-p", "3 4", "--max-tokens", "1", "--device", "cpu"]
-    assert cli_main(argv + ["--cpu-threads", str(default + 2)]) == 0
-    assert torch.get_num_threads() == default + 2
-    assert cli_main(argv) == 0
-    assert torch.get_num_threads() == default
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")   # the user's own setting wins over the default
-    torch.set_num_threads(default + 1)
-    assert cli_main(argv) == 0
-    assert torch.get_num_threads() == default + 1
+    assert _threads_after_run(tiny_qwen3, "--cpu-threads", "3") == 3
+    assert _threads_after_run(tiny_qwen3) == default
+
+
+def test_omp_num_threads_where_set_sizes_torchs_threads(monkeypatch):
+    import argparse
+
+    from moestream.cli.common import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(before + 1)
+        set_threads(argparse.Namespace(cpu_threads=None, own_process=True))
+        assert torch.get_num_threads() == before + 1   # left to the user's setting
+        set_threads(argparse.Namespace(cpu_threads=before + 2, own_process=False))
+        assert torch.get_num_threads() == before + 1   # main() called from a program changes nothing
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ctrl_c_while_generating_ends_the_line_first(tiny_qwen3, capsys, monkeypatch):

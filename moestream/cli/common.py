@@ -112,6 +112,8 @@ def set_threads(args) -> None:
     """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else every core this
     process may use but one (the rest of the machine stays responsive; on a CPU shared with other
     work, torch's default of one thread per core collapses under contention)."""
+    if not getattr(args, "own_process", False):   # main() called from a program (tests): its threads stay its own
+        return
     import torch
 
     from moestream.kernels import cpu_moe

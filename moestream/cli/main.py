@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:   # the process's own command line: own its Ctrl-C
             interrupts.install()
         args = build_parser().parse_args(argv)
+        args.own_process = argv is None   # process-wide settings (torch's threads) only for the process's own command
         if not getattr(args, "verbose", False):
             quiet_libraries()
         launched = torchrun()
