@@ -27,7 +27,7 @@ from benchmarks.common import checkpoint_args, ensure_checkpoint, log, write_res
 
 import moestream  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
-from moestream.convert import convert  # noqa: E402
+from moestream.engine.convert import convert  # noqa: E402
 from moestream.quant.recipe import QuantRecipe  # noqa: E402
 
 

@@ -93,6 +93,41 @@ def test_unsupported_model_type_lists_the_supported_ones(tiny_qwen3, tmp_path, c
     expect_error(capsys, UnsupportedArchError, ["'llama'", *SUPPORTED], lambda: _load(folder), _run_argv(folder))
 
 
+def test_model_type_that_is_not_a_string(tiny_qwen3, tmp_path, capsys):
+    folder = _copy(tiny_qwen3, tmp_path / "ckpt")
+    _edit_config(folder, model_type=["qwen3_moe"])
+    expect_error(capsys, UnsupportedArchError, ["model_type ['qwen3_moe']", "a list", "string"],
+                 lambda: _load(folder), _run_argv(folder))
+
+
+def test_a_checkpoint_folder_that_may_not_be_read(tiny_qwen3, tmp_path, capsys, monkeypatch):
+    # the tests run as root, whom mode 000 does not stop: the permission check is what is mocked
+    folder = _copy(tiny_qwen3, tmp_path / "ckpt")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path).startswith(str(folder))
+                        else real(path, mode, **kw))
+    expect_error(capsys, CheckpointError, [str(folder), "permission denied"], lambda: _load(folder), _run_argv(folder))
+
+
+def test_a_permission_error_anywhere_is_one_line(tiny_qwen3, tmp_path, capsys, monkeypatch):
+    from moestream.checkpoint import safetensors_index
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(safetensors_index, "read_safetensors_header", denied)
+    assert cli.main(_run_argv(tiny_qwen3)) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("moestream: error: cannot read ") and "model.safetensors" in err and err.count("\n") == 1, err
+
+
+def test_a_gguf_file_is_not_a_checkpoint_folder(tmp_path, capsys):
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    expect_error(capsys, CheckpointError, [str(gguf), "GGUF file", "checkpoint folder"], lambda: _load(gguf),
+                 _run_argv(gguf))
+
+
 # ---- tensors ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", [EXPERT, "model.layers.2.self_attn.q_proj.weight", "model.norm.weight", "lm_head.weight"])
@@ -196,6 +231,18 @@ def test_index_naming_a_missing_shard(tiny_qwen3, tmp_path, capsys):
     files = _write_shards(tiny_qwen3, folder)
     (folder / files[1]).unlink()
     expect_error(capsys, CheckpointError, [files[1], "missing"], lambda: _load(folder), _run_argv(folder))
+
+
+def test_index_naming_one_shard_under_two_spellings(tiny_qwen3, tmp_path, capsys):
+    folder = tmp_path / "sharded"
+    files = _write_shards(tiny_qwen3, folder)
+    (folder / "sub").mkdir()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    other = f"sub/../{files[0]}"
+    first = next(k for k, v in index["weight_map"].items() if v == files[0])
+    index["weight_map"][first] = other
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    expect_error(capsys, CheckpointError, [repr(files[0]), repr(other)], lambda: _load(folder), _run_argv(folder))
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"metadata": {}}', "[1, 2]"])

@@ -45,9 +45,8 @@ def test_archs_lists_every_family(capsys):
     assert cli.main(["archs"]) == 0
     out, err = capsys.readouterr()
     lines = out.splitlines()
-    for family in FAMILIES:
-        assert any(line.split()[0] == family for line in lines[2:]), f"{family} missing from:\n{out}"
-    assert len(lines) == 2 + len(FAMILIES)
+    rows = [line.split()[0] for line in lines[2:] if not line.startswith(" ")]   # long cells wrap below their row
+    assert sorted(rows) == sorted(FAMILIES), out
     assert err == ""
 
 

@@ -163,8 +163,8 @@ def test_ctrl_c_inside_a_finalizer_is_remembered_without_a_traceback(tmp_path):
     # "Exception ignored in ..." with a traceback, and the run must still end at the next check
     script = (
         "import os, signal, time\n"
-        "from moestream.cli import _interrupts\n"
-        "_interrupts.install()\n"
+        "from moestream.cli.interrupts import interrupts\n"
+        "interrupts.install()\n"
         "class Finalized:\n"
         "    def __del__(self):\n"
         "        os.kill(os.getpid(), signal.SIGINT)\n"
@@ -172,7 +172,7 @@ def test_ctrl_c_inside_a_finalizer_is_remembered_without_a_traceback(tmp_path):
         "Finalized()\n"
         "print('continued', flush=True)\n"
         "try:\n"
-        "    _interrupts.check()\n"
+        "    interrupts.check()\n"
         "except KeyboardInterrupt:\n"
         "    print('raised at the check', flush=True)\n"
     )

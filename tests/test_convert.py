@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 import moestream
 from moestream.cli import main as cli_main
-from moestream.convert import Converter, convert
+from moestream.engine.convert import Converter, convert
 from moestream.errors import CheckpointError, InputError
 from moestream.quant.recipe import QuantRecipe
 from tiny_models import QUANT_ARCHS
@@ -149,3 +150,26 @@ def test_a_damaged_packed_checkpoint_names_the_layer_and_expert(packed, tmp_path
 def test_a_packed_checkpoint_keeps_its_precision(packed):
     with pytest.raises(InputError, match="precision is fixed"):
         moestream.load(packed, device="cpu", dtype="float32", experts="int8")
+
+
+def test_the_cli_says_how_to_resume_and_that_it_resumed(tiny_quant, tmp_path, monkeypatch, capsys):
+    real, calls = Converter._write_layer, []
+
+    def dying(self, layer, bar):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, layer, bar)
+
+    argv = ["convert", str(tiny_quant), str(tmp_path / "q3"), "--experts", "int4", "--device", "cpu"]
+    monkeypatch.setattr(Converter, "_write_layer", dying)
+    assert cli_main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("moestream: interrupted; run the same command again to resume") and err.count("\n") == 1, err
+    monkeypatch.setattr(Converter, "_write_layer", real)
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "resuming an interrupted conversion: 2 of " in err, err   # the dense file and one layer
+    # a small model's rate in a unit that shows it, never "0.00 GB/s"
+    assert re.search(r" [1-9][0-9.]* [kMG]?B/s of expert weights; resumed, keeping 2 of [0-9]+ parts", err), err
+

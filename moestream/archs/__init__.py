@@ -25,6 +25,10 @@ def supported_model_types() -> list[str]:
 
 def detect_arch(raw_config: dict[str, Any]) -> ArchSpec:
     model_type = raw_config.get("model_type")
+    if not isinstance(model_type, str):
+        given = "no model_type" if model_type is None else f"model_type {model_type!r}, a {type(model_type).__name__}"
+        raise UnsupportedArchError(f"config.json has {given}; it must name one model type as a string, e.g. "
+                                   f"\"qwen3_moe\" (supported: {', '.join(supported_model_types())}).")
     for spec in ARCHS.values():
         if model_type in spec.model_types:
             return spec

@@ -48,7 +48,10 @@ class BenchResult:
         return asdict(self)
 
     def table(self) -> str:
-        rows = [("capacity", f"{self.capacity}/{self.num_experts} ({self.miss_policy}, host tier {self.host_tier})"),
+        routing = ("the model's router" if self.routing == "model"
+                   else f"{self.routing}: experts chosen by the benchmark, not the model")
+        rows = [("routing", routing),
+                ("capacity", f"{self.capacity}/{self.num_experts} ({self.miss_policy}, host tier {self.host_tier})"),
                 ("load", f"{self.load_s:.2f} s"),
                 ("time to first token", f"{self.ttft_s * 1000:.1f} ms ({self.prompt_tokens} prompt tokens)"),
                 ("prefill", f"{self.prefill_tok_s:.1f} tok/s"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,37 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "toke
 
 def resolve_checkpoint(model: str | Path) -> Path:
     """Local folders are used as they are; anything else is looked up as a hub id (cache first)."""
+    folder = local_checkpoint(model)
+    return folder if folder is not None else _resolve_hub_id(str(model))
+
+
+def local_checkpoint(model: str | Path) -> Path | None:
+    """The local checkpoint folder `model` names, checked (it exists, it is a folder with a readable
+    config.json); None when it reads as a hub id. Cheap and torch-free: the CLI calls it before
+    anything heavy loads, so a wrong path costs no start-up."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path} has no config.json; point at a Hugging Face checkpoint folder.")
-        return path
+    try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise CheckpointError(f"{path} has no config.json; point at a Hugging Face checkpoint folder.")
+            if not os.access(path / "config.json", os.R_OK) or not os.access(path, os.R_OK | os.X_OK):
+                raise PermissionError(13, "permission denied", str(path))
+            return path
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            raise CheckpointError(f"{path} is a GGUF file, not a checkpoint folder; moestream reads Hugging Face "
+                                  "checkpoint folders (config.json + safetensors): give the folder of the original "
+                                  "weights or its hub id.")
+        if path.is_file():
+            raise CheckpointError(f"{path} is a file, not a checkpoint folder; give the folder that holds config.json "
+                                  "and the safetensors files.")
+    except PermissionError:
+        raise CheckpointError(f"cannot read the checkpoint folder {path} (permission denied); make it readable "
+                              f"(e.g. chmod -R u+rX {path}) or run as a user who may read it.") from None
     text = str(model)
     looks_like_path = text.startswith(("/", ".", "~")) or path.exists() or text.count("/") != 1
     if looks_like_path:
         raise CheckpointError(f"model folder {text} does not exist; give a checkpoint folder or a hub id like Qwen/Qwen3-30B-A3B.")
-    return _resolve_hub_id(text)
+    return None
 
 
 def _resolve_hub_id(repo_id: str) -> Path:
@@ -44,12 +66,37 @@ def _resolve_hub_id(repo_id: str) -> Path:
         ) from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether the checkpoint ships tokenizer files (without them prompts are token ids)."""
+    return any((folder / name).exists() for name in TOKENIZER_FILES)
+
+
+def chat_template_of(folder: Path) -> str | None:
+    """The checkpoint's chat template, read from its files without loading the tokenizer:
+    chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template; None if none."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        try:
+            template = json.loads((folder / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if template:
+            return template if isinstance(template, str) else json.dumps(template)
+    return None
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} has no config.json; point at a Hugging Face checkpoint folder.")
     try:
         config = json.loads(path.read_text())
+    except PermissionError:
+        raise CheckpointError(f"cannot read {path} (permission denied); make the checkpoint folder readable.") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); fix or re-download it.") from None
     if not isinstance(config, dict):

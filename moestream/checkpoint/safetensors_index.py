@@ -180,6 +180,13 @@ class TensorIndex:
                 files = sorted({folder / f for f in weight_map.values()})
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({exc}); re-download it.") from None
+            spelled: dict[str, tuple[Path, str]] = {}   # one file → the first path and spelling naming it
+            for name in sorted(set(weight_map.values())):
+                real = os.path.realpath(folder / name)
+                if real in spelled and spelled[real][0] != folder / name:
+                    raise CheckpointError(f"{index.name} names the shard {spelled[real][1]!r} also as {name!r}; write "
+                                          "one spelling for each shard file in its weight_map.")
+                spelled.setdefault(real, (folder / name, name))
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise CheckpointError(f"shard {missing[0]} listed in {index.name} is missing from {folder}; re-download the checkpoint.")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from moestream.checkpoint import TensorIndex
+from moestream.checkpoint.resolve import has_tokenizer
 from moestream.engine.config import EngineConfig
 from moestream.checkpoint.int_quantized import IntQuantReader
 from moestream.engine.plan import LoadPlan, plan_load, read_model
@@ -44,6 +45,8 @@ from moestream.warmstart.discovery import DEFAULT_PROMPT, Discovery, discover_ro
 from moestream.warmstart.prepack import load_snapshot, save_snapshot, snapshot_key
 from moestream.warmstart.profile import apply_profile, prepare_profile, profile_seed
 
+FOLLOWER = "moestream.engine.follower"   # the module each follower process runs (it builds that rank's engine)
+
 
 @dataclass
 class PrepackStatus:
@@ -56,8 +59,7 @@ class PrepackStatus:
 
 def load_tokenizer(folder: Path):
     """The checkpoint's tokenizer, or None when it has no tokenizer files; damaged files are named."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((folder / n).exists() for n in names):
+    if not has_tokenizer(folder):
         return None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = folder / name
@@ -204,7 +206,7 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1, gather: Callable[[in
     group = None
     if cfg.runtime.devices:
         _check_expert_parallel(cfg, plan_load(rank_config(cfg, 0)).config.num_experts)
-        group = RankGroup(cfg)
+        group = RankGroup(cfg, FOLLOWER)
         world = group.world
         try:
             cfg = rank_config(cfg, 0)

@@ -90,6 +90,7 @@ class MemoryPlan:
     kv_block_size: int = 0              # positions per block
     min_capacity: int = 0               # the fewest slots a layer may have (0: top_k; the hybrid miss
                                         # policy serves any miss off the device, so it needs only one)
+    slack_bytes: int = SLACK_BYTES      # CUDA's own workspaces and graph pools (none on the CPU)
 
     @property
     def paged(self) -> bool:
@@ -107,7 +108,7 @@ class MemoryPlan:
     def fixed_bytes(self) -> int:
         slot_maps = self.moe_layers * (self.num_experts + 1) * 4
         return (self.dense_bytes + self.kv_bytes + self.prefix_cache_bytes + self.workspace_bytes + slot_maps
-                + SLACK_BYTES)
+                + self.slack_bytes)
 
     @property
     def bank_bytes(self) -> int:
@@ -146,7 +147,7 @@ class MemoryPlan:
                      f" (paged: {self.kv_blocks - 1} blocks × {self.kv_block_size} positions, shared by every "
                      f"sequence and the prefix cache)" if self.paged else ""),
                  *([f"prefix cache      {format_bytes(self.prefix_cache_bytes)}"] if self.prefix_cache_bytes else []),
-                 f"workspace         {format_bytes(self.workspace_bytes + SLACK_BYTES)}",
+                 f"workspace         {format_bytes(self.workspace_bytes + self.slack_bytes)}",
                  f"bank              {format_bytes(self.bank_bytes)} = {self.capacity} slots × {self.moe_layers} layers × {format_bytes(self.slot_bytes)}"
                  + (" (largest)" if len(set(self.layer_slot_bytes)) > 1 else ""),
                  f"staging           {format_bytes(self.staging_bytes)} ({self.staging_slots} slots)",
@@ -191,13 +192,14 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
                 precision: Precision | None = None, prefix_cache_bytes: int = 0, kv_blocks: int = 0,
-                kv_block_size: int = 16, min_capacity: int = 0) -> MemoryPlan:
+                kv_block_size: int = 16, min_capacity: int = 0, slack_bytes: int = SLACK_BYTES) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
     `min_capacity`: the fewest slots per layer (0: top_k, which a fetching bank needs at once).
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
     `precision` the always-resident tensors. `kv_blocks` > 0: the cache is paged, that many blocks
-    of `kv_block_size` positions (`paged_blocks`), and holds the prefix cache too."""
+    of `kv_block_size` positions (`paged_blocks`), and holds the prefix cache too. `slack_bytes`: what
+    CUDA takes beyond the tensors (SLACK_BYTES; 0 for a plan of CPU memory)."""
     E, k = config.num_experts, config.top_k
     spec = spec or ARCHS[config.arch]
     if kv_blocks:
@@ -207,6 +209,9 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
         kv_bytes = cache_bytes(config, spec, batch + (batch > 1), max_context, dtype)
     budget_bytes = parse_bytes(budget) if budget is not None else None
     least = min(min_capacity or k, E)
+    if capacity is not None and capacity > E:
+        raise BudgetError(f"capacity {capacity} is more slots than the model's {E} experts per layer; give at most "
+                          f"{E} (every expert resident).")
     if capacity is not None and not least <= capacity <= E:
         why = (f"a layer needs at least its top-{k} experts" if least == k
                else f"a layer needs at least {least} slot{'s' if least > 1 else ''}")
@@ -221,7 +226,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k,
-                min_capacity=min_capacity)
+                min_capacity=min_capacity, slack_bytes=slack_bytes)
     if capacity is None and budget_bytes is None:
         capacity = E
     if capacity is None:
@@ -320,6 +325,18 @@ def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
     return folder, raw, spec, model_config_from_hf(raw, spec)
 
 
+PREFIX_CACHE_MOST = 2**30   # the server's default prefix cache never exceeds this
+
+
+def default_prefix_cache_bytes(cfg: EngineConfig, rows: int) -> int:
+    """The server's prefix cache when none is asked for: the KV of `rows` full contexts, at most
+    PREFIX_CACHE_MOST, so a small model does not hold a cache sized for a large one."""
+    _, _, spec, config = read_model(cfg)
+    dtype = resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))
+    context = min(cfg.runtime.max_context or config.max_position, config.max_position)
+    return min(PREFIX_CACHE_MOST, cache_bytes(config, spec, rows, context, dtype))
+
+
 def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     """Everything a load decides from config.json and the configuration alone (no weights read).
 
@@ -374,7 +391,8 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          prefill_chunk=runtime.prefill_chunk, expert_formats=formats, spec=spec,
                          precision=precision, prefix_cache_bytes=runtime.prefix_cache_bytes,
                          batch=runtime.kv_rows, kv_blocks=kv_blocks, kv_block_size=runtime.kv_block_size,
-                         min_capacity=1 if bank.miss_policy == "hybrid" else 0)
+                         min_capacity=1 if bank.miss_policy == "hybrid" else 0,
+                         slack_bytes=SLACK_BYTES if device.type == "cuda" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx, int_quant)

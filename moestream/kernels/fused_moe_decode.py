@@ -214,7 +214,7 @@ def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
             quant.nf, max(block_k, quant_block_k(quant.bits, quant.group)))
 
 
-def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
+def decode_launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
             num_slots: int, a_by_token: bool, gated: bool, activation_code: int,
             mul_weight: bool, block_m: int, tile: DecodeTile, quant: QuantOperand | None = None,
             bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0,
@@ -262,11 +262,11 @@ def launch_decode_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids:
     else:   # no shared-memory pipeline to fit; only keep the tiles within the problem
         gate_up_tile = replace(cfg.gate_up, block_k=min(cfg.gate_up.block_k, triton.next_power_of_2(H)))
         down_tile = replace(cfg.down, block_k=min(cfg.down.block_k, triton.next_power_of_2(I)))
-    _launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
+    decode_launch(hidden, gate_up, inter, slot_ids, weights, n=I, k=H, num_slots=S, a_by_token=True,
             gated=True, activation_code=activation_code, mul_weight=False,
             block_m=cfg.block_m, tile=gate_up_tile, quant=quant[0] if quant else None,
             bias=biases[0] if biases else None, alpha=alpha, limit=limit, host=host[0] if host else None)
-    _launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
+    decode_launch(inter, down, per_pair, slot_ids, weights, n=H, k=I, num_slots=S, a_by_token=False,
             gated=False, activation_code=0, mul_weight=True, block_m=cfg.block_m,
             tile=down_tile, quant=quant[1] if quant else None, bias=biases[1] if biases else None,
             host=host[1] if host else None)

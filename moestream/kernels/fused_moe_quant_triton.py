@@ -33,7 +33,7 @@ __all__ = ["fused_moe_quant", "quant_operand"]
 
 
 @functools.lru_cache(maxsize=None)
-def _codebook(bits: int, device: str) -> Tensor:
+def nf_codebook(bits: int, device: str) -> Tensor:
     return codebook(bits).to(device)
 
 
@@ -41,7 +41,7 @@ def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> Qu
     """The kernels' view of one projection of a quantized bank (or of a single weight, unsqueezed)."""
     qweight, scales = slots[f"{proj}.qweight"], slots[f"{proj}.scales"]
     biases = slots.get(f"{proj}.biases", scales)   # NF: never read
-    code = _codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
+    code = nf_codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
     return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
 
 

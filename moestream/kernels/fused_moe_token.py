@@ -57,7 +57,7 @@ DEFAULT_TOKEN_CONFIG = TokenConfig(gate_up=TokenTile(2, 2048, 4), down=TokenTile
 
 
 @triton.jit
-def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr):
+def slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr):
     """Source of pair j, a scalar or a block of pairs (-1 where there is none, or j >= top_k): ids[j],
     through the slot map when there is one. Below num_slots a slot; num_slots + e an expert read in
     place from the host stack (when num_host > 0)."""
@@ -68,14 +68,14 @@ def _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP
 
 
 @triton.jit
-def _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr,
+def pair_sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP: tl.constexpr,
              SPLIT: tl.constexpr, K_PAD: tl.constexpr):
-    """Sources of all K_PAD pairs (`_slot_of`) and the first intermediate row each computes; with
+    """Sources of all K_PAD pairs (`slot_of`) and the first intermediate row each computes; with
     SPLIT, of the m pairs whose source is the host stack, the first take[m] in routing order are the
     CPU's (-1 here) and the next starts at row cut[m] (the CPU computes its rows below), as
     `split_outside_cut` says."""
     offs = tl.arange(0, K_PAD)
-    src = _slot_of(ids_ptr, map_ptr, offs, top_k, stride_id, num_slots, num_host, HAS_MAP)
+    src = slot_of(ids_ptr, map_ptr, offs, top_k, stride_id, num_slots, num_host, HAS_MAP)
     lo = tl.zeros((K_PAD,), dtype=tl.int32)
     if SPLIT:
         outside = src >= num_slots
@@ -89,7 +89,7 @@ def _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, n
 
 
 @triton.jit
-def _expert_offset(src, num_slots, host_off, stride_e):
+def expert_offset(src, num_slots, host_off, stride_e):
     """Element offset of a source's expert from the slot tensor's base: a slot, or (src >= num_slots)
     the host stack's expert, `host_off` elements away (pinned memory the GPU reads over PCIe)."""
     src = src.to(tl.int64)
@@ -105,13 +105,13 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
     if SPLIT:
-        src, lo = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP,
+        src, lo = pair_sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP,
                            SPLIT, K_PAD)
         pick = tl.arange(0, K_PAD) == j
         slot = tl.sum(tl.where(pick, src, 0), axis=0)
         first = tl.sum(tl.where(pick, lo, 0), axis=0)
     else:
-        slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
+        slot = slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
         first = 0
     if slot < 0:
         return
@@ -120,7 +120,7 @@ def _token_gate_up_kernel(x_ptr, b_ptr, c_ptr, ids_ptr, map_ptr, bias_ptr, take_
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % I).to(tl.int64)     # past I: wrap (store masked), loads stay unmasked along N
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = b_ptr + _expert_offset(slot, num_slots, host_off, stride_be) + rows[:, None] * stride_bn + offs_k[None, :]
+    g_ptrs = b_ptr + expert_offset(slot, num_slots, host_off, stride_be) + rows[:, None] * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + I * stride_bn
     x_ptrs = x_ptr + offs_k
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -165,11 +165,11 @@ def _token_down_kernel(a_ptr, b_ptr, out_ptr, ids_ptr, map_ptr, w_ptr, bias_ptr,
     rows = (offs_n % H).to(tl.int64)
     offs_j = tl.arange(0, K_PAD)
     offs_k = tl.arange(0, BLOCK_K)
-    slot, lo = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT,
+    slot, lo = pair_sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT,
                         K_PAD)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0).to(tl.int64)
-    b_ptrs = (b_ptr + _expert_offset(slot, num_slots, host_off, stride_be)[:, None, None]
+    b_ptrs = (b_ptr + expert_offset(slot, num_slots, host_off, stride_be)[:, None, None]
               + rows[None, :, None] * stride_bn + offs_k[None, None, :])
     a_ptrs = a_ptr + offs_j[:, None] * stride_am + offs_k[None, :]
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)

@@ -46,7 +46,7 @@ from torch import Tensor
 from moestream.quant import QuantSpec
 
 from .fused_moe_decode import QuantOperand
-from .fused_moe_token import TokenConfig, TokenTile, _expert_offset, _slot_of, _sources, host_offset, store_pair_rows
+from .fused_moe_token import TokenConfig, TokenTile, expert_offset, host_offset, pair_sources, slot_of, store_pair_rows
 from .moe_activation import activate
 from .pdl import pdl_args, release_consumer, wait_for_producer
 from .switch import Switch
@@ -101,7 +101,7 @@ def _nf_plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr, NF: tl.constexpr):
+def plane_values(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr, NF: tl.constexpr):
     """Value p of every word as the kernels multiply it: its codebook entry (NF), else `_affine_plane`."""
     if NF:
         v = _nf_plane(words, p, code_ptr, BITS)
@@ -111,14 +111,14 @@ def _plane(words, p: tl.constexpr, code_ptr, BITS: tl.constexpr, NF: tl.constexp
 
 
 @triton.jit
-def _per_group(t, ROWS: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr):
+def per_group(t, ROWS: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr):
     """(ROWS, W) per-word sums → (ROWS, W / WPG) per-group sums, within each thread's words: the group
     scales then meet a tensor 1/WPG the size (one small layout change per K step, not one per word)."""
     return tl.sum(tl.reshape(t, (ROWS, W // WPG, WPG)), axis=2)
 
 
 @triton.jit
-def _step_masks(k0, offs_w, offs_g, K, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, GPB: tl.constexpr,
+def step_masks(k0, offs_w, offs_g, K, V: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, GPB: tl.constexpr,
                 EVEN_K: tl.constexpr):
     """The (1, W) packed-word mask and (1, GPB) group mask of the K step at `k0` over a row of K values
     (all true when K is a whole number of steps)."""
@@ -132,7 +132,7 @@ def _step_masks(k0, offs_w, offs_g, K, V: tl.constexpr, GROUP: tl.constexpr, W: 
 
 
 @triton.jit
-def _planes_kernel(x_ptr, out_ptr, sums_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, GROUP: tl.constexpr,
+def planes_kernel(x_ptr, out_ptr, sums_ptr, H, BITS: tl.constexpr, NF: tl.constexpr, GROUP: tl.constexpr,
                    SUMS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """The hidden row as the gate_up launch reads it: fp32, value i at (i mod V) · H/V + i / V, times
     2^-(BITS · l) for its plane p, l = p mod (23 // BITS) (affine: what `_affine_plane` leaves
@@ -161,17 +161,17 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
                            GROUP: tl.constexpr, NF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            EVEN_K: tl.constexpr, SPLIT: tl.constexpr, K_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    """`x_ptr`: the hidden row as `_planes_kernel` writes it. Writes row j of the (k, I) fp32
+    """`x_ptr`: the hidden row as `planes_kernel` writes it. Writes row j of the (k, I) fp32
     activations the same way for the down launch: value i at (i mod V) · I/V + i / V, rounded to the
-    hidden dtype (OUT_DTYPE), then (affine) scaled as `_planes_kernel` scales, exactly."""
+    hidden dtype (OUT_DTYPE), then (affine) scaled as `planes_kernel` scales, exactly."""
     wait_for_producer(USE_PDL)
     j = tl.program_id(0)
     if SPLIT:
-        src, _ = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP,
+        src, _ = pair_sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP,
                           SPLIT, K_PAD)
         slot = tl.sum(tl.where(tl.arange(0, K_PAD) == j, src, 0), axis=0)
     else:
-        slot = _slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
+        slot = slot_of(ids_ptr, map_ptr, j, top_k, stride_id, num_slots, num_host, HAS_MAP)
     if slot < 0:
         return
     V: tl.constexpr = 32 // BITS          # values per word
@@ -181,20 +181,20 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % I).to(tl.int64)      # past I: wrap (store masked), loads stay unmasked along N
     offs_w = tl.arange(0, W)
-    g_ptrs = q_ptr + _expert_offset(slot, num_slots, host_q, stride_qe) + rows[:, None] * stride_qn + offs_w[None, :]
+    g_ptrs = q_ptr + expert_offset(slot, num_slots, host_q, stride_qe) + rows[:, None] * stride_qn + offs_w[None, :]
     u_ptrs = g_ptrs + I * stride_qn
     GPB: tl.constexpr = BLOCK_K // GROUP  # groups per K step
     offs_g = tl.arange(0, GPB)
-    gs_ptrs = s_ptr + _expert_offset(slot, num_slots, host_s, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
+    gs_ptrs = s_ptr + expert_offset(slot, num_slots, host_s, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
     us_ptrs = gs_ptrs + I * stride_sn
-    gz_ptrs = z_ptr + _expert_offset(slot, num_slots, host_z, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
+    gz_ptrs = z_ptr + expert_offset(slot, num_slots, host_z, stride_se) + rows[:, None] * stride_sn + offs_g[None, :]
     uz_ptrs = gz_ptrs + I * stride_sn
     words_per_row = H // V
     x_ptrs = x_ptr + offs_w[None, :] + 0 * rows[:, None]   # the words' shape and contiguity: their layout
     acc_g = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        wm, gm = _step_masks(k0, offs_w, offs_g, H, V, GROUP, W, GPB, EVEN_K)
+        wm, gm = step_masks(k0, offs_w, offs_g, H, V, GROUP, W, GPB, EVEN_K)
         wg = tl.load(g_ptrs, mask=wm, other=0)
         wu = tl.load(u_ptrs, mask=wm, other=0)
         dg = tl.zeros((BLOCK_N, W), dtype=tl.float32)
@@ -202,14 +202,14 @@ def _qtoken_gate_up_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, c_ptr, ids_ptr,
         xs = tl.zeros((BLOCK_N, W), dtype=tl.float32)
         for p in tl.static_range(V):
             x = tl.load(x_ptrs + p * words_per_row, mask=wm, other=0.0)
-            dg += _plane(wg, p, code_ptr, BITS, NF) * x
-            du += _plane(wu, p, code_ptr, BITS, NF) * x
+            dg += plane_values(wg, p, code_ptr, BITS, NF) * x
+            du += plane_values(wu, p, code_ptr, BITS, NF) * x
             if not NF:
                 xs += x * (1 << ((p % P0) * BITS))
-        acc_g += _per_group(dg, BLOCK_N, W, WPG) * tl.load(gs_ptrs, mask=gm, other=0.0).to(tl.float32)
-        acc_u += _per_group(du, BLOCK_N, W, WPG) * tl.load(us_ptrs, mask=gm, other=0.0).to(tl.float32)
+        acc_g += per_group(dg, BLOCK_N, W, WPG) * tl.load(gs_ptrs, mask=gm, other=0.0).to(tl.float32)
+        acc_u += per_group(du, BLOCK_N, W, WPG) * tl.load(us_ptrs, mask=gm, other=0.0).to(tl.float32)
         if not NF:
-            xg = _per_group(xs, BLOCK_N, W, WPG)
+            xg = per_group(xs, BLOCK_N, W, WPG)
             acc_g += tl.load(gz_ptrs, mask=gm, other=0.0).to(tl.float32) * xg
             acc_u += tl.load(uz_ptrs, mask=gm, other=0.0).to(tl.float32) * xg
         g_ptrs += W
@@ -244,7 +244,7 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
     WPG: tl.constexpr = GROUP // V
     R: tl.constexpr = K_PAD * BLOCK_N
     P0: tl.constexpr = 23 // BITS
-    src, _ = _sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT,
+    src, _ = pair_sources(ids_ptr, map_ptr, take_ptr, cut_ptr, top_k, stride_id, num_slots, num_host, HAS_MAP, SPLIT,
                       K_PAD)
     offs_j = tl.arange(0, K_PAD)
     valid = src >= 0
@@ -256,19 +256,19 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
     live = src_r >= 0
     slot_r = tl.where(live, src_r, 0)
     offs_w = tl.arange(0, W)
-    q_ptrs = (q_ptr + _expert_offset(slot_r, num_slots, host_q, stride_qe)[:, None]
+    q_ptrs = (q_ptr + expert_offset(slot_r, num_slots, host_q, stride_qe)[:, None]
               + col.to(tl.int64)[:, None] * stride_qn + offs_w[None, :])
     GPB: tl.constexpr = BLOCK_K // GROUP
     offs_g = tl.arange(0, GPB)
-    s_ptrs = (s_ptr + _expert_offset(slot_r, num_slots, host_s, stride_se)[:, None]
+    s_ptrs = (s_ptr + expert_offset(slot_r, num_slots, host_s, stride_se)[:, None]
               + col.to(tl.int64)[:, None] * stride_sn + offs_g[None, :])
-    z_ptrs = (z_ptr + _expert_offset(slot_r, num_slots, host_z, stride_se)[:, None]
+    z_ptrs = (z_ptr + expert_offset(slot_r, num_slots, host_z, stride_se)[:, None]
               + col.to(tl.int64)[:, None] * stride_sn + offs_g[None, :])
     a_ptrs = a_ptr + pair[:, None] * stride_am + offs_w[None, :]
     acc = tl.zeros((R, GPB), dtype=tl.float32)
     words_per_row = I // V
     for k0 in range(0, I, BLOCK_K):
-        wm, gm = _step_masks(k0, offs_w, offs_g, I, V, GROUP, W, GPB, EVEN_K)
+        wm, gm = step_masks(k0, offs_w, offs_g, I, V, GROUP, W, GPB, EVEN_K)
         m = live[:, None] & wm
         mg = live[:, None] & gm
         words = tl.load(q_ptrs, mask=m, other=0)
@@ -276,12 +276,12 @@ def _qtoken_down_kernel(a_ptr, q_ptr, s_ptr, z_ptr, code_ptr, out_ptr, ids_ptr, 
         xs = tl.zeros((R, W), dtype=tl.float32)
         for p in tl.static_range(V):
             x = tl.load(a_ptrs + p * words_per_row, mask=m, other=0.0)
-            d += _plane(words, p, code_ptr, BITS, NF) * x
+            d += plane_values(words, p, code_ptr, BITS, NF) * x
             if not NF:
                 xs += x * (1 << ((p % P0) * BITS))
-        acc += _per_group(d, R, W, WPG) * tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32)
+        acc += per_group(d, R, W, WPG) * tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32)
         if not NF:
-            acc += tl.load(z_ptrs, mask=mg, other=0.0).to(tl.float32) * _per_group(xs, R, W, WPG)
+            acc += tl.load(z_ptrs, mask=mg, other=0.0).to(tl.float32) * per_group(xs, R, W, WPG)
         q_ptrs += W
         s_ptrs += GPB
         z_ptrs += GPB
@@ -330,9 +330,9 @@ def token_moe_quant(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand, i
     has_map = slot_map is not None
     smap = slot_map if has_map else ids1
     take = take if split else ids1   # unread placeholder without a split
-    cut = take                       # `_sources` loads a cut; these kernels never use it (whole experts only)
-    planes = torch.empty((H,), dtype=torch.float32, device=hidden.device)    # plane-ordered (_planes_kernel)
-    _planes_kernel[(triton.cdiv(H, 1024),)](hidden, planes, planes, H, BITS=bits, NF=nf, GROUP=group, SUMS=False,
+    cut = take                       # `pair_sources` loads a cut; these kernels never use it (whole experts only)
+    planes = torch.empty((H,), dtype=torch.float32, device=hidden.device)    # plane-ordered (planes_kernel)
+    planes_kernel[(triton.cdiv(H, 1024),)](hidden, planes, planes, H, BITS=bits, NF=nf, GROUP=group, SUMS=False,
                                             BLOCK=1024, num_warps=4,
                                             **pdl_args(hidden))
     inter = torch.empty((k, I), dtype=torch.float32, device=hidden.device)   # plane-ordered (gate_up kernel)

@@ -8,7 +8,7 @@ fused_moe_token_quant.py): int32 words, 16 bytes per load, each value masked in 
 mantissa of 2^23 (one bitwise op and one add), inputs stored plane by plane and pre-scaled so every
 plane meets a contiguous run of them. Two launches:
 
-* prepare (`_planes_kernel`, the one-token kernels' rewrite): the row plane-ordered and pre-scaled,
+* prepare (`planes_kernel`, the one-token kernels' rewrite): the row plane-ordered and pre-scaled,
   and (affine) the sum of each group's inputs. Every output column's bias term b · Σx needs the
   same per-group sums, so they are summed once here instead of once per column inside the product.
 * product: grid (cdiv(N, BLOCK_N),); program n streams BLOCK_N packed rows along K, adds the
@@ -31,8 +31,8 @@ from torch import Tensor
 
 from moestream.quant import QuantSpec
 
-from .fused_moe_quant_triton import _codebook
-from .fused_moe_token_quant import _per_group, _plane, _planes_kernel, _step_masks, token_path_supported
+from .fused_moe_quant_triton import nf_codebook
+from .fused_moe_token_quant import per_group, plane_values, planes_kernel, step_masks, token_path_supported
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
 __all__ = ["QuantGemvTile", "default_tile", "quant_gemv", "quant_gemv_supported"]
@@ -87,13 +87,13 @@ def _quant_gemv_kernel(planes_ptr, sums_ptr, q_ptr, s_ptr, z_ptr, code_ptr, b_pt
     words_per_row = K // V
     acc = tl.zeros((BLOCK_N, GPB), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        wm, gm = _step_masks(k0, offs_w, offs_g, K, V, GROUP, W, GPB, EVEN_K)
+        wm, gm = step_masks(k0, offs_w, offs_g, K, V, GROUP, W, GPB, EVEN_K)
         words = tl.load(q_ptrs, mask=wm, other=0)
         d = tl.zeros((BLOCK_N, W), dtype=tl.float32)
         for p in tl.static_range(V):
             x = tl.load(x_ptrs + p * words_per_row, mask=wm, other=0.0)
-            d += _plane(words, p, code_ptr, BITS, NF) * x
-        acc += _per_group(d, BLOCK_N, W, WPG) * tl.load(s_ptrs, mask=gm, other=0.0).to(tl.float32)
+            d += plane_values(words, p, code_ptr, BITS, NF) * x
+        acc += per_group(d, BLOCK_N, W, WPG) * tl.load(s_ptrs, mask=gm, other=0.0).to(tl.float32)
         if not NF:
             acc += tl.load(z_ptrs, mask=gm, other=0.0).to(tl.float32) * tl.load(xg_ptrs, mask=gm, other=0.0)
         q_ptrs += W
@@ -117,10 +117,10 @@ def quant_gemv(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | None
     x1 = x.reshape(K)
     words = qweight.view(torch.int32)
     nf = spec.kind == "nf"
-    code = _codebook(spec.bits, str(x.device)) if nf else None
+    code = nf_codebook(spec.bits, str(x.device)) if nf else None
     planes = torch.empty((K,), dtype=torch.float32, device=x.device)
     sums = torch.empty((K // spec.group,), dtype=torch.float32, device=x.device)
-    _planes_kernel[(triton.cdiv(K, _PREPARE_BLOCK),)](x1, planes, sums, K, BITS=spec.bits, NF=nf, GROUP=spec.group,
+    planes_kernel[(triton.cdiv(K, _PREPARE_BLOCK),)](x1, planes, sums, K, BITS=spec.bits, NF=nf, GROUP=spec.group,
                                                        SUMS=not nf, BLOCK=_PREPARE_BLOCK, num_warps=4, **pdl_args(x))
     cfg = tile or default_tile(N, K, spec)
     out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype, device=x.device)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from moestream.quant import QuantSpec, dequantize
 
-from .fused_moe_decode import QUANT_DECODE_CONFIG, _launch
+from .fused_moe_decode import QUANT_DECODE_CONFIG, decode_launch
 from .fused_moe_quant_triton import quant_operand
 from .quant_gemv_triton import quant_gemv, quant_gemv_supported
 from .switch import Switch
@@ -51,6 +51,6 @@ def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | No
     slot_ids = torch.zeros((T, 1), dtype=torch.int32, device=x.device)
     tile = QUANT_DECODE_CONFIG.down
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _launch(x, qweight[None], out, slot_ids, out, n=N, k=K, num_slots=1, a_by_token=True, gated=False,
+        decode_launch(x, qweight[None], out, slot_ids, out, n=N, k=K, num_slots=1, a_by_token=True, gated=False,
                 activation_code=0, mul_weight=False, block_m=DECODE_MAX_TOKENS, tile=tile, quant=operand)
     return out + bias if bias is not None else out

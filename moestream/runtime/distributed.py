@@ -1,8 +1,9 @@
 """Expert parallel across processes: rank 0 runs the engine, the other ranks follow its model calls.
 
 One process per device. Rank 0 is the caller's process: it owns the tokenizer, the scheduler,
-sampling and every output; it starts ranks 1..N-1 (`python -m moestream.runtime.distributed`, so
-the caller's script is never re-imported) and meets them
+sampling and every output; it starts ranks 1..N-1 (`python -m moestream.engine.follower`, so
+the caller's script is never re-imported; the engine layer names that module, this one builds no
+engine itself) and meets them
 through a TCP store on 127.0.0.1 that also carries the configuration and its model calls to them. Every rank holds the
 replicated dense weights and its own share of the routed experts (`experts/sharded.py`); each
 model call that rank 0 makes (prefill a chunk into a row, decode a batch, a full forward, a cache
@@ -37,6 +38,7 @@ import pickle
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -147,7 +149,9 @@ def gather_budgets(store, rank: int, world: int, timeout: timedelta, budget: int
 class RankGroup:
     """Rank 0's view of the group: the store, the follower processes, the calls it publishes."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, follower: str):
+        """`follower`: the module each follower process runs (`python -m follower RANK PORT WORLD TIMEOUT`),
+        which builds that rank's engine and calls `follow`."""
         devices = cfg.runtime.devices
         self.world, self.timeout = len(devices), timedelta(seconds=cfg.runtime.rank_timeout_s)
         if dist.is_initialized():
@@ -161,7 +165,7 @@ class RankGroup:
         else:
             self.store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=self.timeout,
                                        wait_for_workers=False)   # port 0: the system picks a free one, no race
-            self.procs = [subprocess.Popen([sys.executable, "-m", "moestream.runtime.distributed", str(rank),
+            self.procs = [subprocess.Popen([sys.executable, "-m", follower, str(rank),
                                             str(self.store.port), str(self.world), str(cfg.runtime.rank_timeout_s)],
                                            stdout=subprocess.DEVNULL) for rank in range(1, self.world)]
         self.store.set("config", pickle.dumps(cfg))
@@ -332,10 +336,11 @@ def _checked(call, *args):
                                "the engine cannot continue: load it again.") from None
 
 
-def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.0.0.1") -> None:
-    """A follower rank: join, build this rank's engine, then make rank 0's calls until told to stop."""
-    from moestream.engine.build import build
+def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, host: str = "127.0.0.1") -> None:
+    """A follower rank: join, build this rank's engine, then make rank 0's calls until told to stop.
 
+    `build(cfg, rank=, world=, gather=)` returns the rank's engine: the caller (the engine layer)
+    passes it, so this module never imports what sits above it."""
     parent = os.getppid()
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
@@ -379,7 +384,3 @@ def follow(rank: int, port: int, world: int, timeout_s: float, host: str = "127.
                 continue
             args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
             getattr(runner, op)(*args)
-
-
-if __name__ == "__main__":
-    follow(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))

@@ -25,10 +25,11 @@ class Scores:
 
 
 def sliding_window_scores(model_fn: ModelFn, ids: list[int], window: int, device: torch.device | str = "cpu",
-                          reference_fn: ModelFn | None = None) -> Scores:
+                          reference_fn: ModelFn | None = None, progress: Callable[[int], None] | None = None) -> Scores:
     """Perplexity of `ids` under `model_fn` (maps (1, L) ids to (1, L, V) logits), and with a
     `reference_fn` the mean KL divergence from the reference's next-token distributions to the
-    model's over the same scored positions (the quality cost of quantization, token by token)."""
+    model's over the same scored positions (the quality cost of quantization, token by token).
+    `progress(n)` hears of the n tokens each window scored (a long file takes minutes)."""
     if len(ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     stride = max(1, window // 2)
@@ -48,6 +49,8 @@ def sliding_window_scores(model_fn: ModelFn, ids: list[int], window: int, device
             total_kl += float((log_p.exp() * (log_p - log_q)).sum())
         total_nll += float(nll)
         scored += int(keep.sum())
+        if progress is not None:
+            progress(int(keep.sum()))
         prev_end = end
         if end == len(ids):
             break
@@ -61,9 +64,10 @@ def sliding_window_perplexity(model_fn: ModelFn, ids: list[int], window: int,
     return scores.perplexity, scores.tokens
 
 
-def decode_perplexity(engine, ids: list[int], window: int, max_scored: int | None = None) -> tuple[float, int]:
+def decode_perplexity(engine, ids: list[int], window: int, max_scored: int | None = None,
+                      progress: Callable[[int], None] | None = None) -> tuple[float, int]:
     """(perplexity, scored tokens) with every scored token produced by a decode step of `engine`
-    (`Engine.teacher_forced`).
+    (`Engine.teacher_forced`); `progress(n)` hears of the n tokens each window scored.
 
     Each window of W tokens gives its first W/2 as an exact prompt and scores the next W/2 one
     decode step at a time, so modes that only change decoding (the skip miss policy) show their
@@ -81,6 +85,8 @@ def decode_perplexity(engine, ids: list[int], window: int, max_scored: int | Non
         logp = engine.teacher_forced(context, targets)
         total_nll -= float(logp.sum())
         scored += len(targets)
+        if progress is not None:
+            progress(len(targets))
         if max_scored is not None and scored >= max_scored:
             break
     return math.exp(total_nll / scored), scored

@@ -211,12 +211,12 @@ def test_split_slots_kernel_compiles():
 @pytest.mark.parametrize("split", [False, True])
 def test_quant_token_kernels_compile(bits, group, nf, reduce, split):
     """One token's quantized experts: the packed words unpacked by planes, for each format the path serves."""
-    from moestream.kernels.fused_moe_token_quant import (QUANT_TOKEN_CONFIG, _planes_kernel, _qtoken_down_kernel,
+    from moestream.kernels.fused_moe_token_quant import (QUANT_TOKEN_CONFIG, planes_kernel, _qtoken_down_kernel,
                                                           _qtoken_gate_up_kernel)
 
     consts = {"BITS": bits, "NF": nf, "GROUP": group, "SUMS": False, "BLOCK": 1024, "USE_PDL": True}
     sig = _sig({"x_ptr": "*bf16", "out_ptr": "*fp32", "sums_ptr": "*fp32"}, ["H"], [], consts)
-    triton.compile(ASTSource(fn=_planes_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
+    triton.compile(ASTSource(fn=planes_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
 
     quant = {"q_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "code_ptr": "*fp32" if nf else "*bf16"}
     ids = {"ids_ptr": "*i32", "map_ptr": "*i32", "take_ptr": "*i32", "cut_ptr": "*i32"}
@@ -248,13 +248,13 @@ def test_quant_token_kernels_compile(bits, group, nf, reduce, split):
 def test_quant_gemv_kernels_compile(bits, group, nf, bias):
     """The one-row quantized GEMV at each of its default tiles: the prepare launch (the planes with the
     group sums) and the product."""
-    from moestream.kernels.fused_moe_token_quant import _planes_kernel
+    from moestream.kernels.fused_moe_token_quant import planes_kernel
     from moestream.kernels.quant_gemv_triton import _quant_gemv_kernel, default_tile
     from moestream.quant import QuantSpec
 
     consts = {"BITS": bits, "NF": nf, "GROUP": group, "SUMS": not nf, "BLOCK": 1024, "USE_PDL": True}
     sig = _sig({"x_ptr": "*bf16", "out_ptr": "*fp32", "sums_ptr": "*fp32"}, ["H"], [], consts)
-    triton.compile(ASTSource(fn=_planes_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
+    triton.compile(ASTSource(fn=planes_kernel, signature=sig, constexprs=consts), target=H100, options={"num_warps": 4})
     spec = QuantSpec("nf" if nf else "int", bits, group)
     for N, K in ((5120, 2048), (2048, 4096), (151936, 2048)):
         tile = default_tile(N, K, spec)

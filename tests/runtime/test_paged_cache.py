@@ -245,7 +245,7 @@ def test_check_prints_the_paged_plan_and_the_cli_refuses_bad_kv_options_in_one_l
     assert main(["check", str(tiny_qwen3), "--device", "cpu", "--max-context", "96"]) == 0
     assert "paged: 6 blocks × 16 positions" in capsys.readouterr().out
     for argv, match in ((["check", str(tiny_qwen3), "--device", "cpu", "--kv-cache-memory", "1KiB"], "fewer than one context"),
-                        (["run", str(tiny_checkpoints["gpt_oss"][0]), "--device", "cpu", "--kv-layout", "paged", "-p", "x"],
+                        (["run", str(tiny_checkpoints["gpt_oss"][0]), "--device", "cpu", "--kv-layout", "paged", "-p", "5"],
                          "not available here")):
         assert main(argv) == 1
         err = capsys.readouterr().err

@@ -1,5 +1,9 @@
 """`moestream convert`: a Hugging Face checkpoint → the engine's packed checkpoint (checkpoint/packed.py).
 
+It sits in the engine layer, beside the loader that reads what it writes (weights.py for the dense
+file, `experts/store.py: PackedExpertStore` for the expert records), because deciding what to write
+takes both the model's modules (which tensors a recipe quantizes) and the expert formats.
+
 Layer by layer, with bounded memory: the dense tensors go to one safetensors file (quantized where
 the recipe says), each MoE layer's experts to one file of 4 KiB-aligned records (one record per
 expert, every tensor of it back to back, quantized by the expert format) with a CRC-32 each.
@@ -26,7 +30,7 @@ import torch
 
 from moestream.archs import ModelConfig, detect_arch, model_config_from_hf
 from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
-from moestream.checkpoint.packed import LAYOUT_NAME, LayerRecords, PackedLayout, record_layout
+from moestream.checkpoint.packed import FORMAT, LAYOUT_NAME, VERSION, LayerRecords, PackedLayout, record_layout
 from moestream.checkpoint.safetensors_writer import write_safetensors
 from moestream.errors import InputError
 from moestream.experts.format import QuantizedFormat
@@ -51,7 +55,8 @@ class ConvertResult:
     source_bytes: int      # bytes of the source tensors read
     written_bytes: int
     seconds: float
-    resumed_layers: int
+    resumed_layers: int    # MoE layers an interrupted run had finished, kept
+    resumed_parts: int = 0  # the same, counting the dense file
 
     @property
     def gb_per_s(self) -> float:
@@ -128,6 +133,7 @@ class Converter:
         t0 = time.perf_counter()
         identity = _identity(self.folder, self.index, self.recipe, self.dtype)
         done = self._resume(identity)
+        kept = set(done)
         resumed = sum(1 for k in done if k != "dense")
         layers = self.store.moe_layers
         per_expert = self.store.dtype.itemsize * 3 * self.config.hidden_size * self.config.moe_intermediate
@@ -157,7 +163,8 @@ class Converter:
             bar.close()
         self._install()
         written = sum(p.stat().st_size for p in self.out.rglob("*") if p.is_file())
-        return ConvertResult(self.out, source_bytes, written, time.perf_counter() - t0, resumed)
+        return ConvertResult(self.out, source_bytes, written, time.perf_counter() - t0, resumed,
+                             resumed + ("dense" in kept))
 
     def _bar(self, total: int, initial: int):
         from tqdm import tqdm
@@ -165,8 +172,16 @@ class Converter:
         return tqdm(total=total, initial=initial, unit="expert", desc="convert", disable=not self.progress,
                     dynamic_ncols=True)
 
-    def _resume(self, identity: dict) -> dict:
-        """What a previous run with the same identity finished; anything else is wiped."""
+    @property
+    def parts(self) -> int:
+        """What a run writes and a rerun can keep: the dense file and one file per MoE layer."""
+        return 1 + len(self.store.moe_layers)
+
+    def finished_parts(self) -> int:
+        """Parts an interrupted run with the same source and recipe left finished: this run keeps them."""
+        return len(self._saved(_identity(self.folder, self.index, self.recipe, self.dtype)))
+
+    def _saved(self, identity: dict) -> dict:
         progress = self.work / PROGRESS
         if progress.is_file():
             try:
@@ -175,6 +190,13 @@ class Converter:
                     return dict(saved.get("done", {}))
             except (OSError, ValueError):
                 pass
+        return {}
+
+    def _resume(self, identity: dict) -> dict:
+        """What a previous run with the same identity finished; anything else is wiped."""
+        done = self._saved(identity)
+        if done:
+            return done
         if self.work.exists():
             shutil.rmtree(self.work)
         try:
@@ -237,7 +259,7 @@ class Converter:
 
     def _write_layout(self, records: dict[int, dict]) -> None:
         layers = {str(k): v for k, v in sorted(records.items())}
-        data = {"format": "moestream-packed", "version": 1, "dtype": str(self.dtype).removeprefix("torch."),
+        data = {"format": FORMAT, "version": VERSION, "dtype": str(self.dtype).removeprefix("torch."),
                 "recipe": self.recipe.as_dict(), "num_experts": self.config.num_experts, "layers": layers,
                 "source": {"checkpoint": self.folder.name, "arch": self.spec.name}}
         text = json.dumps(data, indent=1, sort_keys=True).encode()

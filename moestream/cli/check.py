@@ -1,0 +1,119 @@
+"""`moestream check`: the memory plan for a checkpoint and a budget, from config.json alone."""
+
+from __future__ import annotations
+
+from moestream.cli.common import engine_config
+from moestream.cli.flags import add_budget_args, add_devices_args, add_kv_args, add_quant_args, integer
+
+
+def add_parser(sub) -> None:
+    check = sub.add_parser("check", help="show the memory plan for a budget without loading weights")
+    check.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
+    check.add_argument("--device", default="auto",
+                       help="the device the plan is for: cpu | cuda | cuda:N | auto (default: auto; a CPU plan counts "
+                            "RAM and no CUDA workspace)")
+    add_devices_args(check, "; one plan per rank")
+    check.add_argument("--dtype", default="auto",
+                       help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    check.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
+    add_kv_args(check)
+    add_budget_args(check)
+    add_quant_args(check)
+    check.add_argument("--measure-costs", action="store_true",
+                       help="also time what a miss costs on this machine (copy over PCIe, an expert on the CPU) on "
+                            "random experts of the model's shape: the inputs of --cpu-misses auto's split")
+    check.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """The memory plan for a checkpoint and budget, from config.json alone (no weights read)."""
+    from moestream.engine.plan import plan_load
+
+    cfg = engine_config(args)
+    if cfg.runtime.devices:   # one plan per rank: each holds its share of the experts, sized by its budget
+        from moestream.engine.ranks import explain_ranks, plan_ranks
+
+        plans = plan_ranks(cfg)
+        print_model(plans[0].plan)
+        print()
+        print(explain_ranks(plans))
+        return 0
+    plan = plan_load(cfg)
+    print_model(plan)
+    print(plan.memory.explain())
+    print_cpu_path()
+    if args.measure_costs:
+        print_miss_costs(plan)
+    return 0
+
+
+def print_cpu_path() -> None:
+    """What `--cpu-misses` would compute with on this host: the inputs its split starts from."""
+    from moestream.kernels import cpu_moe
+
+    cpus = len(cpu_moe.usable_cpus())
+    if cpu_moe.load() is None:
+        print(f"CPU experts       plain torch ({cpu_moe.unavailable_reason()}); --cpu-misses would be slow here")
+    else:
+        print(f"CPU experts       C kernel, {cpu_moe.default_threads(cpus)} of {cpus} cores by default (--cpu-threads); "
+              f"--cpu-misses auto measures copy and CPU costs at the first decode step (--stats prints them; "
+              f"--measure-costs here times them now)")
+
+
+def print_miss_costs(plan) -> None:
+    """The hybrid split's inputs (`MissCosts`), measured now on random experts of this model's shape
+    and format in host RAM (pinned where a GPU can copy them): what `--cpu-misses auto` measures at
+    its first decode step, here before any weight is read."""
+    import torch
+
+    from moestream.experts.fetch import MissCosts
+    from moestream.experts.format import ExpertShape
+    from moestream.kernels import cpu_moe
+
+    fmt = next(iter(plan.expert_formats.values()), None)
+    if fmt is None:
+        print("miss costs        none: the model has no routed experts")
+        return
+    shape = ExpertShape.of(plan.config)
+    nbytes = fmt.nbytes(shape)
+    pin = plan.device.type == "cuda"
+    # Up to 1 GiB of experts, more than a server's last-level cache, so every timed read is DRAM's.
+    count = max(8, min(128, (1 << 30) // max(nbytes, 1)))
+    g = torch.Generator().manual_seed(0)
+    stack = {}
+    for t in fmt.tensors(shape):
+        if t.dtype.is_floating_point:
+            data = (torch.randn((count, *t.shape), generator=g) * 0.02).to(t.dtype)
+        else:
+            data = torch.randint(0, 256, (count, *t.shape), generator=g, dtype=torch.uint8).view(t.dtype)
+        stack[t.name] = data.pin_memory() if pin else data
+    costs = MissCosts.measure(stack, fmt.host_dispatch(shape), plan.device, shape.hidden, fmt.dtype)
+    threads = cpu_moe.default_threads(len(cpu_moe.usable_cpus()))
+    print(f"miss costs        one {fmt.name} expert ({nbytes / 1e6:.2f} MB), measured now on {count} random experts:")
+    if pin:
+        print(f"  copy over PCIe  {costs.copy_s * 1e6:.0f} us ({nbytes / costs.copy_s / 1e9:.1f} GB/s)")
+    print(f"  on the CPU      {costs.cpu_expert_s * 1e6:.0f} us for its first token ({nbytes / costs.cpu_expert_s / 1e9:.1f} "
+          f"GB/s of weights, {threads} threads), +{costs.cpu_token_s * 1e6:.1f} us per further token")
+    print(f"  CPU call        {costs.cpu_call_s * 1e6:.0f} us fixed (hidden rows to the host, the result back)")
+    if pin:
+        print(f"  both at once    {costs.contention:.2f}x the slower alone (both read host RAM)")
+
+
+def print_model(plan) -> None:
+    config = plan.config
+    print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
+    print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
+    if getattr(plan, "int_quant", None) is not None:
+        print_int_quant(plan)
+
+
+def print_int_quant(plan) -> None:
+    """A GPTQ / AWQ / compressed-tensors checkpoint: what it stores and what the experts are held as."""
+    from moestream.quant.gptq import affine_spec
+
+    held = next(iter(plan.expert_formats.values()), None)
+    spec = getattr(held, "spec", None)
+    scales = f" ({str(spec.scale_dtype).removeprefix('torch.')} scales and biases)" if spec is not None else ""
+    how = "repacked exactly as" if affine_spec(plan.int_quant) is not None else "without an exact form, as"
+    print(f"weights           {plan.int_quant.name}; experts {how} {held.name if held else '-'}{scales}")
+
