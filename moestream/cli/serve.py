@@ -59,7 +59,7 @@ def read_chat_template(path: str | None) -> str | None:
 def run(args) -> int:
     """Load in the background behind a listening server (/health answers 503 until ready)."""
     checked_model(args)
-    chat_template = read_chat_template(args.chat_template)
+    args.chat_template_text = read_chat_template(args.chat_template)   # a bad file is one line before anything loads
     sock = listen_socket(args.host, args.port)   # a port in use is one line before anything loads
     try:
         return serve(args, sock)
@@ -146,7 +146,7 @@ def serve(args, sock: socket.socket) -> int:
             raise
 
     options = ServeOptions(model_name=name, api_key=args.api_key, max_queue=args.max_queue, max_tokens=args.max_tokens,
-                           keepalive_s=args.keepalive, chat_template=chat_template, access_log=not args.no_access_log)
+                           keepalive_s=args.keepalive, chat_template=args.chat_template_text, access_log=not args.no_access_log)
     app = create_app(load, options)
     class GracefulServer(uvicorn.Server):
         """Uvicorn re-raises SIGTERM / SIGINT once it has shut down gracefully, so the process would die of

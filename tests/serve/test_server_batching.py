@@ -156,8 +156,11 @@ def test_serve_cli_starts_answers_and_exits_0_on_sigterm(tmp_path):
     port = port_probe.getsockname()[1]
     port_probe.close()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>")
     proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", "--device", "cpu", "--port", str(port),
-                             "--max-context", "256", "--warmup-tokens", "2"],
+                             "--max-context", "256", "--warmup-tokens", "2", "--max-tokens", "2",
+                             "--chat-template", str(template), "--keepalive", "5"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -171,6 +174,9 @@ def test_serve_cli_starts_answers_and_exits_0_on_sigterm(tmp_path):
         wait_until(healthy, timeout=120)
         r = httpx.post(f"{url}/v1/completions", json={"model": "x", "prompt": "The fox", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["model"] == "demo_model"
+        assert r.json()["usage"]["completion_tokens"] == 2          # --max-tokens is the ceiling
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2   # --chat-template serves chat
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "serving demo_model on" in proc.stderr.read()
