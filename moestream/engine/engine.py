@@ -131,9 +131,12 @@ class Engine:
     @property
     def overlapping(self) -> bool:
         """Whether decode steps run one ahead of the host (`overlap`): auto turns it on on a GPU where a
-        step reads nothing back (whole-step graphs) and one process decodes."""
+        step reads nothing back (whole-step graphs); in an expert-parallel group, where the group
+        replays whole steps as graphs (NCCL, every rank's bank graph-safe), the step's tokens then
+        reaching the followers inside it."""
         if self.overlap == "auto":
-            return self.device.type == "cuda" and self.group is None and self.bank.graph_safe
+            return (self.device.type == "cuda" and self.bank.graph_safe
+                    and (self.group is None or self.runner.cuda_graphs))
         return self.overlap == "on"
 
     def close(self) -> None:
@@ -387,7 +390,7 @@ class Engine:
         """One decode step of `seqs` (cache rows 0..B-1) fed `tokens` (B,) on the device, sampled:
         each token at its sequence's last position, or with `ahead` = 1 one past it (the token still
         in flight, not appended yet)."""
-        positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long)   # the runner copies them over
         kv_len = max(s.length for s in seqs) + ahead
         self.counters.decode_steps += 1
         return self._sample(seqs, self.runner.decode(tokens, positions, kv_len))
