@@ -15,6 +15,8 @@ a step (the scheduler, the cache's blocks, the inputs, the graph launch, stop ch
 then runs while the device computes, instead of between two steps. A sequence that ends on an
 EOS or a stop string has had one more step launched: that step is read at once and its token
 for the ended sequence dropped. Anything that changes the batch reads the step in flight first.
+An expert-parallel group overlaps alike: its followers get each step's tokens from rank 0 on the
+device, inside the step (`runtime/distributed.py`).
 """
 
 from __future__ import annotations

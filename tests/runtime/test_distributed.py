@@ -53,10 +53,13 @@ def test_two_overlapped_ranks_equal_one_process_and_publish_no_tensors(tiny_qwen
             engine.step()
         return [(s.tokens, s.finish_reason) for s in seqs]
 
-    want = run_all(moestream.load(tiny_qwen3, device="cpu", dtype="float32"))
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    want, scores = run_all(single), single.teacher_forced(PROMPTS[1], [9, 4, 7, 2])
     with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", overlap="on",
                         rank_timeout_s=60) as engine:
         assert engine.overlapping
+        # Teacher forcing decodes from positions on the device: the call still carries host values.
+        assert torch.allclose(engine.teacher_forced(PROMPTS[1], [9, 4, 7, 2]), scores, atol=1e-5)
         published, publish = [], engine.group.publish
 
         def recording(op, *args):
