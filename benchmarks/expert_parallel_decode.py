@@ -9,14 +9,16 @@ distinct experts per token from one seed on every rank; `--routing trace --trace
 recorded trace on every rank; `--routing model` keeps the random model's own.
 
     python benchmarks/expert_parallel_decode.py --ckpt /tmp/q3 --out /tmp/ep --devices 1 2 \\
-        --bank-share 1 0.25 --batches 1 16 [--allreduce]
+        --bank-share 1 0.25 --batches 1 16 [--allreduce] [--overlap off auto]
 
 Batch 1 is `moestream bench`'s measurement (a 512-token prompt, then `--gen-tokens` decoded, decode
 tok/s after the first token). Batch B decodes B random prompts of `--batch-prompt-tokens` together:
 aggregate tok/s over the decode steps, from two runs that differ only in their token count (so
 prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
 (B, hidden) tensor in the compute dtype, B = 1 and 16, replayed as a CUDA graph of one step's worth
-on two processes, one a GPU: the floor the all-reduces add to a step.
+on two processes, one a GPU: the floor the all-reduces add to a step. `--overlap` (one row per mode)
+compares decode launched one step ahead of the host (`auto`: on where the ranks replay whole steps)
+with steps waited for one by one (`off`), on the same GPUs in one run.
 """
 
 from __future__ import annotations
@@ -57,20 +59,20 @@ def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, 
     return batch * gen_tokens / (times[gen_tokens + 1] - times[1])
 
 
-def measure(args, world: int, share: float) -> dict:
+def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
     devices = [f"cuda:{i}" for i in range(world)]
     num_experts = json.loads((Path(args.ckpt) / "config.json").read_text()).get("num_experts")
     capacity = None if share >= 1 else max(1, round(num_experts / world * share))
     kwargs = dict(device=devices[0]) if world == 1 else dict(devices=devices)
     start = time.perf_counter()
     engine = moestream.load(args.ckpt, dtype="bfloat16", capacity=capacity, max_batch=max(args.batches),
-                            kv_rows=max(args.batches), rank_timeout_s=600, **kwargs)
+                            kv_rows=max(args.batches), rank_timeout_s=600, overlap=overlap, **kwargs)
     load_s = time.perf_counter() - start
     try:
         routing = apply_routing(engine, args.routing, args.trace)
         row = dict(gpus=world, bank_share=share, capacity_per_rank=capacity, num_experts=num_experts,
                    routing="model" if routing is None else routing.label, load_s=load_s,
-                   graphs=engine.runner.cuda_graphs)
+                   graphs=engine.runner.cuda_graphs, overlap=overlap, overlapping=engine.overlapping)
         for batch in args.batches:
             if batch == 1:
                 result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s=load_s, routing=routing)
@@ -145,6 +147,8 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", default=None)
+    ap.add_argument("--overlap", nargs="+", choices=["auto", "on", "off"], default=["auto"],
+                    help="decode overlap modes to measure, one row each")
     ap.add_argument("--allreduce", action="store_true", help="also time one step's all-reduces alone (2 GPUs)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -155,13 +159,14 @@ def main() -> None:
             log(f"skipping {world} GPUs: {torch.cuda.device_count()} visible")
             continue
         for share in args.bank_share:
-            try:
-                row = measure(args, world, share)
-            except Exception as exc:   # one configuration failing leaves the others' rows
-                row = dict(gpus=world, bank_share=share, error=f"{type(exc).__name__}: {exc}")
-            log(json.dumps(row))
-            rows.append(row)
-            write_result(out, "expert_parallel_decode", {"rows": rows})
+            for overlap in args.overlap:
+                try:
+                    row = measure(args, world, share, overlap)
+                except Exception as exc:   # one configuration failing leaves the others' rows
+                    row = dict(gpus=world, bank_share=share, overlap=overlap, error=f"{type(exc).__name__}: {exc}")
+                log(json.dumps(row))
+                rows.append(row)
+                write_result(out, "expert_parallel_decode", {"rows": rows})
     if args.allreduce and torch.cuda.device_count() >= 2:
         config = json.loads((Path(args.ckpt) / "config.json").read_text())
         floor = allreduce_floor(config["hidden_size"], config["num_hidden_layers"], args.batches)

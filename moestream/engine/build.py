@@ -37,7 +37,7 @@ from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.mlx import mlx_spec
 from moestream.experts.sharded import Placement, ShardedExperts, ShardStore
-from moestream.runtime.distributed import DistributedRunner, RankGroup, checkpoint_digest, rank_config
+from moestream.runtime.distributed import DistributedRunner, RankGroup, checkpoint_digest, rank_config, share_tokens
 from moestream.runtime.blocks import BlockManager
 from moestream.runtime.model_runner import ModelRunner, PagedLayout
 from moestream.runtime.prefix_cache import PrefixCache
@@ -289,6 +289,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
         runner.group = group
     if sharded:
         runner.after_replay = experts.collectives.graph_replayed
+        runner.before_decode = share_tokens   # every decode step's tokens come from rank 0 on the device
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     blocks = None
     if paged is not None:   # the blocks hold the prefix cache too

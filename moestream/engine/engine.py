@@ -15,6 +15,8 @@ a step (the scheduler, the cache's blocks, the inputs, the graph launch, stop ch
 then runs while the device computes, instead of between two steps. A sequence that ends on an
 EOS or a stop string has had one more step launched: that step is read at once and its token
 for the ended sequence dropped. Anything that changes the batch reads the step in flight first.
+An expert-parallel group overlaps alike: its followers get each step's tokens from rank 0 on the
+device, inside the step (`runtime/distributed.py`).
 """
 
 from __future__ import annotations
@@ -131,9 +133,12 @@ class Engine:
     @property
     def overlapping(self) -> bool:
         """Whether decode steps run one ahead of the host (`overlap`): auto turns it on on a GPU where a
-        step reads nothing back (whole-step graphs) and one process decodes."""
+        step reads nothing back (whole-step graphs); in an expert-parallel group, where the group
+        replays whole steps as graphs (NCCL, every rank's bank graph-safe), the step's tokens then
+        reaching the followers inside it."""
         if self.overlap == "auto":
-            return self.device.type == "cuda" and self.group is None and self.bank.graph_safe
+            return (self.device.type == "cuda" and self.bank.graph_safe
+                    and (self.group is None or self.runner.cuda_graphs))
         return self.overlap == "on"
 
     def close(self) -> None:
@@ -387,7 +392,7 @@ class Engine:
         """One decode step of `seqs` (cache rows 0..B-1) fed `tokens` (B,) on the device, sampled:
         each token at its sequence's last position, or with `ahead` = 1 one past it (the token still
         in flight, not appended yet)."""
-        positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.tensor([s.length - 1 + ahead for s in seqs], dtype=torch.long)   # the runner copies them over
         kv_len = max(s.length for s in seqs) + ahead
         self.counters.decode_steps += 1
         return self._sample(seqs, self.runner.decode(tokens, positions, kv_len))

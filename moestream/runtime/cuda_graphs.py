@@ -3,13 +3,15 @@
 A batch-B decode step has static shapes except the attended cache length, so one graph is
 captured per length bucket (powers of two from 256): attention then reads at most twice the
 live context. Static input buffers take each step's tokens and positions; the graph reads
-them on the device. Only banks that read nothing back during a step can be captured whole
+them on the device (in an expert-parallel group a follower's tokens arrive from rank 0 inside the
+graph: `before_step`). Only banks that read nothing back during a step can be captured whole
 (ExpertBank.graph_safe: fully resident, or the skip policy); a fetch-policy bank decodes as graph
 segments split at each router (`SegmentedDecode`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +38,11 @@ class DecodeGraphs:
     changes every time a request joins or leaves; capturing each size mid-stream would stall it)."""
 
     def __init__(self, model: MoECausalLM, rotary, cache: ModelCache, batch: int, dtype: torch.dtype,
-                 scratch_row: int | None = None, pool=None):
+                 scratch_row: int | None = None, pool=None, before_step: Callable[[torch.Tensor], None] | None = None):
+        """`before_step`: run on the token buffer first thing in every step, captured with it (an
+        expert-parallel group's broadcast of rank 0's tokens, `ModelRunner.before_decode`)."""
         self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
+        self.before_step = before_step
         device = cache.device
         self.batch, self.scratch_row = batch, scratch_row
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -49,6 +54,8 @@ class DecodeGraphs:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
 
     def _step(self, kv_len: int) -> torch.Tensor:
+        if self.before_step is not None:
+            self.before_step(self.tokens)
         ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype, rows=self.rows)
         return self.model(self.tokens, ctx)[:, -1]
 

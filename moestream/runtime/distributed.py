@@ -14,6 +14,12 @@ unequal cards get unequal shares of the experts) and whether its bank can replay
 steps as CUDA graphs (over NCCL the graphs capture the all-reduces; the group uses them only if
 every rank can).
 
+A decode call carries only what the host knows ahead (batch size, positions, attended length): its
+token ids are broadcast from rank 0 on the device as the step's first collective (`share_tokens`,
+captured in the decode graphs over NCCL). Rank 0 therefore never reads a step's tokens back to
+publish it, may publish and launch step N+1 while step N computes (overlapped decode), and a
+follower, which never waits on its device, queues its steps as fast as the calls arrive.
+
 Under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, possibly across hosts) nothing is
 started: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT+1, the other ranks run `follow` there
 (the CLI does that for them), and each rank checks that it loaded the same checkpoint (a digest of
@@ -281,7 +287,11 @@ class DistributedRunner(ModelRunner):
         return _checked(super().prefill, row, prompt, cached)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        self.group.publish("decode", tokens.cpu(), positions.cpu(), kv_len)
+        """Published with what the host knows ahead of the step (the batch size, the positions, the
+        attended length), never its tokens: those may still be computing (overlapped decode) and
+        reach the followers on the device, broadcast inside the step (`share_tokens`). `positions`
+        come from the host (the engine's); a device tensor (teacher forcing) is read back here."""
+        self.group.publish("decode", tokens.shape[0], positions.tolist(), kv_len)
         return _checked(super().decode, tokens, positions, kv_len)
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -311,6 +321,14 @@ class DistributedRunner(ModelRunner):
             out.append(json.loads(self.group.store.get(key)))
             self.group.store.delete_key(key)
         return out
+
+
+def share_tokens(tokens: torch.Tensor) -> None:
+    """Rank 0's token ids of a decode step, into `tokens` on every rank: the step's first collective
+    (`ModelRunner.before_decode`; captured in the decode graphs over NCCL like the all-reduces, eager
+    on gloo). Rank 0 thus hands a step's tokens on without reading them back, and publishes the step
+    before the one in flight has finished."""
+    dist.broadcast(tokens, src=0)
 
 
 def leave_group(timeout_s: float) -> None:
@@ -359,6 +377,7 @@ def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, 
         return
     store.set(f"state/{rank}", "ready+graphs" if engine.bank.graph_safe else "ready")
     runner, device, call = engine.runner, engine.device, 0
+    inbox = torch.zeros(0, dtype=torch.long, device=device)   # decode steps' tokens, received from rank 0
     with torch.inference_mode():
         while True:
             key = f"call/{call}"
@@ -381,6 +400,12 @@ def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, 
                 continue
             if op == "reset_stats":
                 engine.reset_stats()
+                continue
+            if op == "decode":   # queued without waiting: the step's tokens come from rank 0 inside it
+                batch, positions, kv_len = args
+                if inbox.numel() < batch:
+                    inbox = torch.zeros(batch, dtype=torch.long, device=device)
+                runner.decode(inbox[:batch], torch.tensor(positions, dtype=torch.long), kv_len)
                 continue
             args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
             getattr(runner, op)(*args)

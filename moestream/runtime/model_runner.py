@@ -55,6 +55,10 @@ class ModelRunner:
         # Called after each whole-step graph replay with the rows it ran: the host sees nothing of
         # a replay, so expert parallel counts the all-reduces captured in it here.
         self.after_replay: Callable[[int], None] | None = None
+        # Run on a decode step's token ids (B,) or the graphs' token buffer first thing in every decode
+        # step, eager or captured: an expert-parallel group broadcasts rank 0's tokens to every rank
+        # there, on the device, so rank 0 never reads a step's tokens back to hand them on.
+        self.before_decode: Callable[[torch.Tensor], None] | None = None
         self.cache: ModelCache | None = None
         self.scratch_row: int | None = None   # the cache's last row, where padded decode rows write
         self._rotary = None
@@ -176,10 +180,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Logits (B, V) of one decode step of cache rows 0..B-1: token b at position positions[b]."""
+        """Logits (B, V) of one decode step of cache rows 0..B-1: token b at position positions[b].
+        `tokens` stay on the device (they may still be computing); `positions` may be on the host,
+        whence they are copied without waiting for the device."""
         B = tokens.shape[0]
+        if positions.device != self.device:
+            positions = positions.to(self.device, non_blocking=True)
         runner = self._decoder(B)
         if runner is None:
+            if self.before_decode is not None:
+                tokens = tokens.contiguous()
+                self.before_decode(tokens)
             ctx = decode_context(self.rotary_table(), self.cache, positions, kv_len, self.dtype)
             return self.forward(tokens[:, None], ctx, decoding=True)[:, -1]
         self.bank.begin_step(True, live_rows=B)   # a padded graph's extra rows need no experts
@@ -209,8 +220,8 @@ class ModelRunner:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, key, self.dtype, self.scratch_row,
-                                  pool=self._graph_pool)
-        elif self.segmented and self.bank.can_segment(batch):
+                                  pool=self._graph_pool, before_step=self.before_decode)
+        elif self.segmented and self.before_decode is None and self.bank.can_segment(batch):
             runner = SegmentedDecode(self.model, self.bank, self.rotary_table(), self.cache, batch, self.dtype,
                                      use_graphs=self.cuda_graphs)
         else:

@@ -36,6 +36,49 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, arch):
         assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == want_tokens
 
 
+def test_two_overlapped_ranks_equal_one_process_and_publish_no_tensors(tiny_qwen3):
+    """With overlap on, rank 0 publishes and launches each decode step before it reads the last one's
+    tokens (the followers get them by a broadcast inside the step), and the tokens stay the one-process
+    engine's, greedy and sampled, while sequences end at different lengths and leave the batch. A
+    published decode call carries only host values (nothing whose reading would wait for the device)."""
+    from moestream.runtime.sampling import SamplingParams
+
+    requests = [(PROMPTS[0], SamplingParams(max_tokens=11, ignore_eos=True)),
+                (PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True)),
+                ([3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True))]
+
+    def run_all(engine):
+        seqs = [engine.add_request(p, params) for p, params in requests]
+        while not engine.scheduler.idle:
+            engine.step()
+        return [(s.tokens, s.finish_reason) for s in seqs]
+
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    want, scores = run_all(single), single.teacher_forced(PROMPTS[1], [9, 4, 7, 2])
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", overlap="on",
+                        rank_timeout_s=60) as engine:
+        assert engine.overlapping
+        # Teacher forcing decodes from positions on the device: the call still carries host values.
+        assert torch.allclose(engine.teacher_forced(PROMPTS[1], [9, 4, 7, 2]), scores, atol=1e-5)
+        published, publish = [], engine.group.publish
+
+        def recording(op, *args):
+            published.append((op, args, engine._inflight is not None))   # a step in flight, unread
+            publish(op, *args)
+        engine.group.publish = recording
+        assert run_all(engine) == want
+    decodes = [(args, ahead) for op, args, ahead in published if op == "decode"]
+    assert len(decodes) == max(p.max_tokens for _, p in requests) - 1
+    for (batch, positions, kv_len), _ in decodes:
+        assert type(batch) is int and type(kv_len) is int and all(type(p) is int for p in positions)
+        assert len(positions) == batch and kv_len == max(positions) + 1
+    # Every step but a batch's first was launched before the step in flight was read.
+    batches = [args[0] for args, _ in decodes]
+    assert [ahead for _, ahead in decodes] == [i > 0 and batches[i - 1] == b for i, b in enumerate(batches)]
+    assert batches == [3] * 4 + [2] * 3 + [1] * 3
+    assert not any(isinstance(a, torch.Tensor) for _, args, _ in published for a in args)
+
+
 def test_three_ranks_with_a_bounded_bank_per_rank_stay_exact(tiny_qwen3):
     single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
     want = single.generate(PROMPTS, max_tokens=12, ignore_eos=True)

@@ -35,6 +35,7 @@ def test_two_ranks_sharing_one_gpu_over_gloo_give_one_process_tokens(tiny_qwen3,
     with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:0"], dist_backend="gloo", dtype="float32",
                         capacity=top_k if bounded else None, rank_timeout_s=120) as engine:
         assert engine.device.type == "cuda" and not engine.runner.cuda_graphs   # gloo's reduce is not capturable
+        assert not engine.overlapping   # auto: gloo reads every step back on the host; nothing to overlap
         assert rel(engine.logits(IDS, MASK).cpu()[MASK.bool()], want_logits[MASK.bool()]) <= 1e-4
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
         stats = engine.stats()
@@ -53,6 +54,16 @@ def test_two_ranks_sharing_one_gpu_in_bf16_stay_close(tiny_qwen3):
     assert got.dtype == torch.bfloat16 and rel(got[MASK.bool()], want[MASK.bool()]) <= 3e-2
 
 
+def test_overlapped_ranks_sharing_one_gpu_over_gloo_give_one_process_tokens(tiny_qwen3, single):
+    """Overlap forced on with eager steps: the tokens broadcast from rank 0 are CUDA tensors still being
+    sampled when the next step is published and launched."""
+    _, _, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:0"], dist_backend="gloo", dtype="float32",
+                        overlap="on", rank_timeout_s=120) as engine:
+        assert engine.overlapping and not engine.runner.cuda_graphs
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+
+
 @two_gpus
 @pytest.mark.parametrize("bounded", [False, True], ids=["resident", "bounded"])
 def test_nccl_all_reduce_runs_inside_the_decode_graphs(tiny_qwen3, single, bounded):
@@ -62,6 +73,7 @@ def test_nccl_all_reduce_runs_inside_the_decode_graphs(tiny_qwen3, single, bound
     with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32",
                         capacity=top_k if bounded else None, rank_timeout_s=120) as engine:
         assert engine.runner.cuda_graphs == (not bounded)
+        assert engine.overlapping == (not bounded)   # auto: whole-step graphs, the tokens broadcast inside
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
         assert engine.generate(PROMPTS[1], max_tokens=16, ignore_eos=True) == \
             moestream.load(tiny_qwen3, device="cuda", dtype="float32").generate(PROMPTS[1], max_tokens=16,
@@ -80,3 +92,23 @@ def test_a_server_sized_group_captures_every_batch_on_every_rank(tiny_qwen3, sin
     with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32", kv_rows=4, max_batch=4,
                         warmup_tokens=2, rank_timeout_s=120) as engine:
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+
+
+@two_gpus
+def test_an_nccl_group_launches_each_step_before_reading_the_last(tiny_qwen3, single):
+    """Resident ranks over NCCL decode overlapped: every decode call but a batch's first is published
+    while the step before is still unread, and carries host values only (publishing never waits for
+    the device); the tokens stay the one-process engine's."""
+    _, _, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32", rank_timeout_s=120) as engine:
+        assert engine.overlapping and engine.runner.cuda_graphs
+        published, publish = [], engine.group.publish
+
+        def recording(op, *args):
+            published.append((op, args, engine._inflight is not None))
+            publish(op, *args)
+        engine.group.publish = recording
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+    decodes = [(args, ahead) for op, args, ahead in published if op == "decode"]
+    assert len(decodes) == 15 and sum(ahead for _, ahead in decodes) == 14
+    assert all(type(x) is int for args, _ in decodes for x in [args[0], args[2], *args[1]])
