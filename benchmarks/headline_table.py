@@ -102,13 +102,14 @@ class Runner:
             log(f"{key}: {time.perf_counter() - t0:.1f} s")
 
     def _subprocess(self, key: str, command: list[str], timeout: float, env: dict | None) -> str | None:
-        path = self.logs / f"{key}.log"
+        """stdout to logs/KEY.log (llama-bench's JSON: kept apart from the model-loading messages it writes to
+        stderr between two tests), stderr to logs/KEY.err."""
+        path, err_path = self.logs / f"{key}.log", self.logs / f"{key}.err"
         full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                     **(env or {})}
-        with path.open("w") as out:
+        with path.open("w") as out, err_path.open("w") as err:
             try:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
-                                        start_new_session=True)
+                proc = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT, env=full_env, start_new_session=True)
             except OSError as exc:
                 return f"could not start {command[0]}: {exc.strerror or exc}"
             try:
@@ -116,9 +117,9 @@ class Runner:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)   # the group we started: the command and its children
                 proc.wait()
-                return f"timed out after {timeout:.0f} s (log: {path})"
+                return f"timed out after {timeout:.0f} s (log: {err_path})"
         if rc != 0:
-            return f"exit {rc}: {_last_line(path)} (log: {path})"
+            return f"exit {rc}: {_last_line(err_path) or _last_line(path) or 'no output'} (log: {err_path})"
         return None
 
     def _in_process(self, key: str, argv: list[str]) -> str | None:
@@ -149,7 +150,7 @@ class Runner:
 
 def _last_line(path: Path) -> str:
     lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "no output"
+    return lines[-1][:300] if lines else ""
 
 
 # ---- the machine ----------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ def prepare(args, runner: Runner) -> dict:
     w.mkdir(parents=True, exist_ok=True)
     made: dict = {"ckpt": {}, "gguf": {}, "errors": {}}
     bf16 = w / "ckpt-bf16"
-    if not (bf16 / "config.json").exists() or not any(bf16.glob("model*.safetensors*")):
+    if not ((bf16 / "model.safetensors.index.json").exists() or (bf16 / "model.safetensors").exists()):
         cmd = [sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", args.shape,
                "--layers", str(args.layers), "--dtype", "bf16", "--out", str(bf16), "--device", args.device,
                "--overwrite", *(["--tiny"] if args.tiny else [])]
@@ -338,7 +339,7 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str)
                 run.error = f"failed: {err}"
                 continue
             try:
-                records = json.loads((runner.logs / f"{key}.log").read_text()[_json_start(runner.logs / f"{key}.log"):])
+                records = _llama_json((runner.logs / f"{key}.log").read_text())
                 run.result = {"prompt_tok_s": next(r["avg_ts"] for r in records if r["n_prompt"] > 0 and r["n_gen"] == 0),
                               "decode_tok_s": next(r["avg_ts"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0),
                               "records": records}
@@ -347,11 +348,12 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str)
     return runs
 
 
-def _json_start(path: Path) -> int:
-    """Where llama-bench's JSON array starts in its log (its stderr lines come before)."""
-    text = path.read_text()
-    i = text.find("[\n")
-    return i if i >= 0 else text.find("[")
+def _llama_json(text: str) -> list[dict]:
+    """llama-bench's `-o json` array: the first JSON array of objects in its stdout."""
+    start = re.search(r"^\[\s*\{", text, re.M)
+    if start is None:
+        raise ValueError("no JSON array")
+    return json.JSONDecoder().raw_decode(text[start.start():])[0]
 
 
 def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: dict, why: str) -> dict[str, Run]:

@@ -104,3 +104,32 @@ def test_rows_take_same_machine_ratios_and_say_why_a_cell_is_empty():
              "runs": {k: {"command": r.text, "error": r.error} for k, r in {**ours, **peer, **served}.items()}}
     text = m.markdown(table)
     assert "| **2.00×** |" in text and "exit 1: out of memory" in text and "failed: timed out after 1200 s" in text
+
+
+FAKE_LLAMA_BENCH = """#!/bin/sh
+case "$*" in *q4_0*) echo "llama_model_load: error loading model: tensor data is not within the file bounds" >&2; exit 1;; esac
+case "$*" in *"--n-cpu-moe 18"*) tg=20.5;; *) tg=50.25;; esac
+echo "load_tensors: [ 1/3 ] loading" >&2
+printf '[\\n  {"n_prompt": 512, "n_gen": 0, "avg_ts": 4000.0, "stddev_ts": 1.0},\\n'
+echo "llama_context: n_ctx = 4096 [\\n" >&2
+printf '  {"n_prompt": 0, "n_gen": 64, "avg_ts": %s, "stddev_ts": 0.5}\\n]\\n' "$tg"
+"""
+
+
+def test_llama_bench_figures_are_read_per_setting_and_a_failing_peer_is_reported(tmp_path):
+    """llama-bench writes its JSON to stdout while its loading messages go to stderr between two tests:
+    each setting's prompt and decode figures are read from stdout alone; a run that fails says why."""
+    m = _module()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "llama-bench").write_text(FAKE_LLAMA_BENCH)
+    (bin_dir / "llama-bench").chmod(0o755)
+    ggufs = {q: tmp_path / f"peer-{q}.gguf" for q in ("bf16", "q4_0")}
+    args = m.argparse.Namespace(prompt_tokens=512, gen_tokens=64, repetitions=1, n_cpu_moe=18, cpu=False, timeout_run=60)
+    runs = m.peer_runs(args, m.Runner(tmp_path / "logs", in_process=False), bin_dir, ggufs, "")
+    assert runs["llama-bf16-resident"].error is None
+    assert (runs["llama-bf16-resident"].result["prompt_tok_s"], runs["llama-bf16-resident"].result["decode_tok_s"]) == (4000.0, 50.25)
+    assert runs["llama-bf16-bank"].result["decode_tok_s"] == 20.5
+    assert "--n-cpu-moe 18" in runs["llama-bf16-bank"].text
+    failed = runs["llama-q4_0-bank"]
+    assert failed.result is None and failed.error.startswith("failed: exit 1") and "not within the file bounds" in failed.error
