@@ -192,10 +192,10 @@ def machine() -> dict:
 # ---- preparing the weights and llama.cpp ---------------------------------------------------------
 
 def prepare(args, runner: Runner) -> dict:
-    """The checkpoint, its int4 forms, the trace, and (with llama.cpp) the GGUFs: paths, or why not."""
+    """The checkpoint, its int4 forms and the routing trace: format → folder, or format → why not."""
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
-    made: dict = {"ckpt": {}, "gguf": {}, "errors": {}}
+    made: dict = {"ckpt": {}, "errors": {}}
     bf16 = w / "ckpt-bf16"
     if not ((bf16 / "model.safetensors.index.json").exists() or (bf16 / "model.safetensors").exists()):
         cmd = [sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", args.shape,
@@ -272,7 +272,7 @@ def write_ggufs(args, runner: Runner, ckpt: Path) -> dict:
     if gguf_py:
         env = {"PYTHONPATH": os.pathsep.join([str(gguf_py), str(ROOT)])}
     for qtype in sorted({q for _, _, q in FORMATS}):
-        path = args.work / f"peer-{qtype}.gguf"
+        path = _gguf_path(args, {}, qtype)
         if not path.exists():
             err = runner.call(f"gguf-{qtype}", [sys.executable, str(ROOT / "benchmarks/random_gguf.py"), str(path),
                                                 "--config", str(ckpt / "config.json"), "--qtype", qtype],
@@ -324,7 +324,7 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str)
         for kind, n_cpu_moe in (("resident", 0), ("bank", args.n_cpu_moe)):
             key = f"llama-{qtype}-{kind}"
             gguf = ggufs.get(qtype)
-            cmd = [str((bin_dir or Path("LLAMA_CPP_BIN")) / "llama-bench"), "-m", str(gguf or f"peer-{qtype}.gguf"),
+            cmd = [str((bin_dir or Path("LLAMA_CPP_BIN")) / "llama-bench"), "-m", str(_gguf_path(args, ggufs, qtype)),
                    "-ngl", "0" if args.cpu else "99", "-fa", "1", "-p", str(args.prompt_tokens), "-n",
                    str(args.gen_tokens), "-r", str(args.repetitions), "--n-cpu-moe", str(n_cpu_moe), "-o", "json"]
             run = runs[key] = Run(key, cmd)
@@ -346,6 +346,11 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str)
             except (ValueError, StopIteration, KeyError, TypeError) as exc:
                 run.error = f"failed: llama-bench's JSON not read ({type(exc).__name__})"
     return runs
+
+
+def _gguf_path(args, ggufs: dict, qtype: str) -> Path:
+    """Where the GGUF of `qtype` is (or would be: a command is shown even for a peer that did not run)."""
+    return ggufs[qtype] if isinstance(ggufs.get(qtype), Path) else args.work / f"peer-{qtype}.gguf"
 
 
 def _llama_json(text: str) -> list[dict]:
@@ -371,7 +376,7 @@ def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: d
         base += ["--server-thread"]
     for key, extra in (("served-ours", []),
                        ("served-llama", ["--peer-only", "--llama-server", str((bin_dir or Path("LLAMA_CPP_BIN")) / "llama-server"),
-                                         "--gguf", str(ggufs.get("bf16")), "--peer-n-cpu-moe", "0"])):
+                                         "--gguf", str(_gguf_path(args, ggufs, "bf16")), "--peer-n-cpu-moe", "0"])):
         out = args.work / "results" / key
         cmd = [*base, "--out", str(out), *extra]
         run = runs[key] = Run(key, cmd)
@@ -503,8 +508,17 @@ def markdown(table: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    class Help(argparse.RawDescriptionHelpFormatter):
+        """The module's text after the options; each option that has a default says it."""
+
+        def _get_help_string(self, action):
+            text = action.help or ""
+            if action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+                text += " (default: %(default)s)"
+            return text
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--out", type=Path, required=True, help="where headline_table.md and .json go")
     ap.add_argument("--work", type=Path, default=None, help="checkpoints, GGUFs, logs and raw results (default: OUT/work); "
                     "what is there already is reused")
@@ -512,25 +526,26 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--llama-cpp", default=None, metavar="BIN_DIR", help="llama.cpp's build folder of llama-bench and llama-server")
     peer.add_argument("--llama-cpp-src", default=None, metavar="TREE", help="build llama.cpp from this source tree (cmake, CUDA)")
     ap.add_argument("--gguf-py", type=Path, default=None, help="llama.cpp's gguf-py folder (default: the tree's, or an installed gguf)")
-    ap.add_argument("--shape", default="qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="scripts/make_random_checkpoint.py's shape (GGUFs: qwen3_moe shapes)")
+    ap.add_argument("--layers", type=int, default=24, help="layers of the checkpoint (the 25%% bank's llama.cpp rows keep "
+                    "the experts of 75%% of them on the CPU)")
     ap.add_argument("--tiny", action="store_true", help="the shape shrunk (2 layers, 16 experts): a smoke run")
     ap.add_argument("--cpu", action="store_true", help="run our engine on the CPU, in this process (smoke runs)")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=64)
-    ap.add_argument("--trace-prompt-tokens", type=int, default=256)
-    ap.add_argument("--trace-gen-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="prompt of the prompt rows (and before decode)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="tokens decoded in the decode rows")
+    ap.add_argument("--trace-prompt-tokens", type=int, default=256, help="prompt before the trace-replay decode")
+    ap.add_argument("--trace-gen-tokens", type=int, default=128, help="tokens decoded under trace replay")
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay (default: the demo model's)")
     ap.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
-    ap.add_argument("--streams", type=int, nargs="*", default=[1, 16, 64])
-    ap.add_argument("--serve-prompt-tokens", type=int, default=128)
-    ap.add_argument("--serve-gen-tokens", type=int, default=128)
-    ap.add_argument("--prefix-tokens", type=int, default=8192)
-    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--streams", type=int, nargs="*", default=[1, 16, 64], help="concurrent streams of the served rows")
+    ap.add_argument("--serve-prompt-tokens", type=int, default=128, help="prompt of each served stream")
+    ap.add_argument("--serve-gen-tokens", type=int, default=128, help="tokens generated per served stream")
+    ap.add_argument("--prefix-tokens", type=int, default=8192, help="the agent turn's cached prefix")
+    ap.add_argument("--new-tokens", type=int, default=200, help="the agent turn's new tokens after the prefix")
     ap.add_argument("--timeout-run", type=float, default=1200, help="seconds for each measured run")
-    ap.add_argument("--timeout-serve", type=float, default=3600)
+    ap.add_argument("--timeout-serve", type=float, default=3600, help="seconds for each served run")
     ap.add_argument("--timeout-prepare", type=float, default=3600, help="seconds to write a checkpoint, convert, write a GGUF")
-    ap.add_argument("--timeout-build", type=float, default=3600)
+    ap.add_argument("--timeout-build", type=float, default=3600, help="seconds for each step of the llama.cpp build")
     args = ap.parse_args(argv)
     if args.tiny:   # lengths the tiny shape's 512 positions hold, and a run in seconds
         for name, value in (("layers", 2), ("prompt_tokens", 32), ("gen_tokens", 8), ("trace_prompt_tokens", 16),
