@@ -33,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
 from moestream.bench import apply_routing  # noqa: E402
+from moestream.fileio import write_json_atomic  # noqa: E402
 
 
 def free_port() -> int:
@@ -145,8 +147,9 @@ def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int)
 
 # ---- the two servers --------------------------------------------------------------------------
 
-def serve_ours(args) -> None:
-    """The server process: load as `moestream serve` does, swap in the benchmark routing, serve."""
+def serve_ours(args, started: list | None = None) -> None:
+    """The server process: load as `moestream serve` does, swap in the benchmark routing, serve
+    (`started`: the uvicorn server is appended to it, so a caller in another thread can stop it)."""
     import uvicorn
 
     import moestream
@@ -159,15 +162,25 @@ def serve_ours(args) -> None:
     apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
-    uvicorn.run(app, host="127.0.0.1", port=args.serve_port, log_level="warning")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.serve_port, log_level="warning"))
+    if started is not None:
+        started.append(server)
+    server.run()
 
 
 def run_ours(args, ckpt: Path) -> dict:
     """Our server in a process of its own (as `moestream serve` runs, and as llama-server does: the
     clients' threads never share its interpreter), driven over HTTP."""
     port = free_port()
-    child = [a for a in sys.argv[1:] if a != "--peer-only"] + ["--serve-port", str(port), "--no-write"]
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child])
+    if args.server_thread:   # smoke runs: no second interpreter to start; the clients share the server's
+        started: list = []
+        thread = threading.Thread(target=serve_ours, args=(argparse.Namespace(**{**vars(args), "serve_port": port}),
+                                                           started), daemon=True)
+        thread.start()
+        proc = None
+    else:
+        child = [a for a in sys.argv[1:] if a != "--peer-only"] + ["--serve-port", str(port), "--no-write"]
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url)
@@ -186,8 +199,13 @@ def run_ours(args, ckpt: Path) -> dict:
                 "kv_layout": "paged" if "blocks" in prefix else "rows", "prefix_cache": prefix,
                 "routing": args.routing, "capacity": args.capacity}
     finally:
-        proc.terminate()
-        proc.wait(60)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        else:
+            for server in started:
+                server.should_exit = True
+            thread.join(60)
 
 
 def run_llama(args, vocab: int) -> dict:
@@ -243,6 +261,10 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--peer-only", action="store_true", help="measure llama-server only (ours in an earlier run)")
     ap.add_argument("--no-write", action="store_true", help="use --ckpt as it is (a folder with its own weights)")
+    ap.add_argument("--server-thread", action="store_true",
+                    help="run our server in a thread of this process, not a process of its own (smoke runs on a "
+                         "CPU: one interpreter start; the clients then share its interpreter, so figures do not "
+                         "compare with llama-server's)")
     ap.add_argument("--serve-port", type=int, default=None, help=argparse.SUPPRESS)   # the server process
     args = ap.parse_args()
     if args.serve_port is not None:
@@ -257,7 +279,7 @@ def main() -> None:
     if args.llama_server:
         vocab = json.loads((args.ckpt / "config.json").read_text())["vocab_size"]
         result["llama_server"] = run_llama(args, vocab)
-    (args.out / "serve_throughput.json").write_text(json.dumps(result, indent=2))
+    write_json_atomic(args.out / "serve_throughput.json", result, indent=2)
     log(json.dumps(result, indent=2))
 
 

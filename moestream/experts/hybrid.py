@@ -166,7 +166,7 @@ class SplitBalance:
     miss still gives each side one (else no call would be split, and nothing would be learned
     again). The target is not zero: the CPU's answer carries a fixed latency (the worker sees the
     post, then publishes its rows) that the device's side does not, so the fastest split is one
-    where the device waits briefly. On one H100 host (BENCHMARKS.md, machine F) the fastest fixed
+    where the device waits briefly. On one H100 host (BENCHMARKS.md) the fastest fixed
     shares had the device wait ~7-10% of a split call (bf16: 52 µs of ~730 under uniform routing,
     32 of ~350 under the trace) and the next share up 25-28%, 10-15% slower; how often it waited
     (the signal before) did not tell those apart. A share the user fixes (`--cpu-misses 0.6`)
