@@ -24,6 +24,7 @@ with steps waited for one by one (`off`), on the same GPUs in one run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -86,7 +87,18 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
             row["ranks_collective"] = [r["collective"] for r in engine.stats()["ranks"]]
     finally:
         engine.close()
+        release(engine)
     return row
+
+
+def release(engine) -> None:
+    """Free a closed engine's device memory before the next configuration loads: its modules, bank and
+    graphs reference each other, so they go at a collection, and the caching allocator keeps what they
+    held until it is emptied."""
+    engine.model = engine.bank = engine.runner = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    log(f"after release: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated on {torch.cuda.current_device()}")
 
 
 def _allreduce_rank(rank: int, world: int, port: int, hidden: int, layers: int, batches: list[int], out: str) -> None:
