@@ -23,10 +23,11 @@ from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_b
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
 from moestream.experts.bank import ExpertBank
-from moestream.experts.format import QuantizedFormat
+from moestream.experts.format import stored_format
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
-from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
+from moestream.experts.store import (CheckpointExpertStore, ExpertStore, Fp8ExpertStore, MLXExpertStore,
+                                     PackedExpertStore)
 from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
 from moestream.model.mla import set_absorbed
@@ -81,7 +82,7 @@ def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
         model = MoECausalLM(plan.config, plan.spec)
     stored = _stored_precision(plan, index)
     quantize_modules(model, stored if plan.kind == "mlx" else plan.precision)
-    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored)
+    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored, plan.fp8)
     return model.eval()
 
 
@@ -103,6 +104,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return PackedExpertStore(index, plan.config, plan.spec, plan.layout)
     if plan.kind == "mlx":
         return MLXExpertStore(index, plan.config, plan.spec, plan.mlx)
+    if plan.kind == "fp8":
+        return Fp8ExpertStore(index, plan.config, plan.spec, plan.fp8)
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
@@ -111,7 +114,7 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     memory = plan.memory
     formats = plan.expert_formats
     if store.native is not None:   # pre-quantized: the slots hold the stored format exactly
-        formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
+        formats = {layer: stored_format(spec, plan.dtype) for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
     if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them

@@ -22,12 +22,13 @@ from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_con
 from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
-from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
+from moestream.experts.format import ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
+from moestream.quant.fp8 import Fp8Spec, fp8_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
 from moestream.quant.recipe import QuantRecipe
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
@@ -299,7 +300,8 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    kind: str                    # "hf" (full precision), "packed" (moestream convert) or "mlx" (MLX-quantized)
+    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized)
+                                 # or "fp8" (FP8 e4m3 weights with scales: quant/fp8.py)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -307,6 +309,7 @@ class LoadPlan:
     host_memory: int | None      # bytes of pinned host RAM the expert store may take (None: 60% of available)
     layout: PackedLayout | None = None        # a packed checkpoint's layout.json
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
+    fp8: Fp8Spec | None = None                # an FP8 checkpoint's layout
 
 
 def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
@@ -331,9 +334,10 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     asked.check_dtype(dtype)
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
     mlx = mlx_quantization(raw)
-    kind = "packed" if layout is not None else "mlx" if mlx is not None else "hf"
+    fp8 = fp8_quantization(raw) if layout is None and mlx is None else None
+    kind = "packed" if layout is not None else "mlx" if mlx is not None else "fp8" if fp8 is not None else "hf"
     if kind != "hf" and (asked.quantized or asked.layer_formats):
-        stored = "a packed (moestream convert)" if layout is not None else "an MLX-quantized"
+        stored = {"packed": "a packed (moestream convert)", "mlx": "an MLX-quantized", "fp8": "an FP8"}[kind]
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
@@ -348,6 +352,10 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         formats = {layer: QuantizedFormat(mlx_spec(mlx, f"model.layers.{layer}.{spec.moe_prefix}.switch_mlp.gate_proj",
                                                    scale_dtype), dtype)
                    for layer, moe in enumerate(config.moe_layers) if moe}
+    elif fp8 is not None:   # experts kept in their FP8 bytes; dense weights dequantized at load
+        recipe = asked
+        precision = functools.partial(_recipe_precision, recipe, L)
+        formats = {layer: Fp8Format(fp8, dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)
@@ -370,7 +378,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          min_capacity=1 if bank.miss_policy == "hybrid" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
-                    host_memory, layout, mlx)
+                    host_memory, layout, mlx, fp8)
 
 
 def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:

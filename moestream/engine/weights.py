@@ -5,7 +5,9 @@ holds it quantized the MLX way (`<module>.weight` packed + `.scales` [+ `.biases
 dequantized (routers are kept at full precision whatever the file holds). A quantized module
 (`QuantLinear`, `QuantEmbedding`) takes its packed tensors as stored (`.qweight` of a packed
 checkpoint, or MLX's packed `.weight`), or quantizes the full-precision weight now (quantize on
-load), on the target device where that is faster.
+load), on the target device where that is faster. An FP8 checkpoint's dense weights (float8_e4m3fn
+`.weight` + its scale grid, `moestream.quant.fp8`) are dequantized to the compute dtype here: the
+routed experts keep their FP8 bytes (the bank's FP8 format), the always-resident tensors do not yet.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from torch import Tensor, nn
 from moestream.archs import ModelConfig
 from moestream.checkpoint import TensorIndex
 from moestream.errors import CheckpointError
+from moestream.experts.store import check_fp8_weight
 from moestream.model.decoder import parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear
 from moestream.quant import QuantSpec, dequantize, quantize
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 
 QUANT_PARTS = ("qweight", "scales", "biases")
 StoredSpec = Callable[[str], QuantSpec | None]   # module path → the spec it is stored with (MLX), else None
@@ -66,9 +70,14 @@ def _read_packed(index: TensorIndex, module: str, spec: QuantSpec, rows: int) ->
     return out
 
 
-def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ...], stored: StoredSpec) -> Tensor:
-    """A full-precision tensor, dequantized when the file stores its module MLX-quantized."""
+def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ...], stored: StoredSpec,
+                fp8: Fp8Spec | None = None) -> Tensor:
+    """A full-precision tensor, dequantized when the file stores its module MLX-quantized or in FP8."""
     name = f"{module}.{part}"
+    if fp8 is not None and part == "weight" and name in index and index.info(name).dtype == torch.float8_e4m3fn:
+        check_fp8_weight(index, name, shape, fp8)
+        scale = index.read(f"{module}.{fp8.scale_name}")
+        return dequantize_fp8(index.read(name), scale, fp8)
     if part != "weight" or f"{module}.scales" not in index:
         return index.read(name, expected_shape=shape, floating=True)
     spec = stored(module)
@@ -91,8 +100,9 @@ def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: Te
 
 
 def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig, device: torch.device,
-                       dtype: torch.dtype, stored: StoredSpec = lambda path: None) -> None:
-    """Fill every parameter of `model` (built on the meta device) from `index`, checking shapes."""
+                       dtype: torch.dtype, stored: StoredSpec = lambda path: None, fp8: Fp8Spec | None = None) -> None:
+    """Fill every parameter of `model` (built on the meta device) from `index`, checking shapes
+    (`fp8`: the checkpoint's FP8 layout, whose float8_e4m3fn weights are dequantized)."""
     for path, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -108,7 +118,7 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
                                           f"expects {param.dtype} {list(param.shape)}; the checkpoint does not match.")
                 tensor = tensor.to(device)
             else:
-                tensor = _read_float(index, source, name, tuple(param.shape), stored).to(
+                tensor = _read_float(index, source, name, tuple(param.shape), stored, fp8).to(
                     device=device, dtype=parameter_dtype(module, name, dtype))
             setattr(module, name, nn.Parameter(tensor, requires_grad=False))
         if isinstance(module, QuantEmbedding):

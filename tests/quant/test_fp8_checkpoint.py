@@ -1,0 +1,122 @@
+"""FP8 e4m3 checkpoints read as they are: experts kept in FP8 in the bank (a byte a weight plus the
+scale grid, counted so by the plan), the same logits and tokens as transformers on the dequantized
+weights, a bounded bank token-identical to the resident one, and damaged or unsupported FP8 refused
+in one sentence with a non-zero exit."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import moestream
+from moestream import cli
+from moestream.errors import CheckpointError, InputError
+from moestream.experts.format import Fp8Format
+from moestream.quant.fp8 import Fp8Spec
+from fp8_models import make_fp8_checkpoint
+
+IDS = torch.randint(2, 160, (2, 21), generator=torch.Generator().manual_seed(9))
+MASK = torch.ones_like(IDS)
+MASK[1, :6] = 0   # a padded row
+
+# (arch, spec): ragged 12 x 12 blocks over 32- and 16-wide weights (the gate's last block rows 4 of
+# 12, so gate_up's grid is two grids), DeepSeek-V3 in its own block form, the compressed-tensors
+# channel and tensor forms (bf16 scales, as llm-compressor saves them).
+CASES = {
+    "qwen3_moe-block": ("qwen3_moe", Fp8Spec(12, 12), torch.float32),
+    "deepseek_v3-block": ("deepseek_v3", Fp8Spec(16, 8), torch.float32),
+    "qwen3_moe-channel": ("qwen3_moe", Fp8Spec(1, None, "weight_scale"), torch.bfloat16),
+    "mixtral-tensor": ("mixtral", Fp8Spec(None, None, "weight_scale"), torch.float32),
+}
+PREFIX = {"qwen3_moe": "mlp", "deepseek_v3": "mlp", "mixtral": "block_sparse_moe"}
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for case, (arch, spec, scale_dtype) in CASES.items():
+        folder, ref = root / case, root / f"{case}-ref"
+        make_fp8_checkpoint(tiny_checkpoints[arch][0], folder, ref, spec, PREFIX[arch], scale_dtype)
+        out[case] = (folder, transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval())
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoints, case):
+    folder, reference = fp8_checkpoints[case]
+    spec = CASES[case][1]
+    engine = moestream.load(folder, device="cpu", dtype="float32")
+    layer = engine.config.moe_layers.index(True)
+    fmt = engine.bank.formats[layer]
+    assert engine.plan.kind == "fp8" and isinstance(fmt, Fp8Format) and fmt.spec == spec
+    H, I = engine.config.hidden_size, engine.config.moe_intermediate
+    expert_bytes = spec.nbytes(I, H) * 2 + spec.nbytes(H, I)   # a byte a weight + float32 scales
+    assert fmt.nbytes(engine.bank.store.shape) == expert_bytes
+    assert engine.plan.memory.slot_bytes == expert_bytes
+    with torch.no_grad():
+        ref = reference(IDS, attention_mask=MASK).logits
+    out = engine.logits(IDS, MASK)
+    valid = MASK.bool()
+    assert (out - ref)[valid].abs().max() / ref[valid].abs().max() <= 1e-4
+    prompt = IDS[0, :9].tolist()
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 9, dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False)[0, 9:].tolist()
+    got = engine.generate(prompt, max_tokens=16, ignore_eos=True)
+    assert got == want[:len(got)] and len(got) == 16
+    bounded = moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="fetch")
+    assert not bounded.plan.memory.fully_resident
+    assert bounded.generate(prompt, max_tokens=16, ignore_eos=True) == got
+
+
+def test_fp8_checkpoint_refuses_requantizing(fp8_checkpoints):
+    with pytest.raises(InputError, match="precision is fixed"):
+        moestream.load(fp8_checkpoints["qwen3_moe-block"][0], device="cpu", dtype="float32", experts="int8")
+
+
+def _damaged(src, dst, edit_tensors=None, edit_config=None):
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_config:
+        edit_config(config)
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+EXPERT = "model.layers.0.mlp.experts.3.up_proj"
+DENSE = "model.layers.1.mlp.down_proj"   # layer 1 is a dense MLP in the tiny qwen3_moe
+
+
+@pytest.mark.parametrize("what, edit_tensors, edit_config, fragments", [
+    ("missing expert scale", lambda t: t.pop(f"{EXPERT}.weight_scale_inv"), None,
+     [f"{EXPERT}.weight_scale_inv", "is missing"]),
+    ("missing dense scale", lambda t: t.pop(f"{DENSE}.weight_scale_inv"), None, [f"{DENSE}.weight_scale_inv", "is missing"]),
+    ("scale of the wrong shape", lambda t: t.update({f"{EXPERT}.weight_scale_inv": torch.ones(3, 3)}), None,
+     [f"{EXPERT}.weight_scale_inv", "[3, 3]", "needs float32 [2, 3]"]),
+    ("static activation scale tensor", lambda t: t.update({f"{EXPERT}.input_scale": torch.ones(1)}), None,
+     ["static activation scale", f"{EXPERT}.input_scale"]),
+    ("static activation scheme", None, lambda c: c["quantization_config"].update(activation_scheme="static"),
+     ["static activation scales", "activation_scheme"]),
+    ("expert weight not in fp8", lambda t: t.update({f"{EXPERT}.weight": t[f"{EXPERT}.weight"].float()}), None,
+     [f"{EXPERT}.weight", "float32", "float8_e4m3fn"]),
+])
+def test_damaged_fp8_checkpoint_refused_in_one_line(fp8_checkpoints, tmp_path, capsys, what, edit_tensors,
+                                                    edit_config, fragments):
+    folder = _damaged(fp8_checkpoints["qwen3_moe-block"][0], tmp_path / "bad", edit_tensors, edit_config)
+    with pytest.raises(CheckpointError) as info:
+        moestream.load(folder, device="cpu", dtype="float32")
+    message = str(info.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+    capsys.readouterr()
+    rc = cli.main(["check", str(folder), "--device", "cpu"] if what.startswith("static activation scheme")
+                  else ["run", str(folder), "-p", "3 4 5", "--max-tokens", "2", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in err and err.count("\n") == 1 and err.startswith("moestream: error: "), err
+    assert all(f in err for f in fragments)
