@@ -384,6 +384,8 @@ def _stats_text(engine) -> str:
     """--stats: the bank's table per layer (rank 0's with several devices), then a line per rank."""
     engine.bank.sync_stats()
     table = engine.bank.stats.table()
+    if engine.bank.policy_note:
+        table += "\n" + engine.bank.policy_note
     fetcher = engine.bank.fetcher
     if fetcher is not None and fetcher.costs is not None:
         table += "\n" + fetcher.costs.describe()
@@ -657,6 +659,9 @@ def _print_model(plan) -> None:
     config = plan.config
     print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
+    if plan.kind == "fp8":
+        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales); dense "
+              f"FP8 weights dequantized to {str(plan.dtype).replace('torch.', '')}")
 
 
 def cmd_convert(args) -> int:

@@ -120,3 +120,30 @@ def test_damaged_fp8_checkpoint_refused_in_one_line(fp8_checkpoints, tmp_path, c
     out, err = capsys.readouterr()
     assert rc == 1 and "Traceback" not in err and err.count("\n") == 1 and err.startswith("moestream: error: "), err
     assert all(f in err for f in fragments)
+
+
+def test_hybrid_misses_refused_for_fp8_experts_and_auto_says_why(fp8_checkpoints, capsys):
+    """The CPU worker does not read FP8 experts: the hybrid policy is refused by name, and where
+    auto falls back to fetch for them, the reason is the one `--stats` prints."""
+    from moestream.engine.build import hybrid_refusal
+    from moestream.experts.format import ExpertShape
+    from moestream.experts.hybrid import check_hybrid
+
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    with pytest.raises(InputError, match=r"does not read FP8 experts \(fp8-b12x12\) yet; use --miss-policy fetch"):
+        check_hybrid({0: Fp8Format(Fp8Spec(12, 12), torch.float32)}, ExpertShape(32, 16), host_stacks={})
+    with pytest.raises(InputError, match="FP8 experts"):
+        moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="hybrid", host_tier="pinned")
+    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
+    assert engine.bank.miss_policy == "fetch" and engine.bank.policy_note.startswith("miss policy: fetch (auto: ")
+
+    class OnGpu:   # the plan as a GPU's would be, with the pinned tier: only the format stands in the way
+        memory, device = engine.plan.memory, torch.device("cuda")
+
+    class Tier:
+        layers = {0: {}}
+
+    why = hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats, Tier, sharded=False)
+    assert why == "CPU worker does not read FP8 experts (fp8-b12x12) yet"
+    assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
+    assert "fp8-b12x12, kept as stored" in capsys.readouterr().out
