@@ -147,3 +147,20 @@ def test_hybrid_misses_refused_for_fp8_experts_and_auto_says_why(fp8_checkpoints
     assert why == "CPU worker does not read FP8 experts (fp8-b12x12) yet"
     assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
     assert "fp8-b12x12, kept as stored" in capsys.readouterr().out
+
+
+def test_fp8_bank_prepacks_and_warm_starts_with_its_bytes(fp8_checkpoints, tmp_path):
+    """A prepacked snapshot of an FP8 bank holds the FP8 bytes and scales, and a warm start from it
+    decodes the same tokens."""
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    snap, prompt = tmp_path / "bank", IDS[0, :9].tolist()
+    cold = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap, warmup_tokens=6)
+    assert not cold.prepack.loaded and (snap / "bank.json").exists() and cold.prepack_error is None
+    warm = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    for layer in cold.bank.layers:
+        tensors = warm.bank.layers[layer].tensors
+        assert tensors["gate_up.qweight"].dtype == torch.uint8 and tensors["down.scales"].dtype == torch.float32
+        for name, t in tensors.items():
+            assert torch.equal(t, cold.bank.layers[layer].tensors[name]), name
+    assert warm.generate(prompt, max_tokens=12, ignore_eos=True) == cold.generate(prompt, max_tokens=12, ignore_eos=True)
