@@ -352,9 +352,9 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         formats = {layer: QuantizedFormat(mlx_spec(mlx, f"model.layers.{layer}.{spec.moe_prefix}.switch_mlp.gate_proj",
                                                    scale_dtype), dtype)
                    for layer, moe in enumerate(config.moe_layers) if moe}
-    elif fp8 is not None:   # experts kept in their FP8 bytes; dense weights dequantized at load
+    elif fp8 is not None:   # experts and dense linears kept in their FP8 bytes (other FP8 weights dequantized at load)
         recipe = asked
-        precision = functools.partial(_recipe_precision, recipe, L)
+        precision = functools.partial(_fp8_precision, fp8_modules(folder), fp8)
         formats = {layer: Fp8Format(fp8, dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     else:
         recipe = asked
@@ -393,6 +393,21 @@ def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:
     if layout == "auto":
         return "paged" if can_page else "rows"
     return layout
+
+
+def fp8_modules(folder: Path) -> frozenset[str]:
+    """The modules whose `.weight` an FP8 checkpoint stores as float8_e4m3fn (safetensors headers only)."""
+    from moestream.checkpoint import TensorIndex
+
+    index = TensorIndex(folder)
+    return frozenset(name.removesuffix(".weight") for name, info in index.tensors.items()
+                     if name.endswith(".weight") and info.dtype == torch.float8_e4m3fn)
+
+
+def _fp8_precision(stored: frozenset[str], fp8: Fp8Spec, path: str) -> Fp8Spec | None:
+    """A dense module kept in FP8 where the checkpoint stores it so (the LM head tied to the embedding
+    reads the embedding's precision, which FP8 checkpoints keep full)."""
+    return fp8 if path in stored else None
 
 
 def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:

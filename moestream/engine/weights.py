@@ -89,7 +89,14 @@ def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ..
 
 def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: TensorIndex, stored: StoredSpec,
                     device: torch.device) -> dict[str, Tensor]:
-    """The packed parts of a quantized module: as stored, or quantized now from full precision."""
+    """The packed parts of a quantized module: as stored, or quantized now from full precision
+    (FP8: the e4m3 bytes and the scale grid as the checkpoint stores them)."""
+    if isinstance(module.spec, Fp8Spec):
+        rows, cols = module.qweight.shape
+        check_fp8_weight(index, f"{source}.weight", (rows, cols), module.spec)
+        scale = index.read(f"{source}.{module.spec.scale_name}").to(torch.float32)
+        return {"qweight": index.read(f"{source}.weight").view(torch.uint8),
+                "scales": scale.reshape(module.scales.shape)}
     if f"{source}.qweight" in index or f"{source}.scales" in index:
         held = stored(source) if f"{source}.qweight" not in index else module.spec
         if held != module.spec:

@@ -1,7 +1,8 @@
 """The FP8 e4m3 expert kernels (the dequantizing decode and grouped paths reading FP8 bytes and block
 scales) on the CPU under Triton's interpreter, against `quant_moe_reference`: block grids whose
 last block is ragged in rows and columns (gate_up's two grids stacked), per-channel and per-tensor scales; fp32 and fp16; -1 and out-of-range slots whose routing
-weight is NaN (never multiplied), NaN-poisoned workspaces, all-unrouted giving exact zeros."""
+weight is NaN (never multiplied), NaN-poisoned workspaces, all-unrouted giving exact zeros; and the
+FP8 dense linear (`quant_linear`) against its reference."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
 _SCRIPT = """
 import torch
 from moestream.experts.format import ExpertShape, Fp8Format
-from moestream.kernels import quant_moe_reference
+from moestream.kernels import quant_linear_reference, quant_moe_reference
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
-from moestream.quant.fp8 import Fp8Spec
+from moestream.kernels.quant_linear_triton import quant_linear
+from moestream.quant.fp8 import Fp8Spec, quantize_fp8
 
 _empty = torch.empty
 def nan_empty(*args, **kwargs):
@@ -52,6 +54,16 @@ for spec in SPECS:
             none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
             assert torch.equal(none, torch.zeros_like(none)), (spec.name, T, path)
             print(f"{spec.name} T={T} {dtype} {path}: rel_err={err:.1e}")
+    # a dense linear kept in FP8 (QuantLinear's kernel): the decode launch for a few rows (one row
+    # included), the dequantize-then-GEMM path for prompts
+    w = torch.randn(70, H, generator=g) * 0.05
+    qw, qs = quantize_fp8(w, spec)
+    bias = torch.randn(70, generator=g)
+    for T in (1, 5, 20):
+        x = torch.randn(T, H, generator=g)
+        out = quant_linear(x, qw.view(torch.uint8), qs, None, spec, bias)
+        err = rel(out, quant_linear_reference(x, qw.view(torch.uint8), qs, None, spec, bias))
+        assert err < 1e-5, (spec.name, "linear", T, err)
 print("interpreter ok")
 """
 

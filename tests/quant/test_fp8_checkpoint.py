@@ -1,5 +1,5 @@
 """FP8 e4m3 checkpoints read as they are: experts kept in FP8 in the bank (a byte a weight plus the
-scale grid, counted so by the plan), the same logits and tokens as transformers on the dequantized
+scale grid, counted so by the plan) and dense linears in FP8 too, the same logits and tokens as transformers on the dequantized
 weights, a bounded bank token-identical to the resident one, and damaged or unsupported FP8 refused
 in one sentence with a non-zero exit."""
 
@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 import moestream
 from moestream import cli
 from moestream.errors import CheckpointError, InputError
+from moestream.engine.weights import parameter_bytes
 from moestream.experts.format import Fp8Format
+from moestream.model.quant_linear import QuantLinear
 from moestream.quant.fp8 import Fp8Spec
 from fp8_models import make_fp8_checkpoint
 
@@ -56,6 +58,10 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoi
     expert_bytes = spec.nbytes(I, H) * 2 + spec.nbytes(H, I)   # a byte a weight + float32 scales
     assert fmt.nbytes(engine.bank.store.shape) == expert_bytes
     assert engine.plan.memory.slot_bytes == expert_bytes
+    fp8_linears = [m for m in engine.model.modules() if isinstance(m, QuantLinear)]   # dense linears kept FP8
+    assert fp8_linears and all(m.spec == spec and m.qweight.dtype == torch.uint8 for m in fp8_linears)
+    assert any(".self_attn." in path for path, m in engine.model.named_modules() if isinstance(m, QuantLinear))
+    assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)   # counted as stored
     with torch.no_grad():
         ref = reference(IDS, attention_mask=MASK).logits
     out = engine.logits(IDS, MASK)
