@@ -660,8 +660,8 @@ def _print_model(plan) -> None:
     print(f"model             {plan.folder} ({plan.spec.name}, {config.num_layers} layers, {config.num_experts} experts, top-{config.top_k})")
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
     if plan.kind == "fp8":
-        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales); dense "
-              f"FP8 weights dequantized to {str(plan.dtype).replace('torch.', '')}")
+        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
+              "and so are the dense FP8 linears")
 
 
 def cmd_convert(args) -> int:

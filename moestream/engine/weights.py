@@ -5,9 +5,9 @@ holds it quantized the MLX way (`<module>.weight` packed + `.scales` [+ `.biases
 dequantized (routers are kept at full precision whatever the file holds). A quantized module
 (`QuantLinear`, `QuantEmbedding`) takes its packed tensors as stored (`.qweight` of a packed
 checkpoint, or MLX's packed `.weight`), or quantizes the full-precision weight now (quantize on
-load), on the target device where that is faster. An FP8 checkpoint's dense weights (float8_e4m3fn
-`.weight` + its scale grid, `moestream.quant.fp8`) are dequantized to the compute dtype here: the
-routed experts keep their FP8 bytes (the bank's FP8 format), the always-resident tensors do not yet.
+load), on the target device where that is faster. An FP8 checkpoint's linears (float8_e4m3fn
+`.weight` + its scale grid, `moestream.quant.fp8`) are FP8 `QuantLinear`s that take both as stored;
+an FP8 weight of any other module is dequantized to the compute dtype here.
 """
 
 from __future__ import annotations
