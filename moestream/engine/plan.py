@@ -336,7 +336,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     mlx = mlx_quantization(raw)
     fp8 = fp8_quantization(raw) if layout is None and mlx is None else None
     kind = "packed" if layout is not None else "mlx" if mlx is not None else "fp8" if fp8 is not None else "hf"
-    if kind != "hf" and (asked.quantized or asked.layer_formats):
+    if kind not in ("hf", "fp8") and (asked.quantized or asked.layer_formats):
         stored = {"packed": "a packed (moestream convert)", "mlx": "an MLX-quantized", "fp8": "an FP8"}[kind]
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
@@ -352,10 +352,11 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         formats = {layer: QuantizedFormat(mlx_spec(mlx, f"model.layers.{layer}.{spec.moe_prefix}.switch_mlp.gate_proj",
                                                    scale_dtype), dtype)
                    for layer, moe in enumerate(config.moe_layers) if moe}
-    elif fp8 is not None:   # experts and dense linears kept in their FP8 bytes (other FP8 weights dequantized at load)
+    elif fp8 is not None:   # kept in their FP8 bytes, unless the recipe quantizes them from the dequantized weights
         recipe = asked
-        precision = functools.partial(_fp8_precision, fp8_modules(folder), fp8)
-        formats = {layer: Fp8Format(fp8, dtype) for layer, moe in enumerate(config.moe_layers) if moe}
+        precision = functools.partial(_fp8_precision, recipe, L, fp8_modules(folder), fp8)
+        formats = {layer: (fmt if isinstance(fmt, QuantizedFormat) else Fp8Format(fp8, dtype))
+                   for layer, fmt in expert_formats(config, dtype, recipe).items()}
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)
@@ -404,10 +405,12 @@ def fp8_modules(folder: Path) -> frozenset[str]:
                      if name.endswith(".weight") and info.dtype == torch.float8_e4m3fn)
 
 
-def _fp8_precision(stored: frozenset[str], fp8: Fp8Spec, path: str) -> Fp8Spec | None:
-    """A dense module kept in FP8 where the checkpoint stores it so (the LM head tied to the embedding
-    reads the embedding's precision, which FP8 checkpoints keep full)."""
-    return fp8 if path in stored else None
+def _fp8_precision(recipe: QuantRecipe, num_layers: int, stored: frozenset[str], fp8: Fp8Spec,
+                   path: str) -> QuantSpec | Fp8Spec | None:
+    """A dense module's precision in an FP8 checkpoint: the recipe's where it names one (quantized from
+    the dequantized weight), else FP8 where the checkpoint stores it so (the LM head tied to the
+    embedding reads the embedding's precision, which FP8 checkpoints keep full)."""
+    return recipe.spec_for(path, num_layers) or (fp8 if path in stored else None)
 
 
 def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:

@@ -88,7 +88,7 @@ def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ..
 
 
 def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: TensorIndex, stored: StoredSpec,
-                    device: torch.device) -> dict[str, Tensor]:
+                    device: torch.device, fp8: Fp8Spec | None = None) -> dict[str, Tensor]:
     """The packed parts of a quantized module: as stored, or quantized now from full precision
     (FP8: the e4m3 bytes and the scale grid as the checkpoint stores them)."""
     if isinstance(module.spec, Fp8Spec):
@@ -103,7 +103,9 @@ def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: Te
             raise CheckpointError(f"{source} is stored as {held.name if held else 'full precision'}, "
                                   f"not {module.spec.name}; load it in its own format.")
         return _read_packed(index, source, module.spec, module.qweight.shape[0])
-    return quantize(index.read(f"{source}.weight", floating=True).to(device), module.spec).parts()
+    shape = ((module.out_features, module.in_features) if isinstance(module, QuantLinear)
+             else (module.num_embeddings, module.embedding_dim))
+    return quantize(_read_float(index, source, "weight", shape, stored, fp8).to(device), module.spec).parts()
 
 
 def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig, device: torch.device,
@@ -116,7 +118,7 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
             continue
         source = _module_source(path, config, index)
         quant = isinstance(module, (QuantLinear, QuantEmbedding))
-        parts = _load_quantized(module, source, index, stored, device) if quant else {}
+        parts = _load_quantized(module, source, index, stored, device, fp8) if quant else {}
         for name, param in params.items():
             if name in parts:
                 tensor = parts[name]

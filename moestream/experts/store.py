@@ -38,7 +38,7 @@ from moestream.checkpoint.safetensors_index import OpenFiles, TensorIndex, check
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape
 from moestream.quant import QuantSpec
-from moestream.quant.fp8 import Fp8Spec
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 from moestream.quant.mlx import mlx_spec
 
 
@@ -50,7 +50,7 @@ def read_workers() -> int:
 class ExpertStore:
     """What every layout shares: shapes, layers, parallel bulk reads."""
 
-    native: dict[int, QuantSpec | Fp8Spec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
+    native: dict[int, QuantSpec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         self.index, self.config, self.spec = index, config, spec
@@ -167,7 +167,8 @@ class Fp8ExpertStore(ExpertStore):
     float8_e4m3fn and its scale grid (`spec.scale_name`, float32 or bf16, `spec.scale_shape(N, K)`;
     a channel grid may be saved as (N,) and a tensor scale as () or (1,)). Every tensor's presence,
     dtype and shape is checked before any load; `read_into` copies the bytes and the scales into the
-    FP8 format's slots (gate and up as the two halves of gate_up, scales likewise)."""
+    FP8 format's slots (gate and up as the two halves of gate_up, scales likewise), or, for any other
+    format, encodes the dequantized weights (`read_raw`: FP8 experts requantized to int4, say)."""
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec, fp8: Fp8Spec):
         super().__init__(index, config, spec)
@@ -175,7 +176,7 @@ class Fp8ExpertStore(ExpertStore):
             raise CheckpointError(f"{spec.name}'s experts are stacked, and moestream reads FP8 experts stored one "
                                   "by one only; use a bf16 export of the model.")
         self.fp8 = fp8
-        self.native = {layer: fp8 for layer in self.moe_layers}
+        self.dtype = torch.float8_e4m3fn
         I, H = self.shape.intermediate, self.shape.hidden
         self.projections = ((I, H), (I, H), (H, I))
         for layer in self.moe_layers:
@@ -183,8 +184,19 @@ class Fp8ExpertStore(ExpertStore):
                 for name, (n, k) in zip(self.spec.expert_tensor_names(layer, e), self.projections):
                     check_fp8_weight(index, name, (n, k), fp8)
 
+    def read_raw(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor]:
+        """gate (I, H), up (I, H), down (H, I) of one expert, dequantized to fp32 (`dequantize_fp8`)."""
+        out = []
+        for name in self.spec.expert_tensor_names(layer, expert):
+            weight = self.index.read(name)
+            scale = self.index.read(name.removesuffix("weight") + self.fp8.scale_name)
+            out.append(dequantize_fp8(weight, scale, self.fp8))
+        return out[0], out[1], out[2]
+
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
-        self._check_native(layer, fmt)
+        if getattr(fmt, "spec", None) != self.fp8:   # another format: through its encode
+            fmt.encode(*self.read_raw(layer, expert), out)
+            return
         I = self.shape.intermediate
         gate_rows = self.fp8.scale_shape(I, self.shape.hidden)[0]
         gate_up, gate_up_scales = out["gate_up.qweight"], out["gate_up.scales"]

@@ -78,9 +78,22 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_checkpoi
     assert bounded.generate(prompt, max_tokens=16, ignore_eos=True) == got
 
 
-def test_fp8_checkpoint_refuses_requantizing(fp8_checkpoints):
-    with pytest.raises(InputError, match="precision is fixed"):
-        moestream.load(fp8_checkpoints["qwen3_moe-block"][0], device="cpu", dtype="float32", experts="int8")
+def test_fp8_checkpoint_requantized_on_load_as_its_dequantized_weights_would_be(fp8_checkpoints):
+    """--experts / --attention on an FP8 checkpoint quantize the weights its FP8 values stand for: the
+    same model as the same recipe over the dequantized checkpoint."""
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    kw = dict(device="cpu", dtype="float32", experts="int8", attention="int4", capacity=5)
+    fp8 = moestream.load(folder, **kw)
+    dequantized = moestream.load(folder.parent / f"{folder.name}-ref", **kw)
+    assert fp8.plan.kind == "fp8" and fp8.bank.formats[0].name == "int8-g64"
+    attention = fp8.model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert isinstance(attention, QuantLinear) and attention.spec.name == "int4-g64"
+    dense_mlp = fp8.model.get_submodule("model.layers.1.mlp.down_proj")   # not in the recipe: stays FP8
+    assert isinstance(dense_mlp, QuantLinear) and dense_mlp.spec == CASES["qwen3_moe-block"][1]
+    assert torch.equal(fp8.logits(IDS, MASK), dequantized.logits(IDS, MASK))
+    prompt = IDS[0, :9].tolist()
+    assert fp8.generate(prompt, max_tokens=12, ignore_eos=True) == dequantized.generate(prompt, max_tokens=12,
+                                                                                      ignore_eos=True)
 
 
 def _damaged(src, dst, edit_tensors=None, edit_config=None):
