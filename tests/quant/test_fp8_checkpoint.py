@@ -183,3 +183,25 @@ def test_fp8_bank_prepacks_and_warm_starts_with_its_bytes(fp8_checkpoints, tmp_p
         for name, t in tensors.items():
             assert torch.equal(t, cold.bank.layers[layer].tensors[name]), name
     assert warm.generate(prompt, max_tokens=12, ignore_eos=True) == cold.generate(prompt, max_tokens=12, ignore_eos=True)
+
+
+def test_convert_of_an_fp8_checkpoint_is_that_of_its_dequantized_weights(fp8_checkpoints, tmp_path):
+    """`moestream convert` of an FP8 checkpoint writes the packed checkpoint its dequantized export
+    gives, byte for byte (experts and dense tensors), and it runs."""
+    from moestream.convert import convert
+    from moestream.quant.recipe import QuantRecipe
+
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    recipe = QuantRecipe(experts="int4", attention="int8")
+    convert(folder, tmp_path / "from-fp8", recipe, dtype="fp32", device="cpu", progress=False)
+    convert(folder.parent / f"{folder.name}-ref", tmp_path / "from-ref", recipe, dtype="fp32", device="cpu",
+            progress=False)
+    ours = sorted(p.relative_to(tmp_path / "from-fp8") for p in (tmp_path / "from-fp8").rglob("*.bin"))
+    assert ours and ours == sorted(p.relative_to(tmp_path / "from-ref") for p in (tmp_path / "from-ref").rglob("*.bin"))
+    for rel in [*ours, "model.safetensors"]:
+        assert (tmp_path / "from-fp8" / rel).read_bytes() == (tmp_path / "from-ref" / rel).read_bytes(), rel
+    configs = [json.loads((tmp_path / name / "config.json").read_text()) for name in ("from-fp8", "from-ref")]
+    assert configs[0] == configs[1] and "quantization_config" not in configs[0]
+    engine = moestream.load(tmp_path / "from-fp8", device="cpu", dtype="float32")
+    assert engine.plan.kind == "packed" and engine.bank.formats[0].name == "int4-g64"
+    assert len(engine.generate(IDS[0, :9].tolist(), max_tokens=4, ignore_eos=True)) == 4
