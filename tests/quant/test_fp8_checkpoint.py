@@ -205,3 +205,22 @@ def test_convert_of_an_fp8_checkpoint_is_that_of_its_dequantized_weights(fp8_che
     engine = moestream.load(tmp_path / "from-fp8", device="cpu", dtype="float32")
     assert engine.plan.kind == "packed" and engine.bank.formats[0].name == "int4-g64"
     assert len(engine.generate(IDS[0, :9].tolist(), max_tokens=4, ignore_eos=True)) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["qwen3_moe-block", "deepseek_v3-block"])
+def test_fp8_checkpoint_on_the_gpu(fp8_checkpoints, case):
+    """On CUDA the FP8 experts and linears run the Triton kernels: close to the fp32 CPU reference,
+    and a bounded fetch bank decodes the resident bank's tokens."""
+    folder, reference = fp8_checkpoints[case]
+    engine = moestream.load(folder, device="cuda", dtype="bfloat16")
+    assert engine.bank.formats[engine.config.moe_layers.index(True)].uses_kernels(torch.device("cuda"))
+    with torch.no_grad():
+        ref = reference(IDS, attention_mask=MASK).logits
+    out = engine.logits(IDS.cuda(), MASK.cuda()).float().cpu()
+    valid = MASK.bool()
+    assert (out - ref)[valid].abs().max() / ref[valid].abs().max() <= 3e-2
+    prompt = IDS[0, :9].tolist()
+    resident = engine.generate(prompt, max_tokens=16, ignore_eos=True)
+    bounded = moestream.load(folder, device="cuda", dtype="bfloat16", capacity=3, miss_policy="fetch")
+    assert bounded.generate(prompt, max_tokens=16, ignore_eos=True) == resident
