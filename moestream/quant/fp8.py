@@ -21,6 +21,7 @@ would change the numbers the model was calibrated for and are refused.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,18 @@ def quantize_fp8(weight: Tensor, spec: Fp8Spec) -> tuple[Tensor, Tensor]:
     scale = amax / FP8_MAX
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(sn * bn, sk * bk)[:n, :k].contiguous(), scale.contiguous()
+
+
+def parse_fp8(name: str) -> Fp8Spec | None:
+    """`fp8-b128x128`, `fp8-channel`, `fp8-tensor` (the names `Fp8Spec.name` gives) → the spec; None
+    for any other name (benchmarks and tools that take a format name)."""
+    text = str(name).strip().lower()
+    if text == "fp8-channel":
+        return Fp8Spec(1, None, "weight_scale")
+    if text == "fp8-tensor":
+        return Fp8Spec(None, None, "weight_scale")
+    m = re.fullmatch(r"fp8-b(\d+)x(\d+)", text)
+    return Fp8Spec(int(m.group(1)), int(m.group(2))) if m and int(m.group(1)) and int(m.group(2)) else None
 
 
 # ---- config.json ----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.quant.fp8 import Fp8Spec, dequantize_fp8, fp8_quantization, quantize_fp8
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8, fp8_quantization, parse_fp8, quantize_fp8
 
 BLOCK, CHANNEL, TENSOR = Fp8Spec(4, 8), Fp8Spec(1, None, "weight_scale"), Fp8Spec(None, None, "weight_scale")
 
@@ -59,6 +59,12 @@ def test_quantize_round_trips_within_fp8_precision(spec):
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == spec.scale_shape(20, 36)
     back = dequantize_fp8(q, scale, spec)
     assert ((back - w).abs() <= w.abs() * 2 ** -3 + 1e-2 * w.abs().max()).all()   # 3 mantissa bits
+
+
+def test_names_parse_back_to_their_specs():
+    for spec in (BLOCK, CHANNEL, TENSOR, Fp8Spec(128, 128)):
+        assert parse_fp8(spec.name).name == spec.name
+    assert parse_fp8("int4-g64") is None and parse_fp8("fp8-b0x128") is None
 
 
 def _ct(weights, acts=None, fmt="float-quantized"):
