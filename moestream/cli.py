@@ -668,8 +668,6 @@ def cmd_convert(args) -> int:
     from moestream.convert import convert
     from moestream.sizes import format_bytes
 
-    if args.experts is None:
-        raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts.")
     result = convert(args.source, args.out, _recipe(args), dtype=args.dtype, device=args.device, force=args.force,
                      progress=sys.stderr.isatty())
     resumed = f", resumed after {result.resumed_layers} finished layers" if result.resumed_layers else ""

@@ -9,7 +9,8 @@ when complete, so nothing half-written ever carries the final name. A run that s
 full disk, a crash) leaves the layers it finished in that folder with a progress file; the same
 command resumes from there (a different source or recipe starts again). Output is deterministic:
 converting twice gives byte-identical files. An FP8 checkpoint (`quant/fp8.py`) converts from the
-weights its FP8 values stand for: the packed checkpoint is the one its dequantized export would give.
+weights its FP8 values stand for (the packed checkpoint its dequantized export would give), or,
+without `--experts`, keeps its experts' FP8 bytes and scales as they are in the records.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
 from moestream.checkpoint.packed import LAYOUT_NAME, LayerRecords, PackedLayout, record_layout
 from moestream.checkpoint.safetensors_writer import write_safetensors
 from moestream.errors import InputError
-from moestream.experts.format import QuantizedFormat
+from moestream.experts.format import stored_format
 from moestream.experts.store import CheckpointExpertStore, Fp8ExpertStore
 from moestream.fileio import write_atomic, write_json_atomic
 from moestream.model.decoder import MoECausalLM, parameter_dtype
@@ -101,8 +102,6 @@ class Converter:
         self.spec = detect_arch(raw)
         self.config = model_config_from_hf(raw, self.spec)
         self.recipe = recipe.validate(self.config.num_layers)
-        if recipe.spec("experts") is None:
-            raise InputError("a packed checkpoint stores quantized experts; give --experts FORMAT (e.g. int4).")
         self.out = Path(out).expanduser().resolve()
         if self.out == self.folder.resolve():
             raise InputError("the output folder is the source checkpoint; choose another output folder.")
@@ -113,6 +112,9 @@ class Converter:
         self.work = self.out.parent / f".{self.out.name}.partial"
         self.index = TensorIndex(self.folder)
         self.fp8 = fp8_quantization(raw)
+        if recipe.spec("experts") is None and self.fp8 is None:
+            raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts "
+                             "(an FP8 checkpoint's own FP8 experts without it).")
         self.store = (Fp8ExpertStore(self.index, self.config, self.spec, self.fp8) if self.fp8 is not None
                       else CheckpointExpertStore(self.index, self.config, self.spec))
         stored = raw.get("torch_dtype") or raw.get("dtype")
@@ -221,8 +223,8 @@ class Converter:
         return self.index.read(name, floating=True)
 
     def _write_layer(self, layer: int, bar) -> LayerRecords:
-        spec = self.recipe.spec("experts", layer, self.config.num_layers)
-        fmt = QuantizedFormat(spec, self.dtype)
+        spec = self.recipe.spec("experts", layer, self.config.num_layers) or self.fp8   # None: FP8's own
+        fmt = stored_format(spec, self.dtype)
         tensors, stride = record_layout([(t.name, t.shape, t.dtype) for t in fmt.tensors(self.store.shape)])
         name = f"experts/layer-{layer:03d}.bin"
         checksums = []
@@ -231,8 +233,11 @@ class Converter:
             buf = fmt.empty(self.store.shape)
             record = torch.zeros(stride, dtype=torch.uint8)
             for e in range(self.config.num_experts):
-                gate, up, down = (t.to(self.device) for t in self.store.read_raw(layer, e))
-                fmt.encode(gate, up, down, buf)
+                if spec is self.fp8:   # the stored bytes and scales, as they are
+                    self.store.read_into(layer, e, fmt, buf)
+                else:
+                    gate, up, down = (t.to(self.device) for t in self.store.read_raw(layer, e))
+                    fmt.encode(gate, up, down, buf)
                 crc = 0
                 for entry in tensors:
                     data = buf[entry.name].view(-1).view(torch.uint8)

@@ -22,7 +22,8 @@ from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_con
 from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
-from moestream.experts.format import ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format
+from moestream.experts.format import (ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format,
+                                      stored_format)
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -344,7 +345,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     if layout is not None:
         recipe = QuantRecipe.from_dict(layout.recipe)
         precision = functools.partial(_recipe_precision, recipe, L)
-        formats = {layer: QuantizedFormat(rec.spec, dtype) for layer, rec in layout.layers.items()}
+        formats = {layer: stored_format(rec.spec, dtype) for layer, rec in layout.layers.items()}
     elif mlx is not None:
         recipe = QuantRecipe()
         scale_dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), torch.bfloat16)

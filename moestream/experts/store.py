@@ -50,7 +50,7 @@ def read_workers() -> int:
 class ExpertStore:
     """What every layout shares: shapes, layers, parallel bulk reads."""
 
-    native: dict[int, QuantSpec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
+    native: dict[int, QuantSpec | Fp8Spec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         self.index, self.config, self.spec = index, config, spec

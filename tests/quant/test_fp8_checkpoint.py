@@ -224,3 +224,28 @@ def test_fp8_checkpoint_on_the_gpu(fp8_checkpoints, case):
     resident = engine.generate(prompt, max_tokens=16, ignore_eos=True)
     bounded = moestream.load(folder, device="cuda", dtype="bfloat16", capacity=3, miss_policy="fetch")
     assert bounded.generate(prompt, max_tokens=16, ignore_eos=True) == resident
+
+
+def test_convert_without_experts_keeps_the_fp8_experts_in_the_packed_records(fp8_checkpoints, tmp_path, capsys):
+    """An FP8 checkpoint converted without --experts keeps each expert's FP8 bytes and scales in its
+    packed record (one read per missing expert); it runs as the FP8 checkpoint does."""
+    from safetensors.torch import load_file
+
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    assert cli.main(["convert", str(folder), str(tmp_path / "packed"), "--dtype", "fp32", "--device", "cpu"]) == 0
+    layout = json.loads((tmp_path / "packed" / "layout.json").read_text())
+    assert {rec["format"] for rec in layout["layers"].values()} == {"fp8-b12x12"}
+    packed = moestream.load(tmp_path / "packed", device="cpu", dtype="float32", capacity=3)
+    direct = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
+    assert packed.plan.kind == "packed" and isinstance(packed.bank.formats[0], Fp8Format)
+    assert packed.plan.memory.slot_bytes == direct.plan.memory.slot_bytes
+    source = load_file(str(folder / "model.safetensors"))
+    expert = {name: t[0] for name, t in packed.bank.formats[0].empty(packed.bank.store.shape, 1).items()}
+    packed.bank.store.read_into(0, 5, packed.bank.formats[0], expert)
+    up = source["model.layers.0.mlp.experts.5.up_proj.weight"].view(torch.uint8)
+    assert torch.equal(expert["gate_up.qweight"][16:], up)
+    assert torch.equal(expert["down.scales"], source["model.layers.0.mlp.experts.5.down_proj.weight_scale_inv"])
+    assert torch.equal(packed.logits(IDS, MASK), direct.logits(IDS, MASK))
+    prompt = IDS[0, :9].tolist()
+    assert packed.generate(prompt, max_tokens=12, ignore_eos=True) == direct.generate(prompt, max_tokens=12,
+                                                                                    ignore_eos=True)
