@@ -25,14 +25,15 @@ MASK[1, :6] = 0   # a padded row
 
 # (arch, spec): ragged 12 x 12 blocks over 32- and 16-wide weights (the gate's last block rows 4 of
 # 12, so gate_up's grid is two grids), DeepSeek-V3 in its own block form, the compressed-tensors
-# channel and tensor forms (bf16 scales, as llm-compressor saves them).
+# channel and tensor forms (bf16 scales, as llm-compressor saves them), Qwen3-Next's hybrid layers.
 CASES = {
     "qwen3_moe-block": ("qwen3_moe", Fp8Spec(12, 12), torch.float32),
     "deepseek_v3-block": ("deepseek_v3", Fp8Spec(16, 8), torch.float32),
     "qwen3_moe-channel": ("qwen3_moe", Fp8Spec(1, None, "weight_scale"), torch.bfloat16),
     "mixtral-tensor": ("mixtral", Fp8Spec(None, None, "weight_scale"), torch.float32),
+    "qwen3_next-block": ("qwen3_next", Fp8Spec(16, 16), torch.float32),   # linear attention, shared experts
 }
-PREFIX = {"qwen3_moe": "mlp", "deepseek_v3": "mlp", "mixtral": "block_sparse_moe"}
+PREFIX = {"qwen3_moe": "mlp", "deepseek_v3": "mlp", "mixtral": "block_sparse_moe", "qwen3_next": "mlp"}
 
 
 @pytest.fixture(scope="module")
