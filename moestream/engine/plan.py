@@ -356,7 +356,8 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     elif fp8 is not None:   # kept in their FP8 bytes, unless the recipe quantizes them from the dequantized weights
         recipe = asked
         precision = functools.partial(_fp8_precision, recipe, L, fp8_modules(folder), fp8)
-        formats = {layer: (fmt if isinstance(fmt, QuantizedFormat) else Fp8Format(fp8, dtype))
+        unpacked = str(recipe.experts).lower() in ("bf16", "fp16", "fp32")   # asked for by name: dequantized
+        formats = {layer: (fmt if isinstance(fmt, QuantizedFormat) or unpacked else Fp8Format(fp8, dtype))
                    for layer, fmt in expert_formats(config, dtype, recipe).items()}
     else:
         recipe = asked

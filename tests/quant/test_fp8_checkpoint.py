@@ -95,6 +95,12 @@ def test_fp8_checkpoint_requantized_on_load_as_its_dequantized_weights_would_be(
     prompt = IDS[0, :9].tolist()
     assert fp8.generate(prompt, max_tokens=12, ignore_eos=True) == dequantized.generate(prompt, max_tokens=12,
                                                                                       ignore_eos=True)
+    # experts asked for in the compute dtype by name: dequantized into the dense format (what the CPU
+    # worker of the hybrid policy reads)
+    dense = moestream.load(folder, device="cpu", dtype="float32", experts="fp32", capacity=5)
+    assert dense.bank.formats[0].name == "fp32"
+    assert torch.equal(dense.logits(IDS, MASK), moestream.load(folder.parent / f"{folder.name}-ref", device="cpu",
+                                                                dtype="float32", capacity=5).logits(IDS, MASK))
 
 
 def _damaged(src, dst, edit_tensors=None, edit_config=None):
