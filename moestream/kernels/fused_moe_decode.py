@@ -37,8 +37,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
-from .moe_tiles import fit_tile, gated_dot, quant_block_k, quant_gemv
+from .moe_tiles import FP8_NATIVE, FP8_PORTABLE, fit_tile, gated_dot, quant_block_k, quant_gemv
 from .pdl import pdl_args, release_consumer, wait_for_producer
+from .switch import Switch
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "HostOperand", "QuantOperand",
            "launch_decode_gemms"]
@@ -92,7 +93,7 @@ def _moe_decode_kernel(
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
     USE_PDL: tl.constexpr = False,   # programmatic dependent launch (pdl.py)
-    FP8: tl.constexpr = False, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
+    FP8: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
 ):
     """C[q, n-tile] = epilogue(A[row(q)] @ B[slot]^T) for every pair q routed to this pair's
     slot, if this pair is the slot's first pair (see the module docstring)."""
@@ -223,11 +224,24 @@ def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
             quant.nf, max(block_k, quant_block_k(quant.bits, quant.group)))
 
 
+_fp8_hardware = Switch()
+
+
+def fp8_hardware_conversion(enabled: bool):
+    """Switch the hardware e4m3 conversion off (bit arithmetic instead) inside the block: the tests
+    that check the portable conversion, and A/B runs."""
+    return _fp8_hardware.set(enabled)
+
+
 def fp8_args(quant: QuantOperand | None) -> dict:
-    """The kernels' FP8 switches of an operand (off for plain and integer-quantized ones)."""
+    """The kernels' FP8 switches of an operand (off for plain and integer-quantized ones): the
+    hardware conversion where the GPU has one (sm_89 and later; the interpreter too), else bit
+    arithmetic."""
     if quant is None or not quant.fp8:
         return {}
-    return {"FP8": True, "SCALE_ROWS": quant.scale_rows}
+    device = quant.qweight.device
+    native = _fp8_hardware.on and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9))
+    return {"FP8": FP8_NATIVE if native else FP8_PORTABLE, "SCALE_ROWS": quant.scale_rows}
 
 
 def _launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,

@@ -175,7 +175,7 @@ def _moe_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
-    FP8: tl.constexpr = False, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
+    FP8: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
 ):
     """C[pair, :] = epilogue(A[pair // A_ROW_DIV, :] @ B[slot]^T) for one (M-block, N-tile).
 

@@ -36,12 +36,32 @@ def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr):
     return word
 
 
+FP8_NATIVE, FP8_PORTABLE = 1, 2   # the kernels' FP8 switch: e4m3 converted by the hardware, or by bit arithmetic
+
+
 @triton.jit
-def _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP: tl.constexpr):
+def _e4m3_value(byte, FP8: tl.constexpr):
+    """float8_e4m3fn bits (uint8) → fp32, exactly: the hardware conversion (FP8_NATIVE, sm_89 and
+    later), or bit arithmetic anywhere (FP8_PORTABLE): a normal value's exponent re-biased by 120
+    (127 - 7) with its 3 mantissa bits moved up, a subnormal one m·2^-9."""
+    if FP8 == 1:
+        value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = byte.to(tl.int32)
+        em = b & 0x7F
+        normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(em < 8, em.to(tl.float32) * 0.001953125, normal)
+        value = tl.where((b & 0x80) != 0, -magnitude, magnitude)
+    return value
+
+
+@triton.jit
+def _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP: tl.constexpr,
+              FP8: tl.constexpr):
     """FP8 e4m3 bytes of one K-tile of rows offs_bn as fp32 values, and the scale of each value's
     block (scale row `srow` of each weight row, column unit // GROUP): [U, BLOCK_N] each."""
     byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None], mask=u_mask[:, None], other=0)
-    value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    value = _e4m3_value(byte, FP8)
     scale = tl.load(s_base + srow[None, :] * stride_sn + (unit // GROUP)[:, None], mask=u_mask[:, None], other=0.0)
     return value, scale
 
@@ -53,7 +73,7 @@ def _quant_tile(b_base, s_base, z_base, offs_bn, srow, unit, u_mask, g0, num_gro
     """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn;
     FP8: the values as fp32, each value's block scale, and the scales again (unused)."""
     if FP8:
-        word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP)
+        word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP, FP8)
         bias = scale
     else:
         word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
@@ -107,7 +127,8 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
     unit) is multiplied by the matching strided columns of A: VPB dots of depth U per tile. The
     host picks BLOCK_K as a multiple of GROUP, so a tile spans R whole groups.
 
-    FP8 (BITS = 8): a byte a value, float8_e4m3fn bits, each scaled by its block's float32 scale
+    FP8 (BITS = 8; FP8_NATIVE or FP8_PORTABLE, how the bits become fp32: `_e4m3_value`): a byte a
+    value, float8_e4m3fn bits, each scaled by its block's float32 scale
     (blocks of SCALE_ROWS rows × GROUP columns; the scale grid's rows of gate rows first, then of
     up rows: `_scale_rows`); BLOCK_K needs no relation to the blocks (the scale is read per value).
     """

@@ -11,7 +11,12 @@ import pytest
 from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
 
 _SCRIPT = """
+import contextlib
 import torch
+import triton
+import triton.language as tl
+from moestream.kernels.fused_moe_decode import fp8_hardware_conversion
+from moestream.kernels.moe_tiles import _e4m3_value
 from moestream.experts.format import ExpertShape, Fp8Format
 from moestream.kernels import quant_linear_reference, quant_moe_reference
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
@@ -27,8 +32,23 @@ torch.empty = nan_empty
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
+@triton.jit
+def _decode_all(b_ptr, out_ptr, FP8: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, _e4m3_value(tl.load(b_ptr + i), FP8))
+
+every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+want = every.view(torch.float8_e4m3fn).float()
+finite = ~want.isnan()
+for mode in (1, 2):   # the hardware conversion and the bit arithmetic: every finite e4m3 value exactly
+    got = _empty(256)
+    _decode_all[(1,)](every, got, FP8=mode)
+    assert torch.equal(got[finite], want[finite]), mode
+
 g = torch.Generator().manual_seed(0)
 H, I, S, K = 80, 40, 4, 3
+conversion = contextlib.nullcontext() if NATIVE else fp8_hardware_conversion(False)
+conversion.__enter__()
 shape = ExpertShape(H, I)
 for spec in SPECS:
     fmt = Fp8Format(spec, torch.float32)
@@ -69,9 +89,13 @@ print("interpreter ok")
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
-@pytest.mark.parametrize("specs", ["[Fp8Spec(32, 64)]",
-                                   "[Fp8Spec(1, None, 'weight_scale'), Fp8Spec(None, None, 'weight_scale')]"])
-def test_fp8_kernels_under_triton_interpreter(specs) -> None:
-    result = run_under_interpreter(f"from moestream.quant.fp8 import Fp8Spec\nSPECS = {specs}\n" + _SCRIPT)
+@pytest.mark.parametrize("specs,native", [("[Fp8Spec(32, 64)]", False),
+                                          ("[Fp8Spec(1, None, 'weight_scale'), Fp8Spec(None, None, 'weight_scale')]",
+                                           True)])
+def test_fp8_kernels_under_triton_interpreter(specs, native) -> None:
+    """The block grid through the portable e4m3 conversion, channel and tensor scales through the
+    hardware one (each checked on all 256 bytes first)."""
+    result = run_under_interpreter(f"from moestream.quant.fp8 import Fp8Spec\nSPECS = {specs}\nNATIVE = {native}\n"
+                                   + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout

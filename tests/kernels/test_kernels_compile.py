@@ -24,8 +24,8 @@ FORMATS = [(0, 1, False), (8, 64, False), (4, 64, False), (4, 32, False), (3, 64
            (4, 64, True), (3, 64, True)]
 # FP8 e4m3 (BITS 8 with the FP8 switch): DeepSeek's 128 x 128 blocks, and per-channel scales (a
 # block of one row by the whole width)
-FP8_FORMATS = [(128, 128), (1, 2048)]
-FP8_OFF = {"FP8": False, "SCALE_ROWS": 1}
+FP8_FORMATS = [(128, 128, 1), (1, 2048, 1), (128, 128, 2)]   # (block rows, block columns, hardware / portable e4m3)
+FP8_OFF = {"FP8": 0, "SCALE_ROWS": 1}
 INTS = ["N", "K", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
         "stride_se", "stride_sn", "stride_bias_e"]
 FLOATS = ["alpha", "limit"]   # the clamped SwiGLU's parameters
@@ -80,13 +80,13 @@ def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
     assert kernel.metadata.shared <= SMEM
 
 
-@pytest.mark.parametrize("scale_rows,group", FP8_FORMATS)
+@pytest.mark.parametrize("scale_rows,group,mode", FP8_FORMATS)
 @pytest.mark.parametrize("gated", [True, False])
-def test_fp8_decode_kernel_compiles(scale_rows, group, gated):
+def test_fp8_decode_kernel_compiles(scale_rows, group, mode, gated):
     consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": 0, "MUL_WEIGHT": not gated, "HAS_BIAS": False,
               "PAIRS": 16, "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": 512 if gated else 256,
               "EVEN_K": False, "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "USE_PDL": True,
-              "FP8": True, "SCALE_ROWS": scale_rows}
+              "FP8": mode, "SCALE_ROWS": scale_rows}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
                          8, False, fp8=True)
     ints = INTS + ["num_pairs", "num_slots", "num_host", "host_b", "host_s", "host_z", "top_k", "stride_st",
@@ -95,11 +95,11 @@ def test_fp8_decode_kernel_compiles(scale_rows, group, gated):
     assert kernel.metadata.shared <= SMEM
 
 
-@pytest.mark.parametrize("scale_rows,group", FP8_FORMATS)
-def test_fp8_grouped_kernel_compiles(scale_rows, group):
+@pytest.mark.parametrize("scale_rows,group,mode", FP8_FORMATS)
+def test_fp8_grouped_kernel_compiles(scale_rows, group, mode):
     consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": 0, "MUL_WEIGHT": False, "HAS_BIAS": False,
               "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": False,
-              "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "FP8": True, "SCALE_ROWS": scale_rows}
+              "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "FP8": mode, "SCALE_ROWS": scale_rows}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
                           "code_ptr", "bias_ptr"], 8, False, fp8=True)
     kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8, 2)
