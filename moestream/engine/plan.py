@@ -338,7 +338,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     fp8 = fp8_quantization(raw) if layout is None and mlx is None else None
     kind = "packed" if layout is not None else "mlx" if mlx is not None else "fp8" if fp8 is not None else "hf"
     if kind not in ("hf", "fp8") and (asked.quantized or asked.layer_formats):
-        stored = {"packed": "a packed (moestream convert)", "mlx": "an MLX-quantized", "fp8": "an FP8"}[kind]
+        stored = "a packed (moestream convert)" if layout is not None else "an MLX-quantized"
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers

@@ -56,24 +56,37 @@ def _e4m3_value(byte, FP8: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP: tl.constexpr,
-              FP8: tl.constexpr):
-    """FP8 e4m3 bytes of one K-tile of rows offs_bn as fp32 values, and the scale of each value's
-    block (scale row `srow` of each weight row, column unit // GROUP): [U, BLOCK_N] each."""
+def _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn, U: tl.constexpr,
+              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+    """FP8 e4m3 bytes of the K-tile of rows offs_bn starting at column k0 as fp32 values, and the
+    scale of each value's block (scale row `srow` of each weight row, column k // GROUP): [U, BLOCK_N]
+    each. Where the tile holds whole blocks (U a multiple of GROUP) or lies inside one (GROUP a
+    multiple of U), each row's few scales are loaded once and broadcast; otherwise (ragged blocks
+    such as a channel scale over a width no power of two divides) one load per value."""
     byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None], mask=u_mask[:, None], other=0)
     value = _e4m3_value(byte, FP8)
-    scale = tl.load(s_base + srow[None, :] * stride_sn + (unit // GROUP)[:, None], mask=u_mask[:, None], other=0.0)
+    rows = s_base + srow[None, :] * stride_sn
+    if U % GROUP == 0:
+        R: tl.constexpr = U // GROUP
+        r = k0 // GROUP + tl.arange(0, R)
+        tile = tl.load(rows + r[:, None], mask=(r < num_groups)[:, None], other=0.0)
+        scale = tl.reshape(tl.broadcast_to(tl.expand_dims(tile, 1), (R, GROUP, BLOCK_N)), (U, BLOCK_N))
+    elif GROUP % U == 0:
+        scale = tl.broadcast_to(tl.load(rows + k0 // GROUP), (U, BLOCK_N))
+    else:
+        scale = tl.load(rows + (unit // GROUP)[:, None], mask=u_mask[:, None], other=0.0)
     return value, scale
 
 
 @triton.jit
-def _quant_tile(b_base, s_base, z_base, offs_bn, srow, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
+def _quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
                 UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr,
                 GROUP: tl.constexpr, FP8: tl.constexpr):
     """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn;
     FP8: the values as fp32, each value's block scale, and the scales again (unused)."""
     if FP8:
-        word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, unit, u_mask, stride_bn, stride_sn, GROUP, FP8)
+        word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn,
+                                U, BLOCK_N, GROUP, FP8)
         bias = scale
     else:
         word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
@@ -169,12 +182,12 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
             unit = kk * U + offs_u
             u_mask = unit * VPB < K
             g0 = kk * R
-            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, unit, u_mask, g0, num_groups,
-                                            stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
+            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+                                            num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
             if GATED:
-                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, unit, u_mask,
-                                                         g0, num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF,
-                                                         GROUP, FP8)
+                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+                                                         u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U,
+                                                         BLOCK_N, NF, GROUP, FP8)
             for j in tl.static_range(VPB):
                 a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
                             mask=row_mask[:, None] & u_mask[None, :], other=0.0)
@@ -210,12 +223,12 @@ def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak
         unit = kk * U + offs_u
         u_mask = unit * VPB < K
         g0 = kk * R
-        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, unit, u_mask, g0, num_groups,
-                                        stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
+        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+                                        num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
         if GATED:
-            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, unit, u_mask, g0,
-                                                     num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF,
-                                                     GROUP, FP8)
+            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+                                                     u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N,
+                                                     NF, GROUP, FP8)
         for j in tl.static_range(VPB):
             a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
             acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]

@@ -89,12 +89,13 @@ print("interpreter ok")
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
-@pytest.mark.parametrize("specs,native", [("[Fp8Spec(32, 64)]", False),
+@pytest.mark.parametrize("specs,native", [("[Fp8Spec(16, 32), Fp8Spec(32, 128)]", False),
                                           ("[Fp8Spec(1, None, 'weight_scale'), Fp8Spec(None, None, 'weight_scale')]",
                                            True)])
 def test_fp8_kernels_under_triton_interpreter(specs, native) -> None:
-    """The block grid through the portable e4m3 conversion, channel and tensor scales through the
-    hardware one (each checked on all 256 bytes first)."""
+    """Block grids through the portable e4m3 conversion (tiles of several whole blocks, and tiles
+    inside one block), channel and tensor scales through the hardware one (ragged: one scale load per
+    value); each conversion checked on all 256 bytes first."""
     result = run_under_interpreter(f"from moestream.quant.fp8 import Fp8Spec\nSPECS = {specs}\nNATIVE = {native}\n"
                                    + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -106,6 +106,25 @@ def test_fp8_grouped_kernel_compiles(scale_rows, group, mode):
     assert kernel.metadata.shared <= SMEM
 
 
+@pytest.mark.parametrize("row", range(5))
+def test_fp8_grouped_kernel_fits_every_quantized_tile(row):
+    """Each row of the quantized grouped tile table, with FP8 128 x 128 experts: the scales are read
+    per block, not per value, so the pipeline's shared memory stays within the H100's."""
+    from moestream.kernels.fused_moe_triton import _QUANT_CONFIG_TABLE
+
+    cfg = _QUANT_CONFIG_TABLE[row][1]
+    tile = cfg.gate_up
+    consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": 0, "MUL_WEIGHT": False, "HAS_BIAS": False,
+              "BLOCK_M": cfg.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "GROUP_M": tile.group_m,
+              "EVEN_K": False, "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": 128, "NF": False, "FP8": 1,
+              "SCALE_ROWS": 128}
+    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
+                          "code_ptr", "bias_ptr"], 8, False, fp8=True)
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts,
+                      tile.num_warps, tile.num_stages)
+    assert kernel.metadata.shared <= SMEM
+
+
 def _sig(pointers: dict, ints: list[str], floats: list[str], consts: dict) -> dict:
     return {**pointers, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}, **{n: "constexpr" for n in consts}}
 
