@@ -8,14 +8,13 @@ from moestream.checkpoint.resolve import local_checkpoint
 from moestream.cli.common import recipe
 from moestream.cli.interrupts import interrupts
 from moestream.cli.flags import add_quant_args
-from moestream.errors import InputError
 
 
 def add_parser(sub) -> None:
     conv = sub.add_parser("convert", help="write a packed checkpoint with quantized experts (and dense tensors)")
-    conv.add_argument("source", help="Hugging Face checkpoint folder or hub id (bf16/fp16/fp32)")
+    conv.add_argument("source", help="Hugging Face checkpoint folder or hub id (bf16/fp16/fp32, or FP8)")
     conv.add_argument("out", help="output folder (written beside as .OUT.partial, renamed when complete)")
-    add_quant_args(conv, "required")
+    add_quant_args(conv, "required, except that an FP8 checkpoint without it keeps its FP8 experts")
     conv.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                       help="dtype of the tensors kept at full precision (default: the source's)")
     conv.add_argument("--device", default="auto", help="where to quantize: cpu, cuda or auto")
@@ -24,8 +23,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if args.experts is None:
-        raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts.")
     local_checkpoint(args.source)
     from moestream.engine.convert import Converter
     from moestream.sizes import format_bytes, format_rate
