@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from moestream.checkpoint.resolve import local_checkpoint
+from moestream.checkpoint.resolve import local_checkpoint, read_config
 from moestream.cli.common import recipe
 from moestream.cli.interrupts import interrupts
 from moestream.cli.flags import add_quant_args
+from moestream.errors import InputError
 
 
 def add_parser(sub) -> None:
@@ -22,8 +23,18 @@ def add_parser(sub) -> None:
     conv.set_defaults(func=run)
 
 
+def may_skip_experts(raw: dict) -> bool:
+    """Whether config.json may name an FP8 checkpoint, whose own FP8 experts convert without
+    --experts (compressed-tensors may be FP8 or integer: the Converter tells them apart)."""
+    q = raw.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") in ("fp8", "compressed-tensors")
+
+
 def run(args) -> int:
-    local_checkpoint(args.source)
+    folder = local_checkpoint(args.source)
+    if args.experts is None and folder is not None and not may_skip_experts(read_config(folder)):
+        raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts "
+                         "(an FP8 checkpoint's own FP8 experts without it).")
     from moestream.engine.convert import Converter
     from moestream.sizes import format_bytes, format_rate
 
