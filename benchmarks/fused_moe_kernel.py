@@ -22,7 +22,7 @@ sweeps decode tiles at T=1 and T=8 (refreshes `DEFAULT_DECODE_CONFIG`), timed `c
 `--tune-token` sweeps the one-token path's tiles (refreshes `DEFAULT_TOKEN_CONFIG`) beside the
 decode path at T=1. At T=1 the "token" rows are the one-token path, which `fused_moe` takes there.
 
-`--format int4` (any quantization name) times the dequantizing kernel (`fused_moe_quant`) beside
+`--format int4` (any quantization name, or an FP8 one: fp8-b128x128, fp8-channel) times the dequantizing kernel (`fused_moe_quant`) beside
 the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched;
 at T=1 also the decode path (`decode_path_us`) beside the one-token path auto takes. With
 `--tune-token` it first sweeps the quantized one-token tiles (refreshes `QUANT_TOKEN_CONFIG`); with
@@ -277,16 +277,25 @@ def quant_rows(args) -> None:
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
     from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
     from moestream.quant import parse_quant, quantize
+    from moestream.quant.fp8 import parse_fp8
 
-    spec = parse_quant(args.format)
+    spec = parse_fp8(args.format) or parse_quant(args.format)
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k
     bank = make_bank(H, I, S)
-    slots: dict[str, list] = {}
-    for proj, t in (("gate_up", bank[0]), ("down", bank[1])):
+    if spec.kind == "fp8":   # FP8 e4m3 slots as an FP8 checkpoint's experts fill them (fp8-b128x128, fp8-channel)
+        from moestream.experts.format import ExpertShape, Fp8Format
+
+        fmt = Fp8Format(spec, bank[0].dtype)
+        qbank = fmt.empty(ExpertShape(H, I), S, device=bank[0].device)
         for s in range(S):
-            for part, v in quantize(t[s], spec).parts().items():
-                slots.setdefault(f"{proj}.{part}", []).append(v)
-    qbank = {name: torch.stack(v) for name, v in slots.items()}
+            fmt.encode(bank[0][s][:I], bank[0][s][I:], bank[1][s], {name: t[s] for name, t in qbank.items()})
+    else:
+        slots: dict[str, list] = {}
+        for proj, t in (("gate_up", bank[0]), ("down", bank[1])):
+            for s in range(S):
+                for part, v in quantize(t[s], spec).parts().items():
+                    slots.setdefault(f"{proj}.{part}", []).append(v)
+        qbank = {name: torch.stack(v) for name, v in slots.items()}
     q_expert = sum(t[0].numel() * t.element_size() for t in qbank.values())
     print(f"{spec.name}: {q_expert / 1e6:.2f} MB per expert (bf16 {3 * H * I * 2 / 1e6:.2f} MB)")
     rows = []

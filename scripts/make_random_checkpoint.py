@@ -10,7 +10,7 @@ seeded random values (normal(0, 0.02) like HF init, ones for norms, zeros for bi
 Usage::
 
     python scripts/make_random_checkpoint.py --shape qwen3-30b-a3b --layers 24 \
-        --dtype bf16 --out /data/qwen3-24l [--seed 0] [--device cpu|cuda] [--shard-size 4GB]
+        --dtype bf16 --out /data/qwen3-24l [--seed 0] [--device cpu|cuda] [--shard-size 4GB] [--fp8-block 128x128 | --gptq 4]
 
 Design notes:
 
@@ -41,6 +41,13 @@ Design notes:
   ``model.layers``; the Hub checkpoint is the multimodal wrapper), experts stacked per layer
   (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)), tied embeddings (no
   ``lm_head.weight``), the last layer full attention whatever ``--layers`` says, as transformers forces.
+* ``--fp8-block 128x128``: the FP8 e4m3 form DeepSeek-V3 and the Qwen3-*-FP8 checkpoints ship in:
+  every linear of the decoder layers (attention, experts, shared and dense MLPs; not the routers,
+  norms, embeddings or LM head) as ``F8_E4M3`` ``.weight`` plus an ``F32`` ``.weight_scale_inv`` of
+  (⌈N/128⌉, ⌈K/128⌉), and ``quantization_config`` (``quant_method: fp8``, ``weight_block_size``) in
+  config.json. The e4m3 values are random normal(0, 64) clamped to ±448 and every scale is
+  0.02 / 64, so the weights they stand for follow the same normal(0, 0.02); only the bytes on disk
+  differ (a byte a weight). Not for the stacked-expert shapes (GPT-OSS, Gemma 4).
 * Qwen3-Next: its zero-centred norms (scale 1 + weight) are written as zeros, as HF initialises
   them; its multi-token-prediction weights (``mtp.*``) are not written (transformers ignores them).
 * ``--gptq BITS`` (2/3/4/8, ``--gptq-group`` 128 by default, -1 per channel) writes the GPTQ form a
@@ -50,7 +57,7 @@ Design notes:
   symmetric zero point (2^(bits-1), stored minus 1 as GPTQ v1 does), ``scales`` (G, N) F16 drawn
   so that the weights spread like normal(0, 0.02), and ``g_idx`` (K,) I32 in group order;
   ``quantization_config`` names it (symmetric, no act-order). Per-expert tensors only: GPT-OSS's
-  and Gemma 4's stacked experts are left in ``--dtype``.
+  and Gemma 4's stacked experts are left in ``--dtype``. ``--gptq`` and ``--fp8-block`` exclude each other.
 """
 
 from __future__ import annotations
@@ -688,7 +695,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    init: str  # "normal" | "ones" | "zeros"
+    init: str  # "normal" | "ones" | "zeros" | "fp8" (e4m3 values) | "fp8_scale" (their block scales)
     fp32: bool = False  # F32 whatever the checkpoint dtype (transformers keeps it so)
     stored: str | None = None  # a fixed safetensors dtype ("I32", "F16"): GPTQ's parts, whatever --dtype says
 
@@ -703,7 +710,40 @@ class TensorSpec:
         """Bytes on disk when the checkpoint's dtype has ``itemsize`` bytes."""
         if self.stored is not None:
             return self.numel * STORED_DTYPES[self.stored].itemsize
-        return self.numel * (4 if self.fp32 else itemsize)
+        return self.numel * (4 if self.fp32 else 1 if self.init == "fp8" else itemsize)
+
+
+FP8_VALUE_STD = 64.0   # e4m3 values drawn as normal(0, 64), clamped to the format's ±448
+_ROUTER = re.compile(r"(\.gate|\.router|shared_expert_gate)\.weight$")
+
+
+def fp8_specs(specs: Sequence[TensorSpec], block: tuple[int, int]) -> list[TensorSpec]:
+    """The FP8 block form of ``specs``: each decoder linear's weight as e4m3 bytes followed by its
+    float32 ``weight_scale_inv`` grid; everything else as it was."""
+    bn, bk = block
+    out = []
+    for s in specs:
+        if (s.init == "normal" and len(s.shape) == 2 and s.name.startswith("model.layers.")
+                and s.name.endswith(".weight") and not _ROUTER.search(s.name)):
+            n, k = s.shape
+            out += [TensorSpec(s.name, s.shape, "fp8"),
+                    TensorSpec(s.name.removesuffix("weight") + "weight_scale_inv", (-(-n // bn), -(-k // bk)),
+                               "fp8_scale", fp32=True)]
+        else:
+            out.append(s)
+    return out
+
+
+def fp8_quantization_config(block: tuple[int, int]) -> dict[str, Any]:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    """'128x128' → (128, 128)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX,]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"bad block {text!r}; give rows x columns, e.g. 128x128")
+    return int(m.group(1)), int(m.group(2))
 
 
 # Hybrid stacks of Gated DeltaNet and gated attention: Qwen3-Next, and Qwen3.5/3.6's text-only export.
@@ -1008,7 +1048,7 @@ def safetensors_header(specs: Sequence[TensorSpec], st_dtype: str, itemsize: int
     off = 0
     for s in specs:
         end = off + s.nbytes(itemsize)
-        dtype = s.stored or ("F32" if s.fp32 else st_dtype)
+        dtype = s.stored or ("F32" if s.fp32 else "F8_E4M3" if s.init == "fp8" else st_dtype)
         meta[s.name] = {"dtype": dtype, "shape": list(s.shape), "data_offsets": [off, end]}
         off = end
     js = json.dumps(meta, separators=(",", ":")).encode()
@@ -1073,6 +1113,8 @@ class ChunkGenerator:
             return torch.ones(shape, dtype=dtype)
         if c.spec.init == "zeros":
             return torch.zeros(shape, dtype=dtype)
+        if c.spec.init == "fp8_scale":
+            return torch.full(shape, INIT_STD / FP8_VALUE_STD, dtype=torch.float32)
         g = self._gen()
         g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
         if kind == "codes":     # GPTQ's qweight: random words are random codes of any width
@@ -1082,7 +1124,11 @@ class ChunkGenerator:
             levels = (1 << int(arg)) / 2
             t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(0.8, 1.2, generator=g)
             return (t * INIT_STD * 1.7 / levels).to(dtype).cpu()
-        t = torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
+        if c.spec.init == "fp8":
+            t = torch.empty(shape, dtype=torch.float32, device=self.device).normal_(0.0, FP8_VALUE_STD, generator=g)
+            t = t.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
         return t.cpu() if t.device.type != "cpu" else t
 
 
@@ -1198,17 +1244,13 @@ def write_checkpoint(
     overwrite: bool = False,
     gptq: int | None = None,
     gptq_group: int = 128,
+    fp8_block: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Write config.json, generation_config.json, the shards and the index; return a summary dict."""
+    """Write config.json, generation_config.json, the shards and the index; return a summary dict.
+    `gptq` / `fp8_block`: write the GPTQ or the FP8 e4m3 block form (see the module docstring)."""
     torch_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    cfg = build_config(shape, layers, dtype, tiny)
-    specs = plan_tensors(cfg)
-    if gptq is not None:
-        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
-            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
-        specs = gptq_specs(specs, gptq, gptq_group)
-        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
+    cfg, specs = planned(shape, layers, dtype, tiny, fp8_block, gptq, gptq_group)
     total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
@@ -1271,7 +1313,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gptq", type=int, default=None, metavar="BITS",
                     help="write the linears inside the layers in GPTQ form at 2/3/4/8 bits (symmetric, v1 zero points)")
     ap.add_argument("--gptq-group", type=int, default=128, help="GPTQ group size (-1: one group per row)")
+    ap.add_argument("--fp8-block", type=parse_block, default=None, metavar="ROWSxCOLS",
+                    help="write the FP8 e4m3 block form with this scale block, e.g. 128x128 (DeepSeek-V3, Qwen3-FP8)")
     return ap.parse_args(argv)
+
+
+def planned(shape: str, layers: int | None, dtype: str, tiny: bool, fp8_block: tuple[int, int] | None = None,
+            gptq: int | None = None, gptq_group: int = 128) -> tuple[dict[str, Any], list[TensorSpec]]:
+    """config.json and the tensor plan, in the FP8 block form when `fp8_block` is given, in the
+    GPTQ form when `gptq` is (one or the other: a checkpoint has one quantization_config)."""
+    cfg = build_config(shape, layers, dtype, tiny)
+    specs = plan_tensors(cfg)
+    if gptq is not None and fp8_block is not None:
+        raise SystemExit("--gptq and --fp8-block each write the whole checkpoint's linears; give one of them")
+    if gptq is not None:
+        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
+            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
+        specs = gptq_specs(specs, gptq, gptq_group)
+        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
+    if fp8_block is not None:
+        if cfg["model_type"] in ("gpt_oss", "gemma4_text"):
+            raise SystemExit(f"--fp8-block: {shape} stores its experts stacked; FP8 checkpoints store them one by one")
+        cfg["quantization_config"] = fp8_quantization_config(fp8_block)
+        specs = fp8_specs(specs, fp8_block)
+    return cfg, specs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1280,11 +1345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if a.dry_run:
-        cfg = build_config(a.shape, a.layers, a.dtype, a.tiny)
-        specs = plan_tensors(cfg)
-        if a.gptq is not None:
-            specs = gptq_specs(specs, a.gptq, a.gptq_group)
-            cfg["quantization_config"] = gptq_config(a.gptq, a.gptq_group)
+        cfg, specs = planned(a.shape, a.layers, a.dtype, a.tiny, a.fp8_block, a.gptq, a.gptq_group)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
         total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
@@ -1292,7 +1353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
         return 0
     write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite,
-                     a.gptq, a.gptq_group)
+                     a.gptq, a.gptq_group, a.fp8_block)
     return 0
 
 

@@ -59,11 +59,19 @@ def demo_without_template(tmp_path_factory):
     (["run", "-p", ""], "the prompt is empty"),
     (["perplexity", "--file", "missing.py"], "--file missing.py does not exist"),
     (["profile", "--prompts", "missing.txt", "--out", "p.json"], "--prompts missing.txt does not exist"),
-    (["convert", "src", "out"], "--experts"),
+    (["convert", "src", "out", "--experts", "int4"], "model folder src does not exist"),
     (["serve", "--prefix-cache-memory", "some"], "--prefix-cache-memory 'some'"),
 ])
 def test_errors_that_need_no_model_come_before_torch(tmp_path, argv, match):
     _fails_before_torch(*argv, cwd=tmp_path, match=match)
+
+
+def test_convert_without_experts_is_refused_before_torch(tmp_path):
+    """A full-precision source needs --experts (only an FP8 one converts without it), told from
+    config.json alone."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "torch_dtype": "bfloat16"}))
+    _fails_before_torch("convert", "src", "out", cwd=tmp_path, match="convert needs --experts FORMAT")
 
 
 def test_a_gguf_model_is_named_before_torch(tmp_path):

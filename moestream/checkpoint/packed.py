@@ -25,6 +25,7 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.quant import QuantSpec, parse_quant
+from moestream.quant.fp8 import Fp8Spec, parse_fp8
 
 LAYOUT_NAME = "layout.json"
 FORMAT = "moestream-packed"
@@ -44,7 +45,7 @@ class TensorEntry:
 @dataclass(frozen=True)
 class LayerRecords:
     file: str
-    spec: QuantSpec
+    spec: QuantSpec | Fp8Spec   # an FP8 spec: the FP8 checkpoint's experts, bytes and scales as stored
     stride: int
     tensors: tuple[TensorEntry, ...]
     checksums: tuple[int, ...]
@@ -100,7 +101,7 @@ class PackedLayout:
             E = int(data["num_experts"])
             layers = {}
             for key, rec in data["layers"].items():
-                spec = parse_quant(rec["format"], getattr(torch, rec["scale_dtype"]))
+                spec = parse_fp8(rec["format"]) or parse_quant(rec["format"], getattr(torch, rec["scale_dtype"]))
                 tensors = tuple(TensorEntry(t["name"], tuple(int(d) for d in t["shape"]), getattr(torch, t["dtype"]),
                                             int(t["offset"]), int(t["nbytes"])) for t in rec["tensors"])
                 checksums = tuple(int(c) for c in rec["checksums"])

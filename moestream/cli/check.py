@@ -105,6 +105,9 @@ def print_model(plan) -> None:
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
     if getattr(plan, "int_quant", None) is not None:
         print_int_quant(plan)
+    if plan.kind == "fp8":
+        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
+              "and so are the dense FP8 linears")
 
 
 def print_int_quant(plan) -> None:

@@ -259,6 +259,8 @@ def stats_text(engine) -> str:
     """--stats: the bank's table per layer (rank 0's with several devices), then a line per rank."""
     engine.bank.sync_stats()
     table = engine.bank.stats.table()
+    if engine.bank.policy_note:
+        table += "\n" + engine.bank.policy_note
     fetcher = engine.bank.fetcher
     if fetcher is not None and fetcher.costs is not None:
         table += "\n" + fetcher.costs.describe()

@@ -25,11 +25,12 @@ from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_b
 from moestream.engine.weights import load_dense_weights
 from moestream.errors import CheckpointError, InputError
 from moestream.experts.bank import ExpertBank
-from moestream.experts.format import QuantizedFormat
+from moestream.experts.format import stored_format
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
 from moestream.experts.int_store import IntQuantExpertStore
-from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
+from moestream.experts.store import (CheckpointExpertStore, ExpertStore, Fp8ExpertStore, MLXExpertStore,
+                                     PackedExpertStore)
 from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
 from moestream.model.mla import set_absorbed
@@ -88,7 +89,7 @@ def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
     if reader is not None:   # each module as its tensors say: affine where exact, else dequantized
         stored = reader.stored_spec
     quantize_modules(model, stored if plan.kind in ("mlx", "int") else plan.precision)
-    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored, reader)
+    load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored, reader, plan.fp8)
     return model.eval()
 
 
@@ -119,6 +120,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return MLXExpertStore(index, plan.config, plan.spec, plan.mlx)
     if plan.kind == "int":
         return IntQuantExpertStore(index, plan.config, plan.spec, int_reader(plan, index))
+    if plan.kind == "fp8":
+        return Fp8ExpertStore(index, plan.config, plan.spec, plan.fp8)
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
@@ -127,7 +130,7 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     memory = plan.memory
     formats = plan.expert_formats
     if store.native is not None:   # pre-quantized: the slots hold the stored format exactly
-        formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
+        formats = {layer: stored_format(spec, plan.dtype) for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
     if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them
@@ -139,28 +142,41 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
             and getattr(tier, "layers", None) is None):
         raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
                          "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")
-    policy = cfg.bank.miss_policy
+    policy, note = cfg.bank.miss_policy, None
     if policy == "auto":
-        policy = "hybrid" if hybrid_fits(plan, cfg, store, formats, tier, sharded) else "fetch"
+        why_not = hybrid_refusal(plan, cfg, store, formats, tier, sharded)
+        policy = "hybrid" if why_not is None else "fetch"
+        if why_not is not None and not memory.fully_resident:
+            note = f"miss policy: fetch (auto: {why_not})"
     return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
-                      prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads)
+                      prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads,
+                      policy_note=note)
 
 
 def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> bool:
-    """Whether `--miss-policy auto` takes the hybrid policy: a bounded bank on a GPU, every expert in
-    pinned host RAM in a format the CPU worker reads (bf16/fp32, 8/4/2-bit, NF4), the worker's
-    kernel built, one device, and no fetch-only option asked for (prefetch). Elsewhere auto is the
-    fetch policy."""
-    if plan.memory.fully_resident or plan.device.type != "cuda" or sharded or cfg.bank.prefetch:
-        return False
+    """Whether `--miss-policy auto` takes the hybrid policy (`hybrid_refusal` finds nothing against it)."""
+    return hybrid_refusal(plan, cfg, store, formats, tier, sharded) is None
+
+
+def hybrid_refusal(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> str | None:
+    """Why `--miss-policy auto` does not take the hybrid policy, or None where it does: it needs a
+    bounded bank on a GPU, every expert in pinned host RAM in a format the CPU worker reads
+    (bf16/fp32, 8/4/2-bit, NF4: not FP8 yet), the worker's kernel built, one device, and no
+    fetch-only option asked for (prefetch). Elsewhere auto is the fetch policy (`--stats` says why)."""
+    if plan.memory.fully_resident:
+        return "every expert is resident"
+    if plan.device.type != "cuda":
+        return "the hybrid policy runs on a GPU"
+    if sharded or cfg.bank.prefetch:
+        return "expert parallel and --prefetch take the fetch policy"
     if getattr(tier, "layers", None) is None:
-        return False
+        return "the experts are read from disk, not held in pinned host RAM"
     try:
         check_hybrid(formats, store.shape, tier.layers)
-    except InputError:
-        return False
-    return True
+    except InputError as exc:
+        return str(exc).split(";")[0].removeprefix("--miss-policy hybrid's ")
+    return None
 
 
 def discovery_ids(discovery: bool | str | list[int], tokenizer) -> list[int] | None:

@@ -12,7 +12,9 @@ Everything is written into `.<out>.partial` beside the output and renamed to the
 when complete, so nothing half-written ever carries the final name. A run that stops (Ctrl-C, a
 full disk, a crash) leaves the layers it finished in that folder with a progress file; the same
 command resumes from there (a different source or recipe starts again). Output is deterministic:
-converting twice gives byte-identical files.
+converting twice gives byte-identical files. An FP8 checkpoint (`quant/fp8.py`) converts from the
+weights its FP8 values stand for (the packed checkpoint its dequantized export would give), or,
+without `--experts`, keeps its experts' FP8 bytes and scales as they are in the records.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
 from moestream.checkpoint.packed import FORMAT, LAYOUT_NAME, VERSION, LayerRecords, PackedLayout, record_layout
 from moestream.checkpoint.safetensors_writer import write_safetensors
 from moestream.errors import InputError
-from moestream.experts.format import QuantizedFormat
-from moestream.experts.store import CheckpointExpertStore
+from moestream.experts.format import stored_format
+from moestream.experts.store import CheckpointExpertStore, Fp8ExpertStore
 from moestream.fileio import write_atomic, write_json_atomic
 from moestream.model.decoder import MoECausalLM, parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear, quantize_modules
 from moestream.quant import QuantizedTensor, quantize
+from moestream.quant.fp8 import dequantize_fp8, fp8_quantization
 from moestream.quant.gptq import int_quantization
 from moestream.quant.mlx import mlx_quantization
 from moestream.quant.recipe import QuantRecipe
@@ -109,8 +112,10 @@ class Converter:
         self.spec = detect_arch(raw)
         self.config = model_config_from_hf(raw, self.spec)
         self.recipe = recipe.validate(self.config.num_layers)
-        if recipe.spec("experts") is None:
-            raise InputError("a packed checkpoint stores quantized experts; give --experts FORMAT (e.g. int4).")
+        self.fp8 = fp8_quantization(raw)
+        if recipe.spec("experts") is None and self.fp8 is None:
+            raise InputError("convert needs --experts FORMAT (e.g. int4): a packed checkpoint stores quantized experts "
+                             "(an FP8 checkpoint's own FP8 experts without it).")
         self.out = Path(out).expanduser().resolve()
         if self.out == self.folder.resolve():
             raise InputError("the output folder is the source checkpoint; choose another output folder.")
@@ -120,7 +125,8 @@ class Converter:
             raise InputError(f"the folder {self.out.parent} does not exist; create it or choose another output path.")
         self.work = self.out.parent / f".{self.out.name}.partial"
         self.index = TensorIndex(self.folder)
-        self.store = CheckpointExpertStore(self.index, self.config, self.spec)
+        self.store = (Fp8ExpertStore(self.index, self.config, self.spec, self.fp8) if self.fp8 is not None
+                      else CheckpointExpertStore(self.index, self.config, self.spec))
         stored = raw.get("torch_dtype") or raw.get("dtype")
         self.dtype = ({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype] if dtype != "auto"
                       else getattr(torch, str(stored), torch.bfloat16) if stored else torch.bfloat16)
@@ -144,6 +150,10 @@ class Converter:
             for name in COPIED:
                 if (self.folder / name).is_file():
                     shutil.copyfile(self.folder / name, self.work / name)
+            if self.fp8 is not None:   # the packed checkpoint's weights are not FP8
+                raw = json.loads((self.folder / "config.json").read_text())
+                raw.pop("quantization_config")
+                write_json_atomic(self.work / "config.json", raw)
             if "dense" not in done:
                 self._write_dense()
                 done["dense"] = True
@@ -224,17 +234,24 @@ class Converter:
             if isinstance(module, (QuantLinear, QuantEmbedding)) and part in ("qweight", "scales", "biases"):
                 if module_path not in cache:
                     cache.clear()   # one module's quantized parts in memory at a time
-                    weight = self.index.read(f"{module_path}.weight", floating=True).to(self.device)
+                    weight = self._read_float(f"{module_path}.weight").to(self.device)
                     cache[module_path] = quantize(weight, module.spec)
                 return cache[module_path].parts()[part]
-            return self.index.read(name, floating=True).to(parameter_dtype(module, part, self.dtype))
+            return self._read_float(name).to(parameter_dtype(module, part, self.dtype))
 
         write_atomic(self.work / DENSE, lambda f: write_safetensors(
             f, [(n, s, d) for n, s, d, _ in layout], produce, {"format": "moestream-packed-dense"}))
 
+    def _read_float(self, name: str) -> torch.Tensor:
+        """A full-precision tensor of the source, dequantized where an FP8 source stores it in FP8."""
+        if self.fp8 is not None and self.index.info(name).dtype == torch.float8_e4m3fn:
+            scale = self.index.read(name.removesuffix("weight") + self.fp8.scale_name)
+            return dequantize_fp8(self.index.read(name), scale, self.fp8)
+        return self.index.read(name, floating=True)
+
     def _write_layer(self, layer: int, bar) -> LayerRecords:
-        spec = self.recipe.spec("experts", layer, self.config.num_layers)
-        fmt = QuantizedFormat(spec, self.dtype)
+        spec = self.recipe.spec("experts", layer, self.config.num_layers) or self.fp8   # None: FP8's own
+        fmt = stored_format(spec, self.dtype)
         tensors, stride = record_layout([(t.name, t.shape, t.dtype) for t in fmt.tensors(self.store.shape)])
         name = f"experts/layer-{layer:03d}.bin"
         checksums = []
@@ -243,8 +260,11 @@ class Converter:
             buf = fmt.empty(self.store.shape)
             record = torch.zeros(stride, dtype=torch.uint8)
             for e in range(self.config.num_experts):
-                gate, up, down = (t.to(self.device) for t in self.store.read_raw(layer, e))
-                fmt.encode(gate, up, down, buf)
+                if spec is self.fp8:   # the stored bytes and scales, as they are
+                    self.store.read_into(layer, e, fmt, buf)
+                else:
+                    gate, up, down = (t.to(self.device) for t in self.store.read_raw(layer, e))
+                    fmt.encode(gate, up, down, buf)
                 crc = 0
                 for entry in tensors:
                     data = buf[entry.name].view(-1).view(torch.uint8)

@@ -22,12 +22,14 @@ from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_con
 from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
-from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
+from moestream.experts.format import (ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format,
+                                      stored_format)
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
+from moestream.quant.fp8 import Fp8Spec, fp8_quantization
 from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
 from moestream.quant.recipe import QuantRecipe, module_class
@@ -305,8 +307,9 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized) or
-                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized)
+    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized),
+                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized) or
+                                 # "fp8" (FP8 e4m3 weights with scales: quant/fp8.py)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -315,6 +318,7 @@ class LoadPlan:
     layout: PackedLayout | None = None        # a packed checkpoint's layout.json
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
     int_quant: IntQuant | None = None         # a GPTQ / AWQ / compressed-tensors checkpoint's quantization
+    fp8: Fp8Spec | None = None                # an FP8 checkpoint's layout
 
 
 def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
@@ -350,10 +354,15 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     asked = cfg.quant.validate(config.num_layers)
     asked.check_dtype(dtype)
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
+    # Which reader owns the quantization block: the integer reader (GPTQ / AWQ / compressed-tensors'
+    # integer formats), else the FP8 reader (fp8, compressed-tensors' float-quantized), else MLX
+    # (whose test, bits and group_size, GPTQ's block would also pass).
     int_quant = int_quantization(raw)
-    mlx = mlx_quantization(raw) if int_quant is None else None   # GPTQ's block also has bits and group_size
-    kind = "packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None else "hf"
-    if kind != "hf" and (asked.quantized or asked.layer_formats):
+    fp8 = fp8_quantization(raw) if layout is None and int_quant is None else None
+    mlx = mlx_quantization(raw) if int_quant is None and fp8 is None else None
+    kind = ("packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None
+            else "fp8" if fp8 is not None else "hf")
+    if kind not in ("hf", "fp8") and (asked.quantized or asked.layer_formats):
         stored = ("a packed (moestream convert)" if layout is not None else "an MLX-quantized" if mlx is not None
                   else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
@@ -362,7 +371,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     if layout is not None:
         recipe = QuantRecipe.from_dict(layout.recipe)
         precision = functools.partial(_recipe_precision, recipe, L)
-        formats = {layer: QuantizedFormat(rec.spec, dtype) for layer, rec in layout.layers.items()}
+        formats = {layer: stored_format(rec.spec, dtype) for layer, rec in layout.layers.items()}
     elif mlx is not None:
         recipe = QuantRecipe()
         scale_dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), torch.bfloat16)
@@ -372,6 +381,12 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                    for layer, moe in enumerate(config.moe_layers) if moe}
     elif int_quant is not None:
         recipe, precision, formats = _plan_int(int_quant, config, dtype)
+    elif fp8 is not None:   # kept in their FP8 bytes, unless the recipe quantizes them from the dequantized weights
+        recipe = asked
+        precision = functools.partial(_fp8_precision, recipe, L, fp8_modules(folder), fp8)
+        unpacked = str(recipe.experts).lower() in ("bf16", "fp16", "fp32")   # asked for by name: dequantized
+        formats = {layer: (fmt if isinstance(fmt, QuantizedFormat) or unpacked else Fp8Format(fp8, dtype))
+                   for layer, fmt in expert_formats(config, dtype, recipe).items()}
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)
@@ -395,7 +410,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          slack_bytes=SLACK_BYTES if device.type == "cuda" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
-                    host_memory, layout, mlx, int_quant)
+                    host_memory, layout, mlx, int_quant, fp8)
 
 
 def _plan_int(q: IntQuant, config: ModelConfig,
@@ -426,6 +441,23 @@ def kv_layout(cfg: EngineConfig, config: ModelConfig, spec: ArchSpec) -> str:
     if layout == "auto":
         return "paged" if can_page else "rows"
     return layout
+
+
+def fp8_modules(folder: Path) -> frozenset[str]:
+    """The modules whose `.weight` an FP8 checkpoint stores as float8_e4m3fn (safetensors headers only)."""
+    from moestream.checkpoint import TensorIndex
+
+    index = TensorIndex(folder)
+    return frozenset(name.removesuffix(".weight") for name, info in index.tensors.items()
+                     if name.endswith(".weight") and info.dtype == torch.float8_e4m3fn)
+
+
+def _fp8_precision(recipe: QuantRecipe, num_layers: int, stored: frozenset[str], fp8: Fp8Spec,
+                   path: str) -> QuantSpec | Fp8Spec | None:
+    """A dense module's precision in an FP8 checkpoint: the recipe's where it names one (quantized from
+    the dequantized weight), else FP8 where the checkpoint stores it so (the LM head tied to the
+    embedding reads the embedding's precision, which FP8 checkpoints keep full)."""
+    return recipe.spec_for(path, num_layers) or (fp8 if path in stored else None)
 
 
 def _recipe_precision(recipe: QuantRecipe, num_layers: int, path: str) -> QuantSpec | None:

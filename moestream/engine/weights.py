@@ -5,7 +5,9 @@ holds it quantized the MLX way (`<module>.weight` packed + `.scales` [+ `.biases
 dequantized (routers are kept at full precision whatever the file holds). A quantized module
 (`QuantLinear`, `QuantEmbedding`) takes its packed tensors as stored (`.qweight` of a packed
 checkpoint, or MLX's packed `.weight`), or quantizes the full-precision weight now (quantize on
-load), on the target device where that is faster.
+load), on the target device where that is faster. An FP8 checkpoint's linears (float8_e4m3fn
+`.weight` + its scale grid, `moestream.quant.fp8`) are FP8 `QuantLinear`s that take both as stored;
+an FP8 weight of any other module is dequantized to the compute dtype here.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from torch import Tensor, nn
 from moestream.archs import ModelConfig
 from moestream.checkpoint import TensorIndex
 from moestream.errors import CheckpointError
+from moestream.experts.store import check_fp8_weight
 from moestream.model.decoder import parameter_dtype
 from moestream.model.quant_linear import QuantEmbedding, QuantLinear
 from moestream.quant import QuantSpec, dequantize, quantize
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 
 QUANT_PARTS = ("qweight", "scales", "biases")
 StoredSpec = Callable[[str], QuantSpec | None]   # module path → the spec it is stored with (MLX), else None
@@ -77,12 +81,16 @@ def _read_packed(index: TensorIndex, module: str, spec: QuantSpec, rows: int) ->
 
 
 def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ...], stored: StoredSpec,
-                reader: StoredReader | None = None) -> Tensor:
-    """A full-precision tensor, dequantized when the file stores its module quantized (MLX's, or a
-    foreign quantization `reader` reads)."""
+                reader: StoredReader | None = None, fp8: Fp8Spec | None = None) -> Tensor:
+    """A full-precision tensor, dequantized when the file stores its module quantized (MLX's, a
+    foreign quantization `reader` reads, or FP8 with the checkpoint's `fp8` layout)."""
     name = f"{module}.{part}"
     if reader is not None and part == "weight" and len(shape) == 2 and reader.holds(module):
         return reader.dense(module, *shape)
+    if fp8 is not None and part == "weight" and name in index and index.info(name).dtype == torch.float8_e4m3fn:
+        check_fp8_weight(index, name, shape, fp8)
+        scale = index.read(f"{module}.{fp8.scale_name}")
+        return dequantize_fp8(index.read(name), scale, fp8)
     if part != "weight" or f"{module}.scales" not in index:
         return index.read(name, expected_shape=shape, floating=True)
     spec = stored(module)
@@ -93,30 +101,42 @@ def _read_float(index: TensorIndex, module: str, part: str, shape: tuple[int, ..
 
 
 def _load_quantized(module: QuantLinear | QuantEmbedding, source: str, index: TensorIndex, stored: StoredSpec,
-                    device: torch.device, reader: StoredReader | None = None) -> dict[str, Tensor]:
-    """The packed parts of a quantized module: as stored, or quantized now from full precision."""
+                    device: torch.device, reader: StoredReader | None = None,
+                    fp8: Fp8Spec | None = None) -> dict[str, Tensor]:
+    """The packed parts of a quantized module: as stored, or quantized now from full precision
+    (FP8: the e4m3 bytes and the scale grid as the checkpoint stores them)."""
     if reader is not None and reader.holds(source):
         return reader.parts(source, module.qweight.shape[0], module.qweight.shape[1] * 8 // module.spec.bits)
+    if isinstance(module.spec, Fp8Spec):
+        rows, cols = module.qweight.shape
+        check_fp8_weight(index, f"{source}.weight", (rows, cols), module.spec)
+        scale = index.read(f"{source}.{module.spec.scale_name}").to(torch.float32)
+        return {"qweight": index.read(f"{source}.weight").view(torch.uint8),
+                "scales": scale.reshape(module.scales.shape)}
     if f"{source}.qweight" in index or f"{source}.scales" in index:
         held = stored(source) if f"{source}.qweight" not in index else module.spec
         if held != module.spec:
             raise CheckpointError(f"{source} is stored as {held.name if held else 'full precision'}, "
                                   f"not {module.spec.name}; load it in its own format.")
         return _read_packed(index, source, module.spec, module.qweight.shape[0])
-    return quantize(index.read(f"{source}.weight", floating=True).to(device), module.spec).parts()
+    shape = ((module.out_features, module.in_features) if isinstance(module, QuantLinear)
+             else (module.num_embeddings, module.embedding_dim))
+    return quantize(_read_float(index, source, "weight", shape, stored, reader, fp8).to(device), module.spec).parts()
 
 
 def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig, device: torch.device,
                        dtype: torch.dtype, stored: StoredSpec = lambda path: None,
-                       reader: StoredReader | None = None) -> None:
-    """Fill every parameter of `model` (built on the meta device) from `index`, checking shapes."""
+                       reader: StoredReader | None = None, fp8: Fp8Spec | None = None) -> None:
+    """Fill every parameter of `model` (built on the meta device) from `index`, checking shapes
+    (`reader`: a foreign quantization's modules; `fp8`: the checkpoint's FP8 layout, whose
+    float8_e4m3fn weights FP8 modules take as stored and the others dequantize)."""
     for path, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params:
             continue
         source = _module_source(path, config, index)
         quant = isinstance(module, (QuantLinear, QuantEmbedding))
-        parts = _load_quantized(module, source, index, stored, device, reader) if quant else {}
+        parts = _load_quantized(module, source, index, stored, device, reader, fp8) if quant else {}
         for name, param in params.items():
             if name in parts:
                 tensor = parts[name]
@@ -125,7 +145,7 @@ def load_dense_weights(model: nn.Module, index: TensorIndex, config: ModelConfig
                                           f"expects {param.dtype} {list(param.shape)}; the checkpoint does not match.")
                 tensor = tensor.to(device)
             else:
-                tensor = _read_float(index, source, name, tuple(param.shape), stored, reader).to(
+                tensor = _read_float(index, source, name, tuple(param.shape), stored, reader, fp8).to(
                     device=device, dtype=parameter_dtype(module, name, dtype))
             setattr(module, name, nn.Parameter(tensor, requires_grad=False))
         if isinstance(module, QuantEmbedding):

@@ -42,19 +42,21 @@ class ExpertBank:
     def __init__(self, store: ExpertStore, formats: dict[int, ExpertFormat], device: torch.device, capacity: int,
                  tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
                  pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16,
-                 cpu_misses: float | str | None = None, cpu_threads: int | None = None):
+                 cpu_misses: float | str | None = None, cpu_threads: int | None = None,
+                 policy_note: str | None = None):
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
         call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of a
         one-token call's missing experts (None or "auto": moved while decoding until both sides finish
-        together, `hybrid.SplitBalance`)."""
+        together, `hybrid.SplitBalance`). `policy_note`: why the miss policy is what it is, where an
+        automatic choice fell back (printed by `--stats`)."""
         config = store.config
         self.store, self.formats, self.device = store, formats, device
         self.dtype = next(iter(formats.values())).dtype if formats else torch.float32
         self.num_experts, self.top_k, self.capacity = config.num_experts, config.top_k, capacity
         self.fully_resident = capacity == self.num_experts
-        self.miss_policy = miss_policy
+        self.miss_policy, self.policy_note = miss_policy, policy_note
         self.policy: ResidencyPolicy = POLICIES[residency](self.num_experts)
         self.stats = BankStats()
         self.tier = tier

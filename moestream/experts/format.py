@@ -13,6 +13,9 @@ The dense formats (bf16 / fp16 / fp32): `gate_up (2I, H)` with the gate rows fir
 (affine int8/4/3/2, normal-float nf4/nf3, any group size of `moestream.quant`): each projection as
 `<proj>.qweight` (packed uint8), `<proj>.scales` and, for affine specs, `<proj>.biases` (the
 quantization's offsets, not a layer bias); they hold plain SwiGLU experts without biases only.
+The FP8 format (`Fp8Format`, e4m3 as FP8 checkpoints ship it: `moestream.quant.fp8`) keeps the same
+names: `<proj>.qweight` (N, K) uint8 holding the float8_e4m3fn bits and `<proj>.scales` float32 per
+block of the checkpoint's grid, gate_up's being the gate's grid then the up's.
 
 The expert's activation (`ExpertShape.activation`: SwiGLU, or GPT-OSS's clamped SwiGLU with its
 parameters) travels with the shape into `dispatch`.
@@ -32,6 +35,7 @@ from moestream.archs.spec import ModelConfig
 from moestream.errors import InputError
 from moestream.kernels.moe_reference import Activation
 from moestream.quant import QuantSpec, quantize
+from moestream.quant.fp8 import Fp8Spec, quantize_fp8
 from moestream.sizes import dtype_size
 
 # (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H);
@@ -306,6 +310,53 @@ class QuantizedFormat(ExpertFormat):
 
     def __repr__(self) -> str:
         return f"QuantizedFormat({self.name})"
+
+
+class Fp8Format(QuantizedFormat):
+    """FP8 e4m3 experts, kept in the bytes an FP8 checkpoint stores (a byte a weight plus one float32
+    per scale block): `<proj>.qweight` (N, K) uint8, the float8_e4m3fn bits (uint8, so every copy,
+    pin and index of the bank handles them as plain bytes), and `<proj>.scales` float32, the grid of
+    `spec.scale_shape`. gate_up's scales are the gate's grid stacked on the up's (2·⌈I/bn⌉ rows), so a
+    block never straddles the two when bn does not divide I, and the checkpoint's scales are copied
+    as they are. The dispatch is `QuantizedFormat`'s: the dequantizing Triton kernels on CUDA (their
+    FP8 tiles: `kernels/moe_tiles.py`), `quant_moe_reference` elsewhere and for hybrid misses."""
+
+    def __init__(self, spec: Fp8Spec, dtype: torch.dtype):
+        self.spec, self.dtype, self.name = spec, dtype, spec.name
+
+    def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        if not shape.plain:
+            raise InputError(f"experts with biases or a {shape.activation.name} activation cannot be kept in "
+                             f"{self.name} yet; use a bf16 export of the model.")
+        H, I = shape.hidden, shape.intermediate
+        gate_rows, gate_cols = self.spec.scale_shape(I, H)
+        return (TensorSpec("gate_up.qweight", (2 * I, H), torch.uint8),
+                TensorSpec("gate_up.scales", (2 * gate_rows, gate_cols), torch.float32),
+                TensorSpec("down.qweight", (H, I), torch.uint8),
+                TensorSpec("down.scales", self.spec.scale_shape(H, I), torch.float32))
+
+    def encode(self, gate, up, down, out, biases=None):
+        """Quantize full-precision weights to FP8, each projection on its own grid (tests, scripts)."""
+        if biases is not None:
+            raise InputError(f"experts with biases cannot be kept in {self.name} yet; use a bf16 export of the model.")
+        rows = self.spec.scale_shape(gate.shape[0], gate.shape[1])[0]
+        for proj, weight, first in (("gate_up", gate, 0), ("gate_up", up, 1), ("down", down, 0)):
+            q, scale = quantize_fp8(weight, self.spec)
+            n = weight.shape[0]
+            out[f"{proj}.qweight"][first * n:(first + 1) * n].copy_(q.view(torch.uint8))
+            out[f"{proj}.scales"][first * rows:first * rows + scale.shape[0]].copy_(scale)
+
+    def describe(self, shape: ExpertShape) -> dict:
+        return {**ExpertFormat.describe(self, shape), "kind": "fp8",
+                "block": [self.spec.block_n, self.spec.block_k]}
+
+    def __repr__(self) -> str:
+        return f"Fp8Format({self.name})"
+
+
+def stored_format(spec: QuantSpec | Fp8Spec, dtype: torch.dtype) -> QuantizedFormat:
+    """The format that holds experts stored pre-quantized in `spec` exactly (a store's `native` spec)."""
+    return Fp8Format(spec, dtype) if isinstance(spec, Fp8Spec) else QuantizedFormat(spec, dtype)
 
 
 DENSE: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -70,6 +70,9 @@ def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stac
                          "from disk here; add --host-tier pinned (and the host memory it needs) or use "
                          "--miss-policy fetch.")
     for fmt in formats.values():
+        if getattr(fmt.spec if isinstance(fmt, QuantizedFormat) else None, "kind", None) == "fp8":
+            raise InputError(f"--miss-policy hybrid's CPU worker does not read FP8 experts ({fmt.name}) yet; use "
+                             "--miss-policy fetch, or --experts bf16 to hold them dequantized (twice the bytes).")
         if isinstance(fmt, DenseFormat):
             ok = cpu_moe.supports(fmt.dtype, shape.activation)
         else:

@@ -10,6 +10,9 @@ Three layouts on disk, one interface (`read_into(layer, expert, fmt, out)`):
                          de-interleaved and transposed through `encode`; or transformers v5's own
                          stacking (Gemma 4: `experts.gate_up_proj` (E, 2I, H) gate rows first,
                          `experts.down_proj` (E, H, I)): one byte range each, the dense slot layout
+  Fp8ExpertStore         FP8 checkpoints' per-expert tensors (`...experts.E.gate_proj.weight`
+                         float8_e4m3fn + `.weight_scale_inv` / `.weight_scale` float32 or bf16):
+                         the bytes and the scales read as they are into the FP8 format's slots
   MLXExpertStore         MLX's stacked quantized tensors (`...switch_mlp.gate_proj.weight` (E, N, ·)
                          uint32 + scales + biases): expert e is one byte range of each, read as it is
   PackedExpertStore      `moestream convert` output: per layer one file, each expert one contiguous
@@ -35,6 +38,7 @@ from moestream.checkpoint.safetensors_index import OpenFiles, TensorIndex, check
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape
 from moestream.quant import QuantSpec
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 from moestream.quant.mlx import mlx_spec
 
 
@@ -46,7 +50,7 @@ def read_workers() -> int:
 class ExpertStore:
     """What every layout shares: shapes, layers, parallel bulk reads."""
 
-    native: dict[int, QuantSpec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
+    native: dict[int, QuantSpec | Fp8Spec] | None = None   # per MoE layer, the spec the bytes are stored in (pre-quantized)
 
     def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec):
         self.index, self.config, self.spec = index, config, spec
@@ -156,6 +160,83 @@ class CheckpointExpertStore(ExpertStore):
             return
         for name, view in zip(self.spec.expert_tensor_names(layer, expert), views):
             self.index.read_into(self.index.info(name), view)
+
+
+class Fp8ExpertStore(ExpertStore):
+    """FP8 e4m3 experts of an FP8 checkpoint, per-expert tensors: each projection's `.weight` (N, K)
+    float8_e4m3fn and its scale grid (`spec.scale_name`, float32 or bf16, `spec.scale_shape(N, K)`;
+    a channel grid may be saved as (N,) and a tensor scale as () or (1,)). Every tensor's presence,
+    dtype and shape is checked before any load; `read_into` copies the bytes and the scales into the
+    FP8 format's slots (gate and up as the two halves of gate_up, scales likewise), or, for any other
+    format, encodes the dequantized weights (`read_raw`: FP8 experts requantized to int4, say)."""
+
+    def __init__(self, index: TensorIndex, config: ModelConfig, spec: ArchSpec, fp8: Fp8Spec):
+        super().__init__(index, config, spec)
+        if spec.expert_layout != "per_expert":
+            raise CheckpointError(f"{spec.name}'s experts are stacked, and moestream reads FP8 experts stored one "
+                                  "by one only; use a bf16 export of the model.")
+        self.fp8 = fp8
+        self.dtype = torch.float8_e4m3fn
+        I, H = self.shape.intermediate, self.shape.hidden
+        self.projections = ((I, H), (I, H), (H, I))
+        for layer in self.moe_layers:
+            for e in range(self.num_experts):
+                for name, (n, k) in zip(self.spec.expert_tensor_names(layer, e), self.projections):
+                    check_fp8_weight(index, name, (n, k), fp8)
+
+    def read_raw(self, layer: int, expert: int) -> tuple[Tensor, Tensor, Tensor]:
+        """gate (I, H), up (I, H), down (H, I) of one expert, dequantized to fp32 (`dequantize_fp8`)."""
+        out = []
+        for name in self.spec.expert_tensor_names(layer, expert):
+            weight = self.index.read(name)
+            scale = self.index.read(name.removesuffix("weight") + self.fp8.scale_name)
+            out.append(dequantize_fp8(weight, scale, self.fp8))
+        return out[0], out[1], out[2]
+
+    def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        if getattr(fmt, "spec", None) != self.fp8:   # another format: through its encode
+            fmt.encode(*self.read_raw(layer, expert), out)
+            return
+        I = self.shape.intermediate
+        gate_rows = self.fp8.scale_shape(I, self.shape.hidden)[0]
+        gate_up, gate_up_scales = out["gate_up.qweight"], out["gate_up.scales"]
+        dests = ((gate_up[:I], gate_up_scales[:gate_rows]), (gate_up[I:], gate_up_scales[gate_rows:]),
+                 (out["down.qweight"], out["down.scales"]))
+        for name, (weight, scale) in zip(self.spec.expert_tensor_names(layer, expert), dests):
+            self.index.read_into(self.index.info(name), weight)
+            info = self.index.info(name.removesuffix("weight") + self.fp8.scale_name)
+            if info.dtype == torch.float32:
+                self.index.read_into(info, scale)
+            else:
+                scale.copy_(self.index.read_into(info, torch.empty(scale.shape, dtype=info.dtype)))
+
+
+def check_fp8_weight(index: TensorIndex, name: str, shape: tuple[int, int], fp8: Fp8Spec) -> None:
+    """An FP8 weight `name` (`<module>.weight`) of `shape` with its scale grid: present, of the right
+    dtypes and shapes, and no static activation scale beside it; else one sentence saying which."""
+    info = index.info(name)
+    if info.shape != shape:
+        raise CheckpointError(f"tensor {name!r} has shape {list(info.shape)} but config.json implies "
+                              f"{list(shape)}; the config does not match the weights.")
+    if info.dtype != torch.float8_e4m3fn:
+        stored = str(info.dtype).removeprefix("torch.")
+        raise CheckpointError(f"tensor {name!r} is stored as {stored} where config.json's FP8 quantization_config "
+                              "implies float8_e4m3fn; the checkpoint mixes formats, use a consistent export.")
+    module = name.removesuffix(".weight")
+    scale_name = f"{module}.{fp8.scale_name}"
+    if scale_name not in index:
+        raise CheckpointError(f"tensor {name!r} is FP8 but its scale {scale_name!r} is missing from the "
+                              f"checkpoint in {index.folder}; the download is incomplete, re-download it.")
+    scale = index.info(scale_name)
+    want = fp8.scale_shape(*shape)
+    squeezed = tuple(d for d in scale.shape if d != 1)
+    if squeezed != tuple(d for d in want if d != 1) or scale.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"the scale {scale_name!r} is {str(scale.dtype).removeprefix('torch.')} "
+                              f"{list(scale.shape)} but a {list(shape)} weight in {fp8.name} needs float32 "
+                              f"{list(want)}; the checkpoint is damaged or its quantization_config is wrong.")
+    if f"{module}.input_scale" in index:
+        raise CheckpointError(f"{module} has a static activation scale ({module}.input_scale), which moestream "
+                              "does not apply; use a checkpoint with dynamic activation scaling or a bf16 export.")
 
 
 class MLXExpertStore(ExpertStore):

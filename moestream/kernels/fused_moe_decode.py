@@ -37,8 +37,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .moe_activation import activate
-from .moe_tiles import fit_tile, gated_dot, quant_block_k, quant_gemv
+from .moe_tiles import FP8_NATIVE, FP8_PORTABLE, fit_tile, gated_dot, quant_block_k, quant_gemv
 from .pdl import pdl_args, release_consumer, wait_for_producer
+from .switch import Switch
 
 __all__ = ["DecodeConfig", "DecodeTile", "DEFAULT_DECODE_CONFIG", "QUANT_DECODE_CONFIG", "HostOperand", "QuantOperand",
            "launch_decode_gemms"]
@@ -92,6 +93,7 @@ def _moe_decode_kernel(
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
     USE_PDL: tl.constexpr = False,   # programmatic dependent launch (pdl.py)
+    FP8: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
 ):
     """C[q, n-tile] = epilogue(A[row(q)] @ B[slot]^T) for every pair q routed to this pair's
     slot, if this pair is the slot's first pair (see the module docstring)."""
@@ -135,7 +137,8 @@ def _moe_decode_kernel(
             else:
                 a_row = pid
             acc, acc_up = quant_gemv(a_ptr + a_row.to(tl.int64) * stride_am, b_base, s_base, z_base, code_ptr, offs_bn,
-                                     K, N, stride_ak, stride_bn, stride_sn, BLOCK_N, BLOCK_K, GATED, BITS, GROUP, NF)
+                                     K, N, stride_ak, stride_bn, stride_sn, BLOCK_N, BLOCK_K, GATED, BITS, GROUP, NF,
+                                     FP8, SCALE_ROWS)
             if HAS_BIAS:
                 acc += tl.load(bias_row + offs_bn).to(tl.float32)
                 if GATED:
@@ -159,7 +162,8 @@ def _moe_decode_kernel(
             a_row = pair
         acc, acc_up = gated_dot(a_ptr + a_row * stride_am, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
                                 stride_ak, stride_bk, stride_bn, stride_sn,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
+                                BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF,
+                                FP8, SCALE_ROWS)
         if HAS_BIAS:
             acc += tl.load(bias_row + offs_bn).to(tl.float32)[None, :]
             if GATED:
@@ -190,7 +194,9 @@ class HostOperand:
 @dataclass(frozen=True)
 class QuantOperand:
     """A quantized bank tensor as the kernels read it: packed bytes (S, N, K·bits/8), scales and
-    biases (S, N, groups; biases may be the scales for NF), the NF codebook (or any tensor)."""
+    biases (S, N, groups; biases may be the scales for NF), the NF codebook (or any tensor).
+    FP8 (`fp8`): bytes (S, N, K) of float8_e4m3fn bits and float32 scales (S, grid rows, grid
+    columns) over blocks of `scale_rows` rows × `group` columns (biases and code: the scales, unused)."""
 
     qweight: Tensor
     scales: Tensor
@@ -199,6 +205,8 @@ class QuantOperand:
     bits: int
     group: int
     nf: bool
+    fp8: bool = False
+    scale_rows: int = 1
 
 
 def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
@@ -208,10 +216,32 @@ def quant_args(b: Tensor, quant: QuantOperand | None, block_k: int) -> tuple:
     if quant is None:
         return b, b, b, b, 0, 0, 0, 1, False, block_k
     s = quant.scales
+    if quant.fp8:   # a byte a value, scales read per value: any tile deep enough for its dots
+        return (quant.qweight, s, s, s, s.stride(0), s.stride(1), 8, quant.group, False, max(block_k, 16))
     if quant.nf:   # codebook lookups go through shared memory: keep NF tiles shallow
         block_k = min(block_k, 128)
     return (quant.qweight, s, quant.biases, quant.code, s.stride(0), s.stride(1), quant.bits, quant.group,
             quant.nf, max(block_k, quant_block_k(quant.bits, quant.group)))
+
+
+_fp8_hardware = Switch()
+
+
+def fp8_hardware_conversion(enabled: bool):
+    """Switch the hardware e4m3 conversion off (bit arithmetic instead) inside the block: the tests
+    that check the portable conversion, and A/B runs."""
+    return _fp8_hardware.set(enabled)
+
+
+def fp8_args(quant: QuantOperand | None) -> dict:
+    """The kernels' FP8 switches of an operand (off for plain and integer-quantized ones): the
+    hardware conversion where the GPU has one (sm_89 and later; the interpreter too), else bit
+    arithmetic."""
+    if quant is None or not quant.fp8:
+        return {}
+    device = quant.qweight.device
+    native = _fp8_hardware.on and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9))
+    return {"FP8": FP8_NATIVE if native else FP8_PORTABLE, "SCALE_ROWS": quant.scale_rows}
 
 
 def decode_launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Tensor, n: int, k: int,
@@ -236,7 +266,7 @@ def decode_launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Te
         EVEN_K=(k % tile.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a), **fp8_args(quant),
     )
 
 

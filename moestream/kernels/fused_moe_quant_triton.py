@@ -7,6 +7,9 @@ dtype, exactly what the reference's dequantize-then-cast produces). No dequantiz
 written to memory, so a miss copies and a hit reads only the packed bytes, scales and biases.
 One token takes its own launches instead (fused_moe_token_quant.py: the packed words unpacked by
 value planes, the slot map and the CPU's split read in the kernels) where its format has them.
+FP8 e4m3 slots (`moestream.quant.fp8`, the FP8 checkpoints' bytes and block scales) take the same
+decode and grouped kernels, each byte turned into fp32 and multiplied by its block's scale as the
+tile is loaded (`moe_tiles._fp8_tile`); one token takes the decode path (its GEMV, no padded dot).
 No host sync: safe inside CUDA graphs.
 """
 
@@ -21,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moestream.quant import QuantSpec
+from moestream.quant.fp8 import Fp8Spec
 from moestream.quant.normal import codebook
 
 from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
@@ -37,9 +41,14 @@ def nf_codebook(bits: int, device: str) -> Tensor:
     return codebook(bits).to(device)
 
 
-def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec) -> QuantOperand:
-    """The kernels' view of one projection of a quantized bank (or of a single weight, unsqueezed)."""
+def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec | Fp8Spec) -> QuantOperand:
+    """The kernels' view of one projection of a quantized bank (or of a single weight, unsqueezed).
+    FP8: the block of a projection's grid (gate_up's halves each on their own: `gated_dot`)."""
     qweight, scales = slots[f"{proj}.qweight"], slots[f"{proj}.scales"]
+    if isinstance(spec, Fp8Spec):
+        n, k = qweight.shape[-2:]
+        rows, cols = spec.block(n // 2 if proj == "gate_up" else n, k)
+        return QuantOperand(qweight, scales, scales, scales, 8, cols, False, fp8=True, scale_rows=rows)
     biases = slots.get(f"{proj}.biases", scales)   # NF: never read
     code = nf_codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
     return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
@@ -80,7 +89,8 @@ def host_operand(host: QuantHostReads, slots: Mapping[str, Tensor], proj: str, s
 
 
 def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                    spec: QuantSpec, config: MoeConfig | DecodeConfig | TokenConfig | None = None, path: str = "auto",
+                    spec: QuantSpec | Fp8Spec, config: MoeConfig | DecodeConfig | TokenConfig | None = None,
+                    path: str = "auto",
                     reduce: bool = True, host: QuantHostReads | None = None, slot_map: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). One token
     takes the one-token path (fused_moe_token_quant.py) where its format has one, else the decode

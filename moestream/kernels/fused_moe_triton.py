@@ -58,6 +58,7 @@ from .fused_moe_decode import (
     DecodeTile,
     HostOperand,
     QuantOperand,
+    fp8_args,
     launch_decode_gemms,
     quant_args,
 )
@@ -174,6 +175,7 @@ def _moe_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr,   # B quantized (BITS > 0): see load_b_tile
+    FP8: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 1,     # B FP8 e4m3 (BITS = 8): see gated_dot
 ):
     """C[pair, :] = epilogue(A[pair // A_ROW_DIV, :] @ B[slot]^T) for one (M-block, N-tile).
 
@@ -208,7 +210,8 @@ def _moe_grouped_gemm_kernel(
     acc, acc_up = gated_dot(a_ptr + (pair // A_ROW_DIV) * stride_am, b_ptr + slot * stride_be,
                             s_ptr + slot * stride_se, z_ptr + slot * stride_se, code_ptr, offs_bn, row_mask, K, N,
                             stride_ak, stride_bk, stride_bn, stride_sn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF)
+                            BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, DOT_PRECISION, BITS, GROUP, NF,
+                            FP8, SCALE_ROWS)
     if HAS_BIAS:
         bias_row = bias_ptr + slot * stride_bias_e
         acc += tl.load(bias_row + offs_bn).to(tl.float32)[None, :]
@@ -243,7 +246,7 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
         EVEN_K=(k % cfg.block_k == 0) and quant is None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args(quant),
     )
 
 

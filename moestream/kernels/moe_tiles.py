@@ -36,25 +36,87 @@ def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr):
     return word
 
 
+FP8_NATIVE, FP8_PORTABLE = 1, 2   # the kernels' FP8 switch: e4m3 converted by the hardware, or by bit arithmetic
+
+
 @triton.jit
-def _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
-                UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr):
-    """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn."""
-    word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
-    scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
-    bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+def _e4m3_value(byte, FP8: tl.constexpr):
+    """float8_e4m3fn bits (uint8) → fp32, exactly: the hardware conversion (FP8_NATIVE, sm_89 and
+    later), or bit arithmetic anywhere (FP8_PORTABLE): a normal value's exponent re-biased by 120
+    (127 - 7) with its 3 mantissa bits moved up, a subnormal one m·2^-9."""
+    if FP8 == 1:
+        value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = byte.to(tl.int32)
+        em = b & 0x7F
+        normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(em < 8, em.to(tl.float32) * 0.001953125, normal)
+        value = tl.where((b & 0x80) != 0, -magnitude, magnitude)
+    return value
+
+
+@triton.jit
+def _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn, U: tl.constexpr,
+              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+    """FP8 e4m3 bytes of the K-tile of rows offs_bn starting at column k0 as fp32 values, and the
+    scale of each value's block (scale row `srow` of each weight row, column k // GROUP): [U, BLOCK_N]
+    each. Where the tile holds whole blocks (U a multiple of GROUP) or lies inside one (GROUP a
+    multiple of U), each row's few scales are loaded once and broadcast; otherwise (ragged blocks
+    such as a channel scale over a width no power of two divides) one load per value."""
+    byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None], mask=u_mask[:, None], other=0)
+    value = _e4m3_value(byte, FP8)
+    rows = s_base + srow[None, :] * stride_sn
+    if U % GROUP == 0:
+        R: tl.constexpr = U // GROUP
+        r = k0 // GROUP + tl.arange(0, R)
+        tile = tl.load(rows + r[:, None], mask=(r < num_groups)[:, None], other=0.0)
+        scale = tl.reshape(tl.broadcast_to(tl.expand_dims(tile, 1), (R, GROUP, BLOCK_N)), (U, BLOCK_N))
+    elif GROUP % U == 0:
+        scale = tl.broadcast_to(tl.load(rows + k0 // GROUP), (U, BLOCK_N))
+    else:
+        scale = tl.load(rows + (unit // GROUP)[:, None], mask=u_mask[:, None], other=0.0)
+    return value, scale
+
+
+@triton.jit
+def _quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
+                UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr,
+                GROUP: tl.constexpr, FP8: tl.constexpr):
+    """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn;
+    FP8: the values as fp32, each value's block scale, and the scales again (unused)."""
+    if FP8:
+        word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn,
+                                U, BLOCK_N, GROUP, FP8)
+        bias = scale
+    else:
+        word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
+        scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
+        bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
     return word, scale, bias
 
 
 @triton.jit
-def _plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Value j of every unit, dequantized: q·scale + bias (NF: codebook[q]·scale), fp32 math, one rounding."""
-    q = (word >> (j * BITS)) & ((1 << BITS) - 1)
-    if NF:
-        w = tl.load(code_ptr + q) * scale
+def _plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr,
+           FP8: tl.constexpr):
+    """Value j of every unit, dequantized: q·scale + bias (NF: codebook[q]·scale; FP8: value·scale),
+    fp32 math, one rounding."""
+    if FP8:
+        w = word * scale
     else:
-        w = q.to(tl.float32) * scale + bias
+        q = (word >> (j * BITS)) & ((1 << BITS) - 1)
+        if NF:
+            w = tl.load(code_ptr + q) * scale
+        else:
+            w = q.to(tl.float32) * scale + bias
     return w.to(OUT_DTYPE)
+
+
+@triton.jit
+def _scale_rows(offs_bn, N, SCALE_ROWS: tl.constexpr):
+    """The scale-grid rows of weight rows offs_bn and of the up rows N further (FP8: the gate's grid
+    of ⌈N/SCALE_ROWS⌉ rows comes first, then the up's)."""
+    srow = offs_bn // SCALE_ROWS
+    return srow, srow + tl.cdiv(N, SCALE_ROWS)
 
 
 @triton.jit
@@ -62,7 +124,8 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
               stride_ak, stride_bk, stride_bn, stride_sn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               GATED: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr):
+              BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr, FP8: tl.constexpr,
+              SCALE_ROWS: tl.constexpr):
     """fp32 (acc, acc_up) of A[rows] @ B^T over all of K (acc_up is acc's twin, unused without GATED).
 
     `a_rows` points at each A row's start; B is one expert's weight: rows `offs_bn` (and, GATED,
@@ -76,6 +139,11 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
     interleaving the unpacked values back into K order, value plane j (the j-th value of every
     unit) is multiplied by the matching strided columns of A: VPB dots of depth U per tile. The
     host picks BLOCK_K as a multiple of GROUP, so a tile spans R whole groups.
+
+    FP8 (BITS = 8; FP8_NATIVE or FP8_PORTABLE, how the bits become fp32: `_e4m3_value`): a byte a
+    value, float8_e4m3fn bits, each scaled by its block's float32 scale
+    (blocks of SCALE_ROWS rows × GROUP columns; the scale grid's rows of gate rows first, then of
+    up rows: `_scale_rows`); BLOCK_K needs no relation to the blocks (the scale is read per value).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -109,22 +177,24 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
         R: tl.constexpr = BLOCK_K // GROUP
         num_groups = tl.cdiv(K, GROUP)
         offs_u = tl.arange(0, U)
+        srow, srow_up = _scale_rows(offs_bn, N, SCALE_ROWS)
         for kk in range(0, tl.cdiv(K, BLOCK_K)):
             unit = kk * U + offs_u
             u_mask = unit * VPB < K
             g0 = kk * R
-            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups,
-                                            stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
+            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+                                            num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
             if GATED:
-                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, unit, u_mask, g0,
-                                                         num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
+                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+                                                         u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U,
+                                                         BLOCK_N, NF, GROUP, FP8)
             for j in tl.static_range(VPB):
                 a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
                             mask=row_mask[:, None] & u_mask[None, :], other=0.0)
-                w = _plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype)
+                w = _plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype, FP8)
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
                 if GATED:
-                    w_up = _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype)
+                    w_up = _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype, FP8)
                     acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     return acc, acc_up
 
@@ -132,7 +202,8 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
 @triton.jit
 def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak, stride_bn, stride_sn,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-               BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr):
+               BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr, FP8: tl.constexpr,
+               SCALE_ROWS: tl.constexpr):
     """fp32 (acc, acc_up) [BLOCK_N] of ONE row of A against a quantized expert, without tensor cores.
 
     The decode case (one token per expert): the dot path would pad the row to 16 and move every
@@ -145,22 +216,24 @@ def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak
     R: tl.constexpr = BLOCK_K // GROUP
     num_groups = tl.cdiv(K, GROUP)
     offs_u = tl.arange(0, U)
+    srow, srow_up = _scale_rows(offs_bn, N, SCALE_ROWS)
     acc = tl.zeros((U, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((U, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BLOCK_K)):
         unit = kk * U + offs_u
         u_mask = unit * VPB < K
         g0 = kk * R
-        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, unit, u_mask, g0, num_groups,
-                                        stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
+        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+                                        num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
         if GATED:
-            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, unit, u_mask, g0,
-                                                     num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF)
+            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+                                                     u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N,
+                                                     NF, GROUP, FP8)
         for j in tl.static_range(VPB):
             a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
-            acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32) * a[:, None]
+            acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
             if GATED:
-                acc_up += _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, tl.float32) * a[:, None]
+                acc_up += _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
     return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)
 
 

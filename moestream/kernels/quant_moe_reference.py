@@ -3,7 +3,9 @@
 Slots hold each projection as `<proj>.qweight` (S, N, K·bits/8) uint8, `<proj>.scales` (S, N, K/g)
 and, for affine specs, `<proj>.biases`, for proj in (gate_up, down). The result is defined as:
 dequantize every routed slot's weights to the hidden dtype (moestream.quant.dequantize, fp32 math),
-then run `moe_reference` on them. Only the slots the routing uses are dequantized (one host read of
+then run `moe_reference` on them. FP8 slots (`moestream.quant.fp8.Fp8Spec`) hold `<proj>.qweight`
+(S, N, K) uint8, the float8_e4m3fn bits, and `<proj>.scales` (S, rows, cols) float32 per block
+(gate_up: the gate's grid, then the up's), dequantized by `dequantize_fp8`. Only the slots the routing uses are dequantized (one host read of
 the used slot ids: this is the CPU path and the reference, not the CUDA hot path).
 """
 
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from moestream.quant import QuantSpec, dequantize
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 
 from .moe_reference import moe_reference, split_outside
 
@@ -37,12 +40,21 @@ class QuantHostReads:
         return self.stacks["gate_up.qweight"].shape[0]
 
 
-def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor | None, spec: QuantSpec,
+def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor | None, spec: QuantSpec | Fp8Spec,
                      dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """gate_up (n, 2I, H) and down (n, H, I) of the slots `index` (None: every one), dequantized to `dtype`."""
     pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
     out = []
     for proj in PROJECTIONS:
+        if isinstance(spec, Fp8Spec):
+            q, s = pick(slots[f"{proj}.qweight"]), pick(slots[f"{proj}.scales"])
+            if proj == "gate_up":   # each half on its own grid
+                n, rows = q.shape[1] // 2, s.shape[1] // 2
+                out.append(torch.cat([dequantize_fp8(q[:, :n], s[:, :rows], spec, dtype),
+                                      dequantize_fp8(q[:, n:], s[:, rows:], spec, dtype)], dim=1))
+            else:
+                out.append(dequantize_fp8(q, s, spec, dtype))
+            continue
         biases = slots.get(f"{proj}.biases")
         out.append(dequantize(pick(slots[f"{proj}.qweight"]), pick(slots[f"{proj}.scales"]),
                               pick(biases) if biases is not None else None, spec, dtype))
@@ -50,7 +62,7 @@ def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor | None, spec: Qu
 
 
 def quant_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                        spec: QuantSpec, reduce: bool = True, host: QuantHostReads | None = None) -> Tensor:
+                        spec: QuantSpec | Fp8Spec, reduce: bool = True, host: QuantHostReads | None = None) -> Tensor:
     """Routed-expert FFN over quantized slots: (T, H) in hidden's dtype; slot -1 contributes nothing.
     With `host`, a slot id S + e is expert e of the host stacks (less its `cpu_take`)."""
     S = slots["gate_up.qweight"].shape[0]

@@ -47,7 +47,8 @@ class FusedQKV:
         sizes = tuple(p.out_features for p in projs)
         if all(type(p) in (nn.Linear, Linear) for p in projs):
             self.qkv_weight = _concatenated(projs, "weight")
-        elif all(isinstance(p, QuantLinear) for p in projs) and len({p.spec for p in projs}) == 1:
+        elif (all(isinstance(p, QuantLinear) for p in projs) and len({p.spec for p in projs}) == 1
+              and _grids_stack(projs)):
             packed = _concatenated(projs, "qweight"), _concatenated(projs, "scales")
             biases = _concatenated(projs, "biases") if projs[0].biases is not None else None
             self.qkv_packed, self.qkv_spec = (*packed, biases), projs[0].spec
@@ -64,6 +65,15 @@ class FusedQKV:
             flat = kernels.quant_linear(x.reshape(-1, x.shape[-1]), *self.qkv_packed, self.qkv_spec, self.qkv_bias)
             return flat.view(*x.shape[:-1], -1).split(self.qkv_sizes, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def _grids_stack(projs: tuple[QuantLinear, ...]) -> bool:
+    """Whether the projections' scales concatenate into the scales of their concatenated weight: always
+    for group formats; for FP8 when every block of rows but the last projection's is whole."""
+    spec = projs[0].spec
+    if spec.kind != "fp8":
+        return True
+    return spec.block_n is not None and all(p.out_features % spec.block_n == 0 for p in projs[:-1])
 
 
 def _concatenated(projs: tuple[nn.Module, ...], name: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Linear and embedding layers whose weight is stored quantized (mixed precision of dense tensors).
 
 `QuantLinear` holds `qweight` (packed uint8), `scales`, `biases` (affine specs) and an optional
-additive `bias`, named as a packed checkpoint stores them; its forward runs the dequantizing
+additive `bias`, named as a packed checkpoint stores them (or, for an FP8 spec, `qweight` (N, K)
+uint8 holding the e4m3 bits and `scales` the float32 block grid, as an FP8 checkpoint stores them); its forward runs the dequantizing
 linear kernel (`kernels.quant_linear`: Triton on CUDA, the plain-torch reference elsewhere).
 `QuantEmbedding` dequantizes only the rows it looks up. `quantize_modules` swaps them in for the
 plain layers a precision plan names, on the meta device before any weight is read.
@@ -16,12 +17,19 @@ from torch import Tensor, nn
 
 from moestream import kernels
 from moestream.quant import QuantSpec, dequantize
+from moestream.quant.fp8 import Fp8Spec
 
 # Never quantized, whatever the plan says: routing decisions stay at full precision.
 FULL_PRECISION = ("shared_expert_gate",)
 
 
-def _quant_parameters(module: nn.Module, rows: int, cols: int, spec: QuantSpec) -> None:
+def _quant_parameters(module: nn.Module, rows: int, cols: int, spec: QuantSpec | Fp8Spec) -> None:
+    if isinstance(spec, Fp8Spec):   # a byte a value, float32 per block
+        module.qweight = nn.Parameter(torch.empty(rows, cols, dtype=torch.uint8), requires_grad=False)
+        module.scales = nn.Parameter(torch.empty(spec.scale_shape(rows, cols), dtype=torch.float32),
+                                     requires_grad=False)
+        module.biases = None
+        return
     spec.check_width(cols, f"the input dimension of a {rows}x{cols} weight")
     groups = spec.groups(cols)
     module.qweight = nn.Parameter(torch.empty(rows, spec.packed_width(cols), dtype=torch.uint8), requires_grad=False)

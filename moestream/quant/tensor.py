@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from moestream.quant import affine, normal
+from moestream.quant.fp8 import Fp8Spec, dequantize_fp8
 from moestream.quant.packing import pack, unpack
 from moestream.quant.spec import QuantSpec
 
@@ -69,9 +70,12 @@ def _quantize_part(wg: Tensor, spec: QuantSpec) -> tuple[Tensor, ...]:
     return q.reshape(q.shape[0], -1), s
 
 
-def dequantize(qweight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec,
+def dequantize(qweight: Tensor, scales: Tensor, biases: Tensor | None, spec: QuantSpec | Fp8Spec,
                dtype: torch.dtype = torch.float32) -> Tensor:
-    """The (N, K) weight the quantized tensors stand for, in `dtype` (math in fp32)."""
+    """The (N, K) weight the quantized tensors stand for, in `dtype` (math in fp32). An FP8 spec's
+    `qweight` is the e4m3 bytes and `scales` its block grid (`quant/fp8.py`)."""
+    if isinstance(spec, Fp8Spec):
+        return dequantize_fp8(qweight, scales, spec, dtype)
     *lead, width = qweight.shape
     k = width * 8 // spec.bits
     q = unpack(qweight, spec.bits).reshape(-1, k)

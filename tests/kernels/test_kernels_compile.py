@@ -22,6 +22,10 @@ H100 = GPUTarget("cuda", 90, 32)
 SMEM = 227 * 1024
 FORMATS = [(0, 1, False), (8, 64, False), (4, 64, False), (4, 32, False), (3, 64, False), (2, 32, False),
            (4, 64, True), (3, 64, True)]
+# FP8 e4m3 (BITS 8 with the FP8 switch): DeepSeek's 128 x 128 blocks, and per-channel scales (a
+# block of one row by the whole width)
+FP8_FORMATS = [(128, 128, 1), (1, 2048, 1), (128, 128, 2)]   # (block rows, block columns, hardware / portable e4m3)
+FP8_OFF = {"FP8": 0, "SCALE_ROWS": 1}
 INTS = ["N", "K", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
         "stride_se", "stride_sn", "stride_bias_e"]
 FLOATS = ["alpha", "limit"]   # the clamped SwiGLU's parameters
@@ -36,9 +40,11 @@ def _compile(fn, pointers: dict, ints: list[str], consts: dict, warps: int, stag
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _pointers(names: list[str], bits: int, nf: bool) -> dict:
+def _pointers(names: list[str], bits: int, nf: bool, fp8: bool = False) -> dict:
     types = {"b_ptr": "*u8" if bits else "*bf16", "slot_ptr": "*i32", "pair_ids_ptr": "*i32", "block_slot_ptr": "*i32",
              "w_ptr": "*fp32", "code_ptr": "*fp32" if nf else "*bf16"}
+    if fp8:   # float32 scales (and the unused biases and code pointers are the scales)
+        types.update(s_ptr="*fp32", z_ptr="*fp32", code_ptr="*fp32")
     return {name: types.get(name, "*bf16") for name in names}
 
 
@@ -50,7 +56,7 @@ def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
     consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": activation, "MUL_WEIGHT": not gated,
               "HAS_BIAS": bias, "PAIRS": 16,
               "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": block_k, "EVEN_K": bits == 0,
-              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True}
+              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
                          bits, nf)
     ints = INTS + ["num_pairs", "num_slots", "num_host", "host_b", "host_s", "host_z", "top_k", "stride_st",
@@ -66,11 +72,56 @@ def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
     consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": activation, "MUL_WEIGHT": False, "HAS_BIAS": bias,
               "BLOCK_M": 128, "BLOCK_N": 64,
               "BLOCK_K": max(64, quant_block_k(bits, group)) if bits else 64, "GROUP_M": 8, "EVEN_K": bits == 0,
-              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf}
+              "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
                           "code_ptr", "bias_ptr"], bits, nf)
     kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8,
                       4 if bits == 0 else 2)
+    assert kernel.metadata.shared <= SMEM
+
+
+@pytest.mark.parametrize("scale_rows,group,mode", FP8_FORMATS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_fp8_decode_kernel_compiles(scale_rows, group, mode, gated):
+    consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": 0, "MUL_WEIGHT": not gated, "HAS_BIAS": False,
+              "PAIRS": 16, "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": 512 if gated else 256,
+              "EVEN_K": False, "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "USE_PDL": True,
+              "FP8": mode, "SCALE_ROWS": scale_rows}
+    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
+                         8, False, fp8=True)
+    ints = INTS + ["num_pairs", "num_slots", "num_host", "host_b", "host_s", "host_z", "top_k", "stride_st",
+                   "stride_sj", "stride_wt", "stride_wj"]
+    kernel = _compile(_moe_decode_kernel, pointers, ints, consts, 4, 1, wide=("host_b", "host_s", "host_z"))
+    assert kernel.metadata.shared <= SMEM
+
+
+@pytest.mark.parametrize("scale_rows,group,mode", FP8_FORMATS)
+def test_fp8_grouped_kernel_compiles(scale_rows, group, mode):
+    consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": 0, "MUL_WEIGHT": False, "HAS_BIAS": False,
+              "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "EVEN_K": False,
+              "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "FP8": mode, "SCALE_ROWS": scale_rows}
+    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
+                          "code_ptr", "bias_ptr"], 8, False, fp8=True)
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8, 2)
+    assert kernel.metadata.shared <= SMEM
+
+
+@pytest.mark.parametrize("row", range(5))
+def test_fp8_grouped_kernel_fits_every_quantized_tile(row):
+    """Each row of the quantized grouped tile table, with FP8 128 x 128 experts: the scales are read
+    per block, not per value, so the pipeline's shared memory stays within the H100's."""
+    from moestream.kernels.fused_moe_triton import _QUANT_CONFIG_TABLE
+
+    cfg = _QUANT_CONFIG_TABLE[row][1]
+    tile = cfg.gate_up
+    consts = {"A_ROW_DIV": 8, "GATED": True, "ACTIVATION": 0, "MUL_WEIGHT": False, "HAS_BIAS": False,
+              "BLOCK_M": cfg.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "GROUP_M": tile.group_m,
+              "EVEN_K": False, "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": 128, "NF": False, "FP8": 1,
+              "SCALE_ROWS": 128}
+    pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
+                          "code_ptr", "bias_ptr"], 8, False, fp8=True)
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts,
+                      tile.num_warps, tile.num_stages)
     assert kernel.metadata.shared <= SMEM
 
 

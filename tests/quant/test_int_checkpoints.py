@@ -205,7 +205,7 @@ def test_precision_is_fixed(int_checkpoints):
 
 
 def test_convert_refuses_them(int_checkpoints, tmp_path):
-    from moestream.convert import convert
+    from moestream.engine.convert import convert
     from moestream.quant.recipe import QuantRecipe
 
     with pytest.raises(InputError, match="awq-quantized checkpoint; run it as it is"):

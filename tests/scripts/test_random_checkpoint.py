@@ -423,3 +423,48 @@ def test_gemma4_specifics() -> None:
     per_row = cache_bytes(two_config, detect_arch(two), 1, 4096, torch.bfloat16)
     bf16_kv = 2 * 2   # keys and values, 2 bytes each
     assert per_row == bf16_kv * (1024 * 8 * 256 + 4096 * 2 * 512)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "deepseek-v2-lite"])
+def test_fp8_block_form_loads_as_fp8_and_matches_transformers(shape: str, tmp_path: Path) -> None:
+    """--fp8-block writes the FP8 checkpoints' layout (e4m3 weights of every decoder linear but the
+    router, float32 scale grids, quantization_config), which moestream keeps in FP8 and computes as
+    transformers does on the dequantized weights."""
+    import moestream
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    out = tmp_path / "fp8"
+    assert mrc.main(["--shape", shape, "--tiny", "--out", str(out), "--fp8-block", "16x24", "--workers", "1",
+                     "--shard-size", "150KB"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [16, 24]}
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    fp8 = [n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    assert any(".experts.0.down_proj" in n for n in fp8) and any("self_attn" in n for n in fp8)
+    assert not any(n.endswith("mlp.gate.weight") or "embed" in n or "lm_head" in n for n in fp8)
+    ref = {}
+    for name, t in tensors.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors[name.removesuffix("weight") + "weight_scale_inv"]
+            n, k = t.shape
+            assert scale.dtype == torch.float32 and scale.shape == (-(-n // 16), -(-k // 24))
+            t = _dequantize_fp8_weight(t, scale, [16, 24], torch.float32)
+        ref[name] = t.float()
+    (tmp_path / "ref").mkdir()
+    save_file(ref, str(tmp_path / "ref" / "model.safetensors"))
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                              if k != "quantization_config"}))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    engine = moestream.load(out, device="cpu", dtype="float32", capacity=12 if "qwen" in shape else None)
+    assert engine.plan.kind == "fp8" and engine.plan.fp8.name == "fp8-b16x24"
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(ids).logits
+    got = engine.logits(ids, torch.ones_like(ids))
+    assert (got - want).abs().max() / want.abs().max() <= 1e-4

@@ -67,3 +67,14 @@ def test_gptq_form_loads_and_matches_its_dequantization(tmp_path, bits, group):
         want = reference(ids).logits
     got = engine.logits(ids, torch.ones_like(ids))
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def test_gptq_and_fp8_forms_exclude_each_other(tmp_path):
+    """A checkpoint has one quantization_config: --gptq with --fp8-block is refused, and so is a GPTQ
+    width the form does not have, dry run or not."""
+    with pytest.raises(SystemExit, match="give one of them"):
+        mrc.main(["--shape", "qwen3-30b-a3b", "--tiny", "--out", str(tmp_path / "x"), "--gptq", "4",
+                  "--fp8-block", "16x16", "--dry-run"])
+    with pytest.raises(SystemExit, match="--gptq takes 2/3/4/8 bits"):
+        mrc.main(["--shape", "qwen3-30b-a3b", "--tiny", "--out", str(tmp_path / "x"), "--gptq", "5", "--dry-run"])
+    assert not (tmp_path / "x").exists()
