@@ -1,0 +1,262 @@
+"""GGUF files (llama.cpp's format) read as a checkpoint: metadata → config.json's fields, tensor
+names → ours, each tensor's bytes by offset.
+
+A GGUF is one file (or a split set `name-00001-of-0000N.gguf`) holding key/value metadata (the
+architecture's sizes under `{arch}.*`, the tokenizer under `tokenizer.*`) and tensors named
+llama.cpp's way (`blk.N.attn_q.weight`, `blk.N.ffn_gate_exps.weight` stacked (E, I, H), ...),
+each in a ggml type (F32/F16/BF16 or a block quantization: quant/ggml.py). `gguf.GGUFReader`
+parses the header and memory-maps the data, so opening a file reads no weight.
+
+What llama.cpp's converter changed is undone here: the families it converts as `llama` (Mixtral)
+have the rows of q and k permuted for its rotary layout (`_unpermute`); the Qwen and OLMoE
+families are stored as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moestream.errors import CheckpointError, UnsupportedArchError
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+# general.architecture → our model type, and the HF router module name of its MoE block
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
+                 "olmoe": "olmoe"}
+PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def split_files(path: Path) -> list[Path]:
+    """The files of the checkpoint `path` names: itself, or every part of its split set (it must be
+    the first), each checked to exist."""
+    m = SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    part, count = int(m["part"]), int(m["count"])
+    if part != 1:
+        raise CheckpointError(f"{path.name} is part {part} of a split GGUF; give the first part, "
+                              f"{m['stem']}-00001-of-{m['count']}.gguf.")
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"part {missing[0]} of the split GGUF {path.name} is missing from {path.parent}; "
+                              "download every part.")
+    return files
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One stored tensor: its file, the absolute byte offset of its data, its ggml type and its
+    shape in row-major order (rows first: (E, N, K) for stacked experts, (N, K) for a linear)."""
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    qtype: int
+    shape: tuple[int, ...]
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.qtype).name
+        except ValueError:
+            return f"type {self.qtype}"
+
+
+def _open(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except PermissionError:
+        raise CheckpointError(f"cannot read {path} (permission denied); make it readable.") from None
+    except Exception as exc:   # gguf raises ValueError, IndexError, struct errors on damaged or truncated files
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:100] if str(exc) else 'truncated or damaged'}); "
+                              "re-download it.") from None
+
+
+def _value(field) -> Any:
+    try:
+        return field.contents()
+    except Exception:   # an unreadable value reads as absent
+        return None
+
+
+class GGUFCheckpoint:
+    """Every tensor and the metadata of a GGUF checkpoint (one file or a split set)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files = split_files(path)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, GGUFTensor] = {}
+        for i, file in enumerate(self.files):
+            reader = _open(file)
+            size = file.stat().st_size
+            if i == 0:
+                self.metadata = {key: _value(field) for key, field in reader.fields.items()
+                                 if not key.startswith("GGUF.")}
+            for t in reader.tensors:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if t.data_offset + t.n_bytes > size:
+                    raise CheckpointError(f"{file} is truncated (tensor {t.name!r} lies past its end); re-download it.")
+                if t.name in self.tensors:
+                    raise CheckpointError(f"tensor {t.name!r} is in two parts of the split GGUF {path.name}; the set "
+                                          "is damaged, re-download it.")
+                self.tensors[t.name] = GGUFTensor(t.name, file, int(t.data_offset), int(t.n_bytes),
+                                                  int(t.tensor_type), shape)
+        self.architecture = str(self.metadata.get("general.architecture") or "")
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedArchError(f"{path.name} is a GGUF of architecture {self.architecture or 'none'!r}, "
+                                       f"which moestream does not read; it reads "
+                                       f"{', '.join(sorted(set(ARCHITECTURES) - {'mixtral'}))} GGUFs.")
+        if self.architecture == "llama" and not self.get("expert_count"):
+            raise UnsupportedArchError(f"{path.name} is a dense llama GGUF (no experts); moestream runs "
+                                       "Mixture-of-Experts models only.")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`{arch}.key` of the metadata."""
+        value = self.metadata.get(f"{self.architecture}.{key}")
+        return default if value is None else value
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def permuted_qk(self) -> bool:
+        return self.architecture in PERMUTED_QK
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path.name} has no '{self.architecture}.{key}' in its metadata; the GGUF "
+                                  "is incomplete, re-convert it.")
+        return value
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json this GGUF stands for (the fields moestream reads)."""
+        heads = int(self.need("attention.head_count"))
+        hidden = int(self.need("embedding_length"))
+        vocab = self.get("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens") or ()) or \
+            self.tensors["token_embd.weight"].shape[0]
+        expert_ff = self.get("expert_feed_forward_length") or self.get("feed_forward_length")
+        config: dict[str, Any] = {
+            "model_type": self.model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self.need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.get("attention.head_count_kv", heads)),
+            "head_dim": int(self.get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.get("context_length", 4096)),
+            "rms_norm_eps": float(self.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.get("rope.freq_base", 10000.0)),
+            "num_experts_per_tok": int(self.need("expert_used_count")),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "torch_dtype": "float32",
+        }
+        experts = int(self.need("expert_count"))
+        if self.model_type == "mixtral":
+            config.update(num_local_experts=experts, intermediate_size=int(self.need("feed_forward_length")))
+        elif self.model_type == "olmoe":
+            config.update(num_experts=experts, intermediate_size=int(expert_ff), norm_topk_prob=False)
+            clip = self.get("attention.clamp_kqv")
+            if clip:
+                config["clip_qkv"] = float(clip)
+        else:
+            config.update(num_experts=experts, moe_intermediate_size=int(expert_ff),
+                          intermediate_size=int(self.get("feed_forward_length", expert_ff)))
+        if self.model_type == "qwen3_moe":   # llama.cpp always renormalises qwen3moe's top-k weights
+            config.update(norm_topk_prob=bool(self.get("expert_weights_norm", True)), decoder_sparse_step=1,
+                          mlp_only_layers=[])
+        if self.model_type == "qwen2_moe":
+            shared = self.get("expert_shared_feed_forward_length")
+            config.update(norm_topk_prob=bool(self.get("expert_weights_norm", False)), decoder_sparse_step=1,
+                          mlp_only_layers=[], shared_expert_intermediate_size=int(shared or expert_ff),
+                          qkv_bias="blk.0.attn_q.bias" in self.tensors)
+        scaling = self.get("rope.scaling.type")
+        if scaling and scaling != "none":
+            config["rope_scaling"] = {"rope_type": scaling, "factor": float(self.get("rope.scaling.factor", 1.0)),
+                                      "original_max_position_embeddings":
+                                          int(self.get("rope.scaling.original_context_length",
+                                                       config["max_position_embeddings"]))}
+        for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+            value = self.metadata.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                config[ours] = int(value)
+        return config
+
+    # ---- names ------------------------------------------------------------------------------
+    def hf_names(self, moe_prefix: str) -> dict[str, str]:
+        """Our checkpoint name → the GGUF tensor name, for every tensor the GGUF holds that we read
+        as a dense parameter (experts excluded: `expert_names`)."""
+        out = {}
+        for name in self.tensors:
+            hf = _hf_name(name, moe_prefix)
+            if hf is not None:
+                out[hf] = name
+        return out
+
+    def expert_names(self, layer: int) -> tuple[str, str, str]:
+        base = f"blk.{layer}"
+        names = (f"{base}.ffn_gate_exps.weight", f"{base}.ffn_up_exps.weight", f"{base}.ffn_down_exps.weight")
+        for name in names:
+            if name not in self.tensors:
+                if f"{base}.ffn_gate.0.weight" in self.tensors:
+                    raise CheckpointError(f"{self.path.name} stores layer {layer}'s experts one tensor each (an "
+                                          "old conversion); re-convert it with a current llama.cpp (stacked "
+                                          "ffn_*_exps tensors).")
+                raise CheckpointError(f"tensor {name!r} is missing from {self.path.name}; the GGUF is incomplete.")
+        return names
+
+
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.shared_expert.gate_proj",
+          "ffn_up_shexp": "{moe}.shared_expert.up_proj", "ffn_down_shexp": "{moe}.shared_expert.down_proj",
+          "ffn_gate_inp_shexp": "{moe}.shared_expert_gate"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(name: str, moe_prefix: str) -> str | None:
+    module, _, part = name.rpartition(".")
+    if module in _TOP:
+        return f"{_TOP[module]}.{part}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
+    if m is None or m[2] not in _LAYER:
+        return None
+    return f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix)}.{part}"
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, stamp: tuple) -> GGUFCheckpoint:
+    return GGUFCheckpoint(Path(path))
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """The checkpoint at `path`, parsed once per file version (plans and builds share it)."""
+    path = Path(path).expanduser().resolve()
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path} ({exc.strerror}); check the path.") from None
+    return _cached(str(path), (st.st_size, st.st_mtime_ns))
+
+
+def gguf_metadata(path: Path, key: str) -> Any:
+    """One metadata value of the GGUF at `path` (torch-free: the CLI asks before anything loads)."""
+    return open_gguf(path).metadata.get(key)
