@@ -20,9 +20,12 @@ import torch
 
 from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_config_from_hf
 from moestream.checkpoint import read_config, resolve_checkpoint
+from moestream.checkpoint.gguf_file import GGUFCheckpoint, is_gguf, open_gguf
+from moestream.checkpoint.gguf_index import GGUFIndex
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
+from moestream.experts.gguf_store import expert_formats as gguf_expert_formats
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -305,8 +308,8 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized) or
-                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized)
+    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized),
+                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized) or "gguf" (llama.cpp's)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -315,10 +318,17 @@ class LoadPlan:
     layout: PackedLayout | None = None        # a packed checkpoint's layout.json
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
     int_quant: IntQuant | None = None         # a GPTQ / AWQ / compressed-tensors checkpoint's quantization
+    gguf: GGUFCheckpoint | None = None        # a GGUF checkpoint (folder is then its first file)
 
 
 def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
-    """The checkpoint's folder, raw config.json, arch and model configuration (nothing else read)."""
+    """The checkpoint's folder (a GGUF's first file), raw config.json (a GGUF's, built from its
+    metadata), arch and model configuration (nothing else read)."""
+    if is_gguf(cfg.model):
+        ckpt = open_gguf(cfg.model)
+        raw = ckpt.hf_config()
+        spec = detect_arch(raw)
+        return ckpt.path, raw, spec, model_config_from_hf(raw, spec)
     folder = resolve_checkpoint(cfg.model)
     raw = read_config(folder)
     spec = detect_arch(raw)
@@ -352,14 +362,20 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
     int_quant = int_quantization(raw)
     mlx = mlx_quantization(raw) if int_quant is None else None   # GPTQ's block also has bits and group_size
-    kind = "packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None else "hf"
+    ckpt = open_gguf(folder) if is_gguf(folder) else None
+    kind = ("gguf" if ckpt is not None else "packed" if layout is not None else "mlx" if mlx is not None
+            else "int" if int_quant is not None else "hf")
     if kind != "hf" and (asked.quantized or asked.layer_formats):
-        stored = ("a packed (moestream convert)" if layout is not None else "an MLX-quantized" if mlx is not None
-                  else f"a {int_quant.method}-quantized")
+        stored = ("a GGUF" if ckpt is not None else "a packed (moestream convert)" if layout is not None
+                  else "an MLX-quantized" if mlx is not None else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
-    if layout is not None:
+    if ckpt is not None:   # each linear and each layer's experts as their ggml types say (gguf_store.layer_spec)
+        recipe = QuantRecipe()
+        precision = GGUFIndex(ckpt, spec, config).stored_spec
+        formats = gguf_expert_formats(ckpt, config, dtype, dense_format(dtype))
+    elif layout is not None:
         recipe = QuantRecipe.from_dict(layout.recipe)
         precision = functools.partial(_recipe_precision, recipe, L)
         formats = {layer: QuantizedFormat(rec.spec, dtype) for layer, rec in layout.layers.items()}
@@ -395,7 +411,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          slack_bytes=SLACK_BYTES if device.type == "cuda" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
-                    host_memory, layout, mlx, int_quant)
+                    host_memory, layout, mlx, int_quant, ckpt)
 
 
 def _plan_int(q: IntQuant, config: ModelConfig,
