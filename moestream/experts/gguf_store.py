@@ -5,7 +5,7 @@ blocks). `layer_spec` decides each layer's format from the three types alone (th
 before any weight is read): the affine spec holding them exactly when there is one (int4-g32 for
 Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
 int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
-read, printed once), else (floats) the compute dtype.
+read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat
 from moestream.experts.store import ExpertStore
-from moestream.quant import QuantSpec, ggml, quantize
+from moestream.quant import QuantSpec, ggml
 from moestream.quant.tensor import QuantizedTensor
 
 PROJECTIONS = ("gate", "up", "down")
@@ -35,10 +35,8 @@ def layer_types(ckpt: GGUFCheckpoint, layer: int) -> tuple[str, str, str]:
 
 def layer_spec(types: tuple[str, ...]) -> QuantSpec | None:
     """The affine spec a layer's experts are held in, None for the compute dtype (float stacks)."""
-    if all(t in ggml.FLOAT_TYPES for t in types):
+    if any(t in ggml.FLOAT_TYPES for t in types):   # floats (beside blocks, too): the blocks dequantized, exact
         return None
-    if any(t in ggml.FLOAT_TYPES for t in types):   # floats beside blocks: all in 8 bits (floats requantized)
-        return QuantSpec("int", 8, ggml.GROUP, torch.float32)
     specs = {ggml.spec_of(t) for t in types}
     return specs.pop() if len(specs) == 1 else QuantSpec("int", 8, ggml.GROUP, torch.float32)
 
@@ -76,8 +74,6 @@ class GGUFExpertStore(ExpertStore):
                 codes = ggml.to_codes(rows, type_name)[0]
                 q = QuantizedTensor(codes.contiguous(), q.scales, q.biases, spec)
             return q
-        if type_name in ggml.FLOAT_TYPES:
-            return quantize(rows.float(), spec)
         q, error = ggml.requantize(rows, type_name, rows.shape[1] * 256 // ggml.REQUANTIZED[type_name][1])
         self._note(type_name, error)
         return q
@@ -86,9 +82,10 @@ class GGUFExpertStore(ExpertStore):
         with self._noted:
             if self._requant_error is None:
                 self._requant_error = error
-                print(f"[moestream] {type_name} experts are not exact in moestream's formats: they are requantized "
-                      f"to int8-g32 at load (relative weight error {error:.2%} on the first one read, some twenty "
-                      "times below the 6-bit quantization's own).", file=sys.stderr)
+                print(f"[moestream] {type_name} experts have no exact form in moestream's formats (two scales in "
+                      f"every 32 values): they are requantized to int8-g32 at load, a relative weight error of "
+                      f"{error:.2%} on the first one read (max |dw| / max |w|; {type_name}'s own rounding is up to "
+                      "1.6%).", file=sys.stderr)
 
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         I = self.shape.intermediate
