@@ -51,6 +51,11 @@ def encode(w: torch.Tensor, qtype: str, rng: np.random.Generator) -> tuple[np.nd
         return a, w.float()
     if qtype == "F16":
         return a.astype(np.float16), torch.from_numpy(a.astype(np.float16).astype(np.float32))
+    if qtype.startswith("IQ"):   # a type moestream refuses: random bytes of its block size
+        per, size = gguf.GGML_QUANT_SIZES[t]
+        rows = a.reshape(-1, a.shape[-1])
+        stored = rng.integers(0, 256, (rows.shape[0], rows.shape[1] // per * size), dtype=np.uint8)
+        return stored.reshape(*a.shape[:-1], -1), w.float()
     if qtype in K_BLOCK:
         rows = a.reshape(-1, a.shape[-1])
         scale = float(np.abs(a).max()) / (15 * 63 if qtype != "Q6_K" else 32 * 127) * 2
@@ -105,7 +110,7 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     sd = load_file(str(hf_folder / "model.safetensors"))
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(out, arch, split_max_tensors=0)
+    writer = gguf.GGUFWriter(out, arch, split_max_tensors=0 if split == 1 else split)
     L, H = config["num_hidden_layers"], config["hidden_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     E = config.get("num_experts") or config.get("num_local_experts")

@@ -251,10 +251,10 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     """The checkpoint at `path`, parsed once per file version (plans and builds share it)."""
     path = Path(path).expanduser().resolve()
     try:
-        st = path.stat()
+        stamp = tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in split_files(path))
     except OSError as exc:
         raise CheckpointError(f"cannot read {path} ({exc.strerror}); check the path.") from None
-    return _cached(str(path), (st.st_size, st.st_mtime_ns))
+    return _cached(str(path), stamp)
 
 
 def gguf_metadata(path: Path, key: str) -> Any:

@@ -105,6 +105,20 @@ def print_model(plan) -> None:
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
     if getattr(plan, "int_quant", None) is not None:
         print_int_quant(plan)
+    if getattr(plan, "gguf", None) is not None:
+        print_gguf(plan)
+
+
+def print_gguf(plan) -> None:
+    """A GGUF: the ggml types of its experts, per distinct mix, and what each is held as."""
+    from moestream.experts.gguf_store import layer_types
+
+    held: dict[str, set[int]] = {}
+    for layer, fmt in plan.expert_formats.items():
+        types = "/".join(layer_types(plan.gguf, layer))
+        held.setdefault(f"{types} -> {fmt.name}", set()).add(layer)
+    for what, layers in held.items():
+        print(f"experts           {what} (gate/up/down; {len(layers)} layer{'s' if len(layers) > 1 else ''})")
 
 
 def print_int_quant(plan) -> None:
