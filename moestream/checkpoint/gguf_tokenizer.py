@@ -1,21 +1,16 @@
-"""A GGUF checkpoint's tokenizer: the tokenizer files beside it when there are any, else the one
-its metadata holds (`tokenizer.ggml.*`, built by transformers' GGUF support), with the chat
-template of `tokenizer.chat_template`."""
+"""A GGUF checkpoint's tokenizer from its metadata (`tokenizer.ggml.*`, built by transformers' GGUF
+support), with the chat template of `tokenizer.chat_template`. (Tokenizer files beside the GGUF,
+when there are any, are read instead: `engine/build.py`.)"""
 
 from __future__ import annotations
 
 from moestream.checkpoint.gguf_file import GGUFCheckpoint
-from moestream.checkpoint.resolve import TOKENIZER_FILES
 from moestream.errors import CheckpointError
 
 
 def load_gguf_tokenizer(ckpt: GGUFCheckpoint):
     """The tokenizer of `ckpt`, or None when neither files beside it nor its metadata hold one."""
     folder = ckpt.path.parent
-    if any((folder / name).exists() for name in TOKENIZER_FILES):
-        from moestream.engine.build import load_tokenizer
-
-        return load_tokenizer(folder)
     if not ckpt.metadata.get("tokenizer.ggml.tokens"):
         return None
     from transformers import AutoTokenizer

@@ -256,7 +256,9 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
                      if profile is not None else Placement(rank, world, config.num_experts, counts=counts))
     plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
-    tokenizer = load_gguf_tokenizer(plan.gguf) if plan.gguf is not None else load_tokenizer(plan.folder)
+    tokenizer = (load_tokenizer(plan.folder) if plan.gguf is None   # a GGUF: the files beside it, else its metadata's
+                 else load_tokenizer(plan.folder.parent) if has_tokenizer(plan.folder.parent)
+                 else load_gguf_tokenizer(plan.gguf))
     index = GGUFIndex(plan.gguf, plan.spec, plan.config) if plan.gguf is not None else TensorIndex(plan.folder)
     store = open_store(plan, index)
     model = build_model(plan, index)
