@@ -273,3 +273,16 @@ def test_a_truncated_gguf_is_refused(hf_models, tmp_path, capsys):
     _cli_refuses(path, capsys, "cut.gguf")
     path.write_bytes(data[:100])   # cut inside the header
     _cli_refuses(path, capsys, "cut.gguf")
+
+
+def test_a_prepacked_bank_warm_starts_and_a_changed_file_rebuilds_it(hf_models, tmp_path):
+    path, snap = tmp_path / "q4k.gguf", tmp_path / "bank"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="F32")
+    cold = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap, warmup_tokens=4)
+    assert not cold.prepack.loaded and (snap / "bank.json").exists()
+    warm = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    assert warm.generate(PROMPT, max_tokens=8, ignore_eos=True) == cold.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="F32", seed=1)   # other K-quant blocks
+    again = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert not again.prepack.loaded and "checkpoint" in again.prepack.reason
