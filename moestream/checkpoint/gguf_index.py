@@ -3,7 +3,7 @@
 `GGUFIndex` answers the questions `engine/weights.py` asks a `TensorIndex` (is a tensor there,
 read it as floats of the expected shape) for the tensors llama.cpp names (gguf_file.py maps the
 names), and, as the loader's `StoredReader`, gives the linears stored in a block type our affine
-formats hold exactly (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K: quant/ggml.py) as `QuantLinear` parts, the
+formats hold exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K: quant/ggml.py) as `QuantLinear` parts, the
 same weights bit for bit. Everything else is read as stored (F32/F16/BF16) or dequantized (Q6_K,
 and quantized embeddings, norms, routers). llama.cpp's q/k row permutation (Mixtral) is undone
 on the rows, whichever the type: quantized rows are independent.
@@ -27,7 +27,7 @@ from moestream.quant.recipe import module_class
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
     return CheckpointError(f"tensor {t.name!r} of {where} is stored as {t.type_name}, a ggml type moestream does not "
-                           "read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K); use a GGUF "
+                           "read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K); use a GGUF "
                            "quantized to one of those.")
 
 

@@ -5,18 +5,21 @@ Each row of K values is stored as K/32 (or K/256) blocks, one after the other:
 Q8_0  34 B / 32: d fp16, 32 int8 q.                w = d·q
 Q4_0  18 B / 32: d fp16, 16 B of nibbles.          w = d·(q − 8)
 Q4_1  20 B / 32: d fp16, m fp16, 16 B of nibbles.  w = d·q + m
-      (element j < 16 is byte j's low nibble, element 16 + j its high nibble)
+Q5_0  22 B / 32: d fp16, 4 B of fifth bits, nibbles. w = d·(q − 16)
+Q5_1  24 B / 32: d, m fp16, fifth bits, nibbles.   w = d·q + m
+      (element j < 16 is byte j's low nibble, element 16 + j its high nibble; the fifth bit of
+      element j is bit j of the little-endian 32-bit word)
 Q4_K  144 B / 256: d, dmin fp16; 12 B holding eight 6-bit (sc, m) pairs; 128 B of nibbles (per
       64 values, 32 bytes: low nibbles the first 32, high nibbles the next 32).
                                                    w = d·sc_j·q − dmin·m_j (sub-block j of 32)
 Q5_K  176 B / 256: as Q4_K plus 32 B of fifth bits (bit 2c / 2c+1 of byte l for chunk c).
 Q6_K  210 B / 256: sixteen sub-blocks of 16 values with int8 scales: dequantized (see below).
 
-Every one of the first five is, per group of 32 values, an integer code times one scale plus one
+Every one of the first seven is, per group of 32 values, an integer code times one scale plus one
 offset, so it maps exactly onto our affine format in groups of 32 with fp32 scales and biases:
 q = the stored code (Q8_0: q + 128, bias −128·d), scale = d (or d·sc), bias = −8·d, m, −dmin·m.
 Those products of an fp16 and an integer below 2^6 are exact in fp32, and q·scale + bias rounds
-once, as ggml's own dequantization does. 4-bit codes go to int4-g32; Q8_0's and Q5_K's codes to
+once, as ggml's own dequantization does. 4-bit codes go to int4-g32; Q8_0's and the 5-bit types' codes to
 int8-g32 (5 bits in a byte: exact, 10 bits a weight against Q5_K's 5.5). Q6_K's two scales inside
 every 32 values have no common integer grid within 8 bits, so it is not exact in any of ours:
 `requantize_q6k` holds it as int8-g32 (error about a twentieth of Q6_K's own, measured per tensor
@@ -35,8 +38,8 @@ from moestream.quant.tensor import QuantizedTensor, dequantize, quantize
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # type → (values per block, bytes per block, bits of the affine codes holding it exactly)
-EXACT = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q4_K": (256, 144, 4),
-         "Q5_K": (256, 176, 8)}
+EXACT = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 8), "Q5_1": (32, 24, 8),
+         "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 8)}
 REQUANTIZED = {"Q6_K": (256, 210, 8)}
 GROUP = 32
 
@@ -91,6 +94,15 @@ def to_codes(blocks: Tensor, type_name: str) -> tuple[Tensor, Tensor, Tensor]:
         start = 2 if type_name == "Q4_0" else 4
         codes = _nibbles32(b[..., start:start + 16])
         bias = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4].reshape(n, -1, 1, 2))
+        return codes.reshape(n, -1), d.reshape(n, -1), bias.reshape(n, -1)
+    if type_name in ("Q5_0", "Q5_1"):
+        d = _f16(b[..., 0:2].reshape(n, -1, 1, 2))
+        start = 2 if type_name == "Q5_0" else 4
+        qh = b[..., start:start + 4].to(torch.int64)
+        word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)
+        fifth = (word.unsqueeze(-1) >> torch.arange(32)) & 1
+        codes = _nibbles32(b[..., start + 4:start + 20]) | (fifth.to(torch.uint8) << 4)
+        bias = -16.0 * d if type_name == "Q5_0" else _f16(b[..., 2:4].reshape(n, -1, 1, 2))
         return codes.reshape(n, -1), d.reshape(n, -1), bias.reshape(n, -1)
     d = _f16(b[..., 0:2].reshape(n, -1, 1, 2))
     dmin = _f16(b[..., 2:4].reshape(n, -1, 1, 2))

@@ -96,7 +96,8 @@ def greedy(model, prompt, n=12):
 # (experts' type, attention linears' type, the experts' held format, attention kept as QuantLinear)
 TYPES = [("F32", "F32", "fp32", False), ("F16", "F16", "fp32", False), ("Q8_0", "Q8_0", "int8-g32", True),
          ("Q4_0", "Q4_1", "int4-g32", True), ("Q4_1", "Q8_0", "int4-g32", True), ("Q4_K", "Q4_K", "int4-g32", True),
-         ("Q5_K", "Q5_K", "int8-g32", True)]
+         ("Q5_K", "Q5_K", "int8-g32", True), ("Q5_0", "Q5_1", "int8-g32", True),
+         ("BF16", "Q5_0", "fp32", True)]
 
 
 @pytest.mark.parametrize("experts,dense,held,quant_linear", TYPES, ids=[t[0] for t in TYPES])
@@ -141,7 +142,7 @@ def test_unpermute_is_transformers_reverse_permutation():
     assert torch.equal(_unpermute(w, 2), torch.from_numpy(theirs))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_block_types_dequantize_as_gguf_does(qtype):
     rng = np.random.default_rng(1)
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
