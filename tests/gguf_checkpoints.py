@@ -100,10 +100,11 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: int, template: str | None) -
 
 def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts: str = "F32", dense: str = "F32",
               down: str | None = None, seed: int = 0, tokenizer: bool = False, template: str | None = None,
-              split: int = 1) -> None:
+              split: int = 1, embeddings: str = "F32") -> None:
     """Write `hf_folder`'s model as a GGUF at `out` (experts in type `experts`, their down projection
     in `down` when given, attention linears in `dense`; norms, routers and embeddings in F32), and
-    when `reference` is given an HF folder with the weights the GGUF stands for."""
+    when `reference` is given an HF folder with the weights the GGUF stands for. `embeddings`: the
+    type of the token embeddings and the output layer."""
     config = json.loads((hf_folder / "config.json").read_text())
     model_type = config["model_type"]
     arch = ARCH[model_type]
@@ -147,10 +148,10 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
         for i, hf in enumerate(hf_names or []):
             deq[hf] = back[i] if len(hf_names) > 1 else back
 
-    put("token_embd.weight", sd["model.embed_tokens.weight"], "F32")
+    put("token_embd.weight", sd["model.embed_tokens.weight"], embeddings, ["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"], "F32")
     if "lm_head.weight" in sd and not config.get("tie_word_embeddings"):
-        put("output.weight", sd["lm_head.weight"], "F32")
+        put("output.weight", sd["lm_head.weight"], embeddings, ["lm_head.weight"])
     for layer in range(L):
         base = f"model.layers.{layer}"
         for hf, ours in LAYER.items():

@@ -121,10 +121,10 @@ class GGUFIndex(GGUFReads):
 
     # ---- StoredReader: linears kept in their blocks ---------------------------------------------
     def stored_spec(self, path: str) -> QuantSpec | None:
-        """The affine spec the linear at `path` is held in (exact block types in attention and shared
-        experts), None when it is read as floats."""
+        """The affine spec the module at `path` is held in (exact block types in attention, shared
+        experts, the embeddings and the LM head), None when it is read as floats."""
         name = f"{path}.weight"
-        if name not in self.names or module_class(path)[0] not in ("attention", "shared"):
+        if name not in self.names or module_class(path)[0] not in ("attention", "shared", "embeddings"):
             return None
         type_name = self.info(name).type_name
         return ggml.spec_of(type_name) if type_name in ggml.EXACT else None

@@ -287,3 +287,27 @@ def test_a_prepacked_bank_warm_starts_and_a_changed_file_rebuilds_it(hf_models, 
     make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="F32", seed=1)   # other K-quant blocks
     again = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap)
     assert not again.prepack.loaded and "checkpoint" in again.prepack.reason
+
+
+@pytest.mark.parametrize("embeddings", ["Q8_0", "Q4_K"])
+def test_quantized_embeddings_and_lm_head_stay_quantized(hf_models, tmp_path, embeddings):
+    path = tmp_path / "emb.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0", dense="Q4_0", embeddings=embeddings)
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert type(engine.model.model.embed_tokens).__name__ == "QuantEmbedding"
+    assert type(engine.model.lm_head).__name__ == "QuantLinear"
+    with torch.no_grad():
+        ref = transformers_gguf(path)(IDS, attention_mask=MASK).logits
+    assert relative(engine.logits(IDS, MASK), ref) <= 1e-4
+
+
+def test_convert_refuses_a_gguf(hf_models, tmp_path):
+    from moestream.engine.convert import convert
+    from moestream.errors import InputError
+    from moestream.quant.recipe import QuantRecipe
+
+    path = tmp_path / "m.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q8_0")
+    with pytest.raises(InputError, match="is a GGUF checkpoint; run it as it is"):
+        convert(path, tmp_path / "out", QuantRecipe(experts="int4"), progress=False)
+    assert not (tmp_path / "out").exists()
