@@ -113,10 +113,14 @@ def print_gguf(plan) -> None:
     """A GGUF: the ggml types of its experts, per distinct mix, and what each is held as."""
     from moestream.experts.gguf_store import layer_types
 
+    from moestream.quant import ggml
+
     held: dict[str, set[int]] = {}
     for layer, fmt in plan.expert_formats.items():
-        types = "/".join(layer_types(plan.gguf, layer))
-        held.setdefault(f"{types} -> {fmt.name}", set()).add(layer)
+        types = layer_types(plan.gguf, layer)
+        how = ("requantized" if any(t in ggml.REQUANTIZED for t in types) and getattr(fmt, "spec", None) is not None
+               else "exact")
+        held.setdefault(f"{'/'.join(types)} -> {fmt.name}, {how}", set()).add(layer)
     for what, layers in held.items():
         print(f"experts           {what} (gate/up/down; {len(layers)} layer{'s' if len(layers) > 1 else ''})")
 

@@ -202,7 +202,7 @@ def test_bytes_planned_are_the_bytes_held(hf_models, tmp_path, capsys):
     assert sum(t.nbytes for t in engine.bank.slots[0].tensors.values()) == 3 * fmt.nbytes(shape)
     assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
     assert cli.main(["check", str(path), "--device", "cpu", "--capacity", "3"]) == 0
-    assert "Q4_0/Q4_0/Q4_0 -> int4-g32 (gate/up/down; 2 layers)" in capsys.readouterr().out
+    assert "Q4_0/Q4_0/Q4_0 -> int4-g32, exact (gate/up/down; 2 layers)" in capsys.readouterr().out
 
 
 def test_tokenizer_and_chat_template_come_from_the_metadata(hf_models, tmp_path, capsys):
