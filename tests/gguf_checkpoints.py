@@ -1,5 +1,6 @@
 """Tiny GGUF checkpoints written with the `gguf` package from a tiny HF checkpoint: llama.cpp's
-names, its stacked experts, its q/k permutation for the llama family, tensors in any ggml type
+names (the gguf package's own name table, as llama.cpp's converter uses it), its stacked experts,
+its q/k permutation for the llama family, tensors in any ggml type
 (quantized with gguf's own quantizer where it has one, random valid blocks for the K-quants,
 whose quantizers it lacks, with the weights those blocks stand for written back into the HF
 reference), and a small BPE tokenizer in the metadata."""
@@ -14,12 +15,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
-LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "gate": "ffn_gate_inp",
-         "shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
-         "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
+ARCH_ENUM = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
+             "olmoe": gguf.MODEL_ARCH.OLMOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
 K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -114,7 +112,7 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     writer = gguf.GGUFWriter(out, arch, split_max_tensors=0 if split == 1 else split)
     L, H = config["num_hidden_layers"], config["hidden_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    E = config.get("num_experts") or config.get("num_local_experts")
+    E = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     writer.add_block_count(L)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(H)
@@ -124,12 +122,21 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_count(E)
     writer.add_expert_used_count(config["num_experts_per_tok"])
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     else:
         writer.add_feed_forward_length(config["intermediate_size"])
-    if model_type == "qwen3_moe":
+    if model_type == "glm4_moe":
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+    if model_type in ("qwen3_moe", "glm4_moe"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     if model_type == "qwen2_moe":
@@ -152,27 +159,28 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     put("output_norm.weight", sd["model.norm.weight"], "F32")
     if "lm_head.weight" in sd and not config.get("tie_word_embeddings"):
         put("output.weight", sd["lm_head.weight"], embeddings, ["lm_head.weight"])
+    names_map = gguf.get_tensor_name_map(ARCH_ENUM[model_type], L)   # llama.cpp's own name table
     for layer in range(L):
         base = f"model.layers.{layer}"
-        for hf, ours in LAYER.items():
-            module = f"{base}.{moe}.{hf}" if hf in ("gate",) or hf.startswith("shared_expert") else f"{base}.{hf}"
-            for part in ("weight", "bias"):
-                name = f"{module}.{part}"
-                if name not in sd:
-                    continue
-                w = sd[name]
-                if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
-                    w = permute(w, heads if hf.endswith("q_proj") else kv)
-                linear = part == "weight" and w.dim() == 2 and hf.startswith(("self_attn.", "shared_expert."))
-                qtype = dense if linear else "F32"
-                if hf == "shared_expert_gate":
-                    w = w.reshape(-1)
-                stored, back = encode(w, qtype, rng)
-                tensors.append((f"blk.{layer}.{ours}.{part}", stored, qtype))
-                if arch == "llama" and hf in ("self_attn.q_proj", "self_attn.k_proj"):
-                    back = unpermute(back, heads if hf.endswith("q_proj") else kv)
-                deq[name] = back.reshape(sd[name].shape)
+        for name in sorted(n for n in sd if n.startswith(f"{base}.") and ".experts." not in n):
+            w = sd[name]
+            hf = name.replace("e_score_correction_bias", "e_score_correction.bias")   # as llama.cpp's converter
+            gguf_name = names_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            q_or_k = name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+            if arch == "llama" and q_or_k:
+                w = permute(w, heads if ".q_proj." in name else kv)
+            linear = name.endswith(".weight") and w.dim() == 2 and not name.endswith((f"{moe}.gate.weight",
+                                                                                         "shared_expert_gate.weight"))
+            qtype = dense if linear else "F32"
+            stored, back = encode(w.reshape(-1) if name.endswith("shared_expert_gate.weight") else w, qtype, rng)
+            tensors.append((gguf_name, stored, qtype))
+            if arch == "llama" and q_or_k:
+                back = unpermute(back, heads if ".q_proj." in name else kv)
+            deq[name] = back.reshape(w.shape)
         names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+        if f"{base}.{moe}.experts.0.{names['gate'][model_type == 'mixtral']}.weight" not in sd:
+            continue   # a dense layer
         for proj, (qwen, mix) in names.items():
             hf = [f"{base}.{moe}.experts.{e}.{mix if model_type == 'mixtral' else qwen}.weight" for e in range(E)]
             stacked = torch.stack([sd[n] for n in hf])

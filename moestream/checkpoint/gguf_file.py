@@ -24,9 +24,9 @@ from moestream.errors import CheckpointError, UnsupportedArchError
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
-# general.architecture → our model type, and the HF router module name of its MoE block
+# general.architecture → our model type
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
-                 "olmoe": "olmoe"}
+                 "olmoe": "olmoe", "glm4moe": "glm4_moe"}
 PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
 
 
@@ -175,9 +175,28 @@ class GGUFCheckpoint:
             clip = self.get("attention.clamp_kqv")
             if clip:
                 config["clip_qkv"] = float(clip)
-        else:
+        elif self.model_type != "glm4_moe":
             config.update(num_experts=experts, moe_intermediate_size=int(expert_ff),
                           intermediate_size=int(self.get("feed_forward_length", expert_ff)))
+        if self.model_type == "glm4_moe":   # the next-token-prediction layers at the end are not the model's
+            nextn = int(self.get("nextn_predict_layers", 0))
+            config.update(n_routed_experts=experts, num_hidden_layers=config["num_hidden_layers"] - nextn,
+                          moe_intermediate_size=int(expert_ff),
+                          intermediate_size=int(self.get("feed_forward_length", expert_ff)),
+                          n_shared_experts=int(self.get("expert_shared_count", 1)),
+                          first_k_dense_replace=int(self.get("leading_dense_block_count", 0)),
+                          routed_scaling_factor=float(self.get("expert_weights_scale", 1.0)),
+                          norm_topk_prob=bool(self.get("expert_weights_norm", True)),
+                          n_group=int(self.get("expert_group_count", 1) or 1),
+                          topk_group=int(self.get("expert_group_used_count", 1) or 1),
+                          partial_rotary_factor=int(self.get("rope.dimension_count", config["head_dim"]))
+                          / config["head_dim"],
+                          use_qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+                          attention_bias="blk.0.attn_q.bias" in self.tensors)
+            if self.get("expert_gating_func", 2) != 2:
+                raise CheckpointError(f"{self.path.name} routes its experts with gating function "
+                                      f"{self.get('expert_gating_func')} where GLM-4.5 uses sigmoid (2); the GGUF "
+                                      "does not match the family moestream reads.")
         if self.model_type == "qwen3_moe":   # llama.cpp always renormalises qwen3moe's top-k weights
             config.update(norm_topk_prob=bool(self.get("expert_weights_norm", True)), decoder_sparse_step=1,
                           mlp_only_layers=[])
@@ -200,12 +219,13 @@ class GGUFCheckpoint:
         return config
 
     # ---- names ------------------------------------------------------------------------------
-    def hf_names(self, moe_prefix: str) -> dict[str, str]:
+    def hf_names(self, moe_prefix: str, shared: str = "shared_expert") -> dict[str, str]:
         """Our checkpoint name → the GGUF tensor name, for every tensor the GGUF holds that we read
-        as a dense parameter (experts excluded: `expert_names`)."""
+        as a dense parameter (experts excluded: `expert_names`); `shared`: the family's shared
+        expert module name."""
         out = {}
         for name in self.tensors:
-            hf = _hf_name(name, moe_prefix)
+            hf = _hf_name(name, moe_prefix, shared)
             if hf is not None:
                 out[hf] = name
         return out
@@ -224,22 +244,26 @@ class GGUFCheckpoint:
 
 
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "post_attention_norm": "post_attention_layernorm",   # glm4moe's name for it
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-          "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.shared_expert.gate_proj",
-          "ffn_up_shexp": "{moe}.shared_expert.up_proj", "ffn_down_shexp": "{moe}.shared_expert.down_proj",
-          "ffn_gate_inp_shexp": "{moe}.shared_expert_gate"}
+          "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
+          "ffn_up_shexp": "{moe}.{shared}.up_proj", "ffn_down_shexp": "{moe}.{shared}.down_proj",
+          "ffn_gate_inp_shexp": "{moe}.shared_expert_gate", "exp_probs_b": "{moe}.gate",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(name: str, moe_prefix: str) -> str | None:
+def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert") -> str | None:
     module, _, part = name.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{part}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
     if m is None or m[2] not in _LAYER:
         return None
-    return f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix)}.{part}"
+    if m[2] == "exp_probs_b":   # the router's selection-only correction bias
+        part = "e_score_correction_bias"
+    return f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix, shared=shared)}.{part}"
 
 
 @functools.lru_cache(maxsize=4)

@@ -75,7 +75,7 @@ class GGUFIndex(GGUFReads):
     def __init__(self, ckpt: GGUFCheckpoint, spec: ArchSpec, config: ModelConfig):
         super().__init__(ckpt)
         self.folder: Path = ckpt.path
-        self.names = ckpt.hf_names(spec.moe_prefix)
+        self.names = ckpt.hf_names(spec.moe_prefix, spec.shared_expert_name)
         self.config = config
         for ours, theirs in self.names.items():
             t = ckpt.tensors[theirs]

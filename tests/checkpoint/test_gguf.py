@@ -40,6 +40,11 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
                                            shared_expert_intermediate_size=256, num_experts=8)
     if arch == "mixtral":
         return transformers.MixtralConfig(**COMMON, intermediate_size=256, num_local_experts=8)
+    if arch == "glm4_moe":   # layer 0 dense, 2 groups of 4 experts with 1 kept, half-rotary heads
+        return transformers.Glm4MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=64, intermediate_size=256,
+                                          moe_intermediate_size=256, n_routed_experts=8, n_group=2, topk_group=1,
+                                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                          use_qk_norm=True, attention_bias=True)
     return transformers.OlmoeConfig(**COMMON, intermediate_size=256, num_experts=8, clip_qkv=4.0, pad_token_id=0,
                                     eos_token_id=1)
 
@@ -48,7 +53,7 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_hf")
     out = {}
-    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe"):
+    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
         with torch.no_grad():
@@ -59,6 +64,9 @@ def hf_models(tmp_path_factory):
                     p.add_(torch.randn_like(p) * 0.1)
                 elif name.endswith("bias"):
                     p.normal_(0, 0.1)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):   # so the selection-only bias changes choices
+                    b.normal_(0, 0.5)
         model.save_pretrained(root / arch)
         out[arch] = root / arch
     return out
@@ -119,7 +127,8 @@ def test_qwen3_moe_matches_transformers_gguf_loader(hf_models, tmp_path, experts
     assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == got
 
 
-@pytest.mark.parametrize("arch,experts", [("qwen2_moe", "Q8_0"), ("mixtral", "Q4_0"), ("olmoe", "Q4_K")])
+@pytest.mark.parametrize("arch,experts", [("qwen2_moe", "Q8_0"), ("mixtral", "Q4_0"), ("olmoe", "Q4_K"),
+                                          ("glm4_moe", "Q4_1")])
 def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts):
     """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
     q/k rows permuted by the writer as llama.cpp's converter does)."""
