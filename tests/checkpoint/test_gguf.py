@@ -320,3 +320,27 @@ def test_convert_refuses_a_gguf(hf_models, tmp_path):
     with pytest.raises(InputError, match="is a GGUF checkpoint; run it as it is"):
         convert(path, tmp_path / "out", QuantRecipe(experts="int4"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_token_ids_are_the_prompt_of_a_gguf_without_a_tokenizer(hf_models, tmp_path, capsys):
+    path = tmp_path / "ids.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0")
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert engine.tokenizer is None
+    want = engine.generate([3, 4, 5], max_tokens=3, ignore_eos=True)
+    assert cli.main(["run", str(path), "-p", "3 4 5", "--max-tokens", "3", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.split()[:len(want)] == [str(t) for t in want]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K"])
+def test_gguf_on_the_gpu_agrees_with_the_cpu_and_a_bounded_bank_with_the_resident_one(hf_models, tmp_path, experts):
+    path = tmp_path / "gpu.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense=experts)
+    cpu = moestream.load(str(path), device="cpu", dtype="float32").logits(IDS, MASK)
+    gpu = moestream.load(str(path), device="cuda", dtype="bfloat16")
+    assert relative(gpu.logits(IDS, MASK).float().cpu(), cpu) <= 3e-2   # bf16 activations
+    bounded = moestream.load(str(path), device="cuda", dtype="bfloat16", capacity=3, miss_policy="fetch")
+    assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == gpu.generate(PROMPT, max_tokens=12,
+                                                                                    ignore_eos=True)
