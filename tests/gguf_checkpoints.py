@@ -15,9 +15,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe",
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 ARCH_ENUM = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE, "mixtral": gguf.MODEL_ARCH.LLAMA,
-             "olmoe": gguf.MODEL_ARCH.OLMOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE}
+             "olmoe": gguf.MODEL_ARCH.OLMOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
+             "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
 K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -98,11 +100,12 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: int, template: str | None) -
 
 def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts: str = "F32", dense: str = "F32",
               down: str | None = None, seed: int = 0, tokenizer: bool = False, template: str | None = None,
-              split: int = 1, embeddings: str = "F32") -> None:
+              split: int = 1, embeddings: str = "F32", kv_b_split: bool = False) -> None:
     """Write `hf_folder`'s model as a GGUF at `out` (experts in type `experts`, their down projection
     in `down` when given, attention linears in `dense`; norms, routers and embeddings in F32), and
     when `reference` is given an HF folder with the weights the GGUF stands for. `embeddings`: the
-    type of the token embeddings and the output layer."""
+    type of the token embeddings and the output layer; `kv_b_split`: DeepSeek's kv_b_proj written as
+    newer conversions do, per-head attn_k_b (transposed) and attn_v_b."""
     config = json.loads((hf_folder / "config.json").read_text())
     model_type = config["model_type"]
     arch = ARCH[model_type]
@@ -136,6 +139,28 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
         writer.add_expert_group_used_count(config["topk_group"])
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        v3 = model_type == "deepseek_v3"
+        if config.get("q_lora_rank"):
+            writer.add_q_lora_rank(config["q_lora_rank"])
+        writer.add_kv_lora_rank(config["kv_lora_rank"])
+        writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+        writer.add_key_length(config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+        writer.add_value_length(config["v_head_dim"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")) and v3)
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
     if model_type in ("qwen3_moe", "glm4_moe"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
@@ -173,6 +198,16 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             linear = name.endswith(".weight") and w.dim() == 2 and not name.endswith((f"{moe}.gate.weight",
                                                                                          "shared_expert_gate.weight"))
             qtype = dense if linear else "F32"
+            if kv_b_split and name.endswith("kv_b_proj.weight"):   # newer llama.cpp: per-head k_b (transposed), v_b
+                nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+                kv_b = w.reshape(heads, nope + v, -1)
+                k_b, v_b = kv_b[:, :nope].transpose(1, 2).contiguous(), kv_b[:, nope:].contiguous()
+                k_stored, k_back = encode(k_b, qtype, rng)
+                v_stored, v_back = encode(v_b, qtype, rng)
+                tensors += [(gguf_name.replace("attn_kv_b", "attn_k_b"), k_stored, qtype),
+                            (gguf_name.replace("attn_kv_b", "attn_v_b"), v_stored, qtype)]
+                deq[name] = torch.cat([k_back.transpose(1, 2), v_back], dim=1).reshape(w.shape)
+                continue
             stored, back = encode(w.reshape(-1) if name.endswith("shared_expert_gate.weight") else w, qtype, rng)
             tensors.append((gguf_name, stored, qtype))
             if arch == "llama" and q_or_k:

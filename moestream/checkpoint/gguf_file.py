@@ -26,7 +26,7 @@ SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", 
 
 # general.architecture → our model type
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
-                 "olmoe": "olmoe", "glm4moe": "glm4_moe"}
+                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
 PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
 
 
@@ -132,6 +132,9 @@ class GGUFCheckpoint:
 
     @property
     def model_type(self) -> str:
+        """Ours; llama.cpp's deepseek2 is DeepSeek-V2 (softmax routing) or V3 (sigmoid, gating func 2)."""
+        if self.architecture == "deepseek2" and self.get("expert_gating_func", 1) == 2:
+            return "deepseek_v3"
         return ARCHITECTURES[self.architecture]
 
     @property
@@ -175,7 +178,7 @@ class GGUFCheckpoint:
             clip = self.get("attention.clamp_kqv")
             if clip:
                 config["clip_qkv"] = float(clip)
-        elif self.model_type != "glm4_moe":
+        elif self.model_type not in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
             config.update(num_experts=experts, moe_intermediate_size=int(expert_ff),
                           intermediate_size=int(self.get("feed_forward_length", expert_ff)))
         if self.model_type == "glm4_moe":   # the next-token-prediction layers at the end are not the model's
@@ -197,6 +200,8 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{self.path.name} routes its experts with gating function "
                                       f"{self.get('expert_gating_func')} where GLM-4.5 uses sigmoid (2); the GGUF "
                                       "does not match the family moestream reads.")
+        if self.architecture == "deepseek2":
+            config.update(self._deepseek(config, experts, int(expert_ff)))
         if self.model_type == "qwen3_moe":   # llama.cpp always renormalises qwen3moe's top-k weights
             config.update(norm_topk_prob=bool(self.get("expert_weights_norm", True)), decoder_sparse_step=1,
                           mlp_only_layers=[])
@@ -211,12 +216,39 @@ class GGUFCheckpoint:
                                       "original_max_position_embeddings":
                                           int(self.get("rope.scaling.original_context_length",
                                                        config["max_position_embeddings"]))}
+        if self.architecture == "deepseek2" and config.get("rope_scaling", {}).get("rope_type") == "yarn":
+            mscale = float(self.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1   # llama.cpp keeps 0.1·mscale
+            config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale, beta_fast=32, beta_slow=1)
         for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("pad_token_id", "padding_token_id")):
             value = self.metadata.get(f"tokenizer.ggml.{key}")
             if value is not None:
                 config[ours] = int(value)
         return config
+
+    def _deepseek(self, config: dict[str, Any], experts: int, expert_ff: int) -> dict[str, Any]:
+        """DeepSeek-V2/V3's fields: multi-head latent attention's ranks and head sizes (the MQA form
+        of newer conversions keeps the per-head sizes in `*_length_mla`), routing, shared experts."""
+        rope = int(self.need("rope.dimension_count"))
+        key = self.get("attention.key_length_mla") or self.need("attention.key_length")
+        value = self.get("attention.value_length_mla") or self.need("attention.value_length")
+        groups = int(self.get("expert_group_count", 1) or 1)
+        v3 = self.model_type == "deepseek_v3"
+        out = dict(n_routed_experts=experts, moe_intermediate_size=expert_ff,
+                   intermediate_size=int(self.get("feed_forward_length", expert_ff)),
+                   num_hidden_layers=config["num_hidden_layers"] - int(self.get("nextn_predict_layers", 0)),
+                   num_key_value_heads=config["num_attention_heads"], head_dim=rope,
+                   q_lora_rank=int(self.get("attention.q_lora_rank", 0)) or None,
+                   kv_lora_rank=int(self.need("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+                   qk_nope_head_dim=int(key) - rope, v_head_dim=int(value),
+                   n_shared_experts=int(self.get("expert_shared_count", 1)),
+                   first_k_dense_replace=int(self.get("leading_dense_block_count", 0)),
+                   routed_scaling_factor=float(self.get("expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(self.get("expert_weights_norm", v3)), n_group=groups,
+                   topk_group=int(self.get("expert_group_used_count", 1) or 1),
+                   topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+                   scoring_func="sigmoid" if v3 else "softmax")
+        return out
 
     # ---- names ------------------------------------------------------------------------------
     def hf_names(self, moe_prefix: str, shared: str = "shared_expert") -> dict[str, str]:
@@ -250,7 +282,10 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
           "ffn_up_shexp": "{moe}.{shared}.up_proj", "ffn_down_shexp": "{moe}.{shared}.down_proj",
           "ffn_gate_inp_shexp": "{moe}.shared_expert_gate", "exp_probs_b": "{moe}.gate",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+          "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+          "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 

@@ -77,15 +77,26 @@ class GGUFIndex(GGUFReads):
         self.folder: Path = ckpt.path
         self.names = ckpt.hf_names(spec.moe_prefix, spec.shared_expert_name)
         self.config = config
-        for ours, theirs in self.names.items():
-            t = ckpt.tensors[theirs]
-            if not ggml.readable(t.type_name):
+        # newer conversions of DeepSeek store kv_b_proj split per head: attn_k_b (H, kv_lora, nope), transposed,
+        # and attn_v_b (H, v, kv_lora); the loader gets kv_b_proj back whole
+        self.kv_b: dict[str, tuple[str, str]] = {}
+        for name in ckpt.tensors:
+            if name.endswith(".attn_k_b.weight"):
+                layer = name.split(".")[1]
+                ours = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+                if ours not in self.names:
+                    self.kv_b[ours] = (name, f"blk.{layer}.attn_v_b.weight")
+        for name in [*self.names.values(), *(n for pair in self.kv_b.values() for n in pair)]:
+            t = ckpt.tensors.get(name)
+            if t is not None and not ggml.readable(t.type_name):
                 raise unsupported(t, ckpt.path.name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names
+        return name in self.names or name in self.kv_b
 
     def info(self, name: str) -> GGUFTensor:
+        if name in self.kv_b:
+            return self.ckpt.tensors[self.kv_b[name][0]]
         try:
             return self.ckpt.tensors[self.names[name]]
         except KeyError:
@@ -105,10 +116,11 @@ class GGUFIndex(GGUFReads):
     def read(self, name: str, expected_shape: tuple[int, ...] | None = None, floating: bool = False) -> Tensor:
         """The tensor as floats (read as stored, or dequantized), reshaped to `expected_shape` when
         its values are that many (GGUF keeps (1, H) gates as (H,))."""
+        if name in self.kv_b:
+            w = self._kv_b(name)
+        else:
+            w = self._floats(self.info(name))
         t = self.info(name)
-        rows, type_name = self.rows(t)
-        w = rows.clone() if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, t.shape[-1])
-        w = w.reshape(t.shape)
         heads = self._heads(name)
         if heads is not None:
             w = _unpermute(w, heads)
@@ -119,11 +131,26 @@ class GGUFIndex(GGUFReads):
             w = w.reshape(expected_shape)
         return w
 
+    def _floats(self, t: GGUFTensor) -> Tensor:
+        rows, type_name = self.rows(t)
+        w = rows.clone() if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, t.shape[-1])
+        return w.reshape(t.shape)
+
+    def _kv_b(self, name: str) -> Tensor:
+        """kv_b_proj (H·(nope + v), kv_lora) from attn_k_b (H, kv_lora, nope) and attn_v_b (H, v, kv_lora)."""
+        k_name, v_name = self.kv_b[name]
+        if v_name not in self.ckpt.tensors:
+            raise CheckpointError(f"tensor {v_name!r} is missing from {self.ckpt.path.name} beside {k_name!r}; the "
+                                  "GGUF is incomplete.")
+        k_b, v_b = self._floats(self.ckpt.tensors[k_name]), self._floats(self.ckpt.tensors[v_name])
+        w = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+        return w.reshape(-1, w.shape[-1])
+
     # ---- StoredReader: linears kept in their blocks ---------------------------------------------
     def stored_spec(self, path: str) -> QuantSpec | None:
         """The affine spec the module at `path` is held in (exact block types in attention, shared
         experts, the embeddings and the LM head), None when it is read as floats."""
-        name = f"{path}.weight"
+        name = f"{path}.weight"   # (a kv_b_proj put together from its halves is read as floats)
         if name not in self.names or module_class(path)[0] not in ("attention", "shared", "embeddings"):
             return None
         type_name = self.info(name).type_name

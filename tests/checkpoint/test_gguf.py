@@ -45,6 +45,20 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
                                           moe_intermediate_size=256, n_routed_experts=8, n_group=2, topk_group=1,
                                           n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                           use_qk_norm=True, attention_bias=True)
+    if arch in ("deepseek_v2", "deepseek_v3"):   # latent attention; layer 0 dense; grouped routing
+        mla = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+                   num_hidden_layers=3)
+        if arch == "deepseek_v2":   # a plain q_proj (V2-Lite), softmax limited to the 2 best of 4 groups
+            return transformers.DeepseekV2Config(**{**COMMON, **mla, "num_key_value_heads": 4}, q_lora_rank=None,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=1.5, n_shared_experts=2, norm_topk_prob=False)
+        return transformers.DeepseekV3Config(**{**COMMON, **mla, "num_key_value_heads": 4}, q_lora_rank=64, n_group=2,
+                                             topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "original_max_position_embeddings": 64,
+                                                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.8,
+                                                              "mscale_all_dim": 0.8})
     return transformers.OlmoeConfig(**COMMON, intermediate_size=256, num_experts=8, clip_qkv=4.0, pad_token_id=0,
                                     eos_token_id=1)
 
@@ -53,7 +67,7 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_hf")
     out = {}
-    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"):
+    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
         with torch.no_grad():
@@ -64,6 +78,8 @@ def hf_models(tmp_path_factory):
                     p.add_(torch.randn_like(p) * 0.1)
                 elif name.endswith("bias"):
                     p.normal_(0, 0.1)
+                elif arch.startswith("deepseek") and ".self_attn." in name and p.dim() == 2:
+                    p.normal_(0, p.shape[1] ** -0.5)   # latent attention that moves the logits
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):   # so the selection-only bias changes choices
                     b.normal_(0, 0.5)
@@ -127,13 +143,16 @@ def test_qwen3_moe_matches_transformers_gguf_loader(hf_models, tmp_path, experts
     assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == got
 
 
-@pytest.mark.parametrize("arch,experts", [("qwen2_moe", "Q8_0"), ("mixtral", "Q4_0"), ("olmoe", "Q4_K"),
-                                          ("glm4_moe", "Q4_1")])
-def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts):
+@pytest.mark.parametrize("arch,experts,kw", [("qwen2_moe", "Q8_0", {}), ("mixtral", "Q4_0", {}),
+                                             ("olmoe", "Q4_K", {}), ("glm4_moe", "Q4_1", {}),
+                                             ("deepseek_v2", "Q8_0", {}), ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
+                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split"])
+def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts, kw):
     """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
-    q/k rows permuted by the writer as llama.cpp's converter does)."""
+    q/k rows permuted by the writer as llama.cpp's converter does; DeepSeek's kv_b_proj split per
+    head as newer conversions write it)."""
     path, ref_folder = tmp_path / "m.gguf", tmp_path / "ref"
-    make_gguf(hf_models[arch], path, ref_folder, experts=experts, dense=experts)
+    make_gguf(hf_models[arch], path, ref_folder, experts=experts, dense=experts, **kw)
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
     engine = moestream.load(str(path), device="cpu", dtype="float32")
     with torch.no_grad():
