@@ -363,3 +363,13 @@ def test_gguf_on_the_gpu_agrees_with_the_cpu_and_a_bounded_bank_with_the_residen
     bounded = moestream.load(str(path), device="cuda", dtype="bfloat16", capacity=3, miss_policy="fetch")
     assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == gpu.generate(PROMPT, max_tokens=12,
                                                                                     ignore_eos=True)
+
+
+def test_two_ranks_of_a_gguf_equal_one_process(hf_models, tmp_path):
+    path = tmp_path / "ep.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="Q8_0")
+    single = moestream.load(str(path), device="cpu", dtype="float32")
+    want = single.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    with moestream.load(str(path), devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        assert engine.bank.num_experts == single.config.num_experts // 2   # rank 0's share
+        assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True) == want
