@@ -26,9 +26,9 @@ from moestream.quant.recipe import module_class
 
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
-    return CheckpointError(f"tensor {t.name!r} of {where} is stored as {t.type_name}, a ggml type moestream does not "
-                           "read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K); use a GGUF "
-                           "quantized to one of those.")
+    return CheckpointError(f"tensor {t.name!r} of {where} is stored as {t.type_name}, a ggml type moestream does "
+                           "not read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K); use "
+                           "a GGUF quantized to one of those.")
 
 
 class GGUFReads:
@@ -101,7 +101,8 @@ class GGUFIndex(GGUFReads):
             return self.ckpt.tensors[self.names[name]]
         except KeyError:
             raise CheckpointError(f"tensor {name!r} (llama.cpp's name for it is missing) is not in "
-                                  f"{self.ckpt.path.name}; the GGUF is incomplete or not of this architecture.") from None
+                                  f"{self.ckpt.path.name}; the GGUF is incomplete or not of this architecture."
+                                  ) from None
 
     def _heads(self, name: str) -> int | None:
         """The head count whose rows llama.cpp permuted in tensor `name`, None when it did not."""

@@ -21,7 +21,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.checkpoint.gguf_file import GGUFCheckpoint
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
-from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat
+from moestream.experts.format import ExpertFormat, QuantizedFormat
 from moestream.experts.store import ExpertStore
 from moestream.quant import QuantSpec, ggml
 from moestream.quant.tensor import QuantizedTensor
@@ -119,5 +119,3 @@ def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype
             out[layer] = QuantizedFormat(spec, dtype) if spec is not None else dense
     return out
 
-
-__all__ = ["GGUFExpertStore", "ExpertShape", "expert_formats", "layer_spec", "layer_types"]

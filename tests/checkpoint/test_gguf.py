@@ -4,8 +4,6 @@ other families against the weights their GGUF stands for, block types bit-exact 
 dequantization, a bounded bank token-identical to the resident one, the tokenizer and chat template
 from the metadata, split sets, and bad input refused in one sentence."""
 
-import json
-
 import gguf
 import numpy as np
 import pytest
@@ -145,7 +143,8 @@ def test_qwen3_moe_matches_transformers_gguf_loader(hf_models, tmp_path, experts
 
 @pytest.mark.parametrize("arch,experts,kw", [("qwen2_moe", "Q8_0", {}), ("mixtral", "Q4_0", {}),
                                              ("olmoe", "Q4_K", {}), ("glm4_moe", "Q4_1", {}),
-                                             ("deepseek_v2", "Q8_0", {}), ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
+                                             ("deepseek_v2", "Q8_0", {}),
+                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
                          ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split"])
 def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts, kw):
     """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
@@ -176,7 +175,8 @@ def test_block_types_dequantize_as_gguf_does(qtype):
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         blocks = random_k_blocks(6, 512, qtype, rng, 0.01)
     else:
-        blocks = gguf.quants.quantize(rng.standard_normal((6, 512)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
+        weights = rng.standard_normal((6, 512)).astype(np.float32)
+        blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[qtype])
     theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
     ours = ggml.dequantize_blocks(torch.from_numpy(blocks), qtype, 512)
     assert torch.equal(ours, torch.from_numpy(theirs))   # bit for bit
@@ -196,7 +196,6 @@ def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models,
     # the oracle: the GGUF's weights, the Q6_K down projections through int8-g32 as moestream holds them
     tensors = load_file(str(ref_folder / "model.safetensors"))
     spec = QuantSpec("int", 8, 32, torch.float32)
-    exact_folder = ref_folder
     requantized = tmp_path / "requantized"
     requantized.mkdir()
     for name, w in tensors.items():
@@ -209,7 +208,7 @@ def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models,
     with torch.no_grad():
         ref = transformers.AutoModelForCausalLM.from_pretrained(requantized, dtype=torch.float32).eval()
         assert relative(out, ref(IDS, attention_mask=MASK).logits) <= 1e-4
-        exact = transformers.AutoModelForCausalLM.from_pretrained(exact_folder, dtype=torch.float32).eval()
+        exact = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
         assert relative(out, exact(IDS, attention_mask=MASK).logits) <= 2e-2
 
 
