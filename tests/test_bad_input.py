@@ -121,11 +121,11 @@ def test_a_permission_error_anywhere_is_one_line(tiny_qwen3, tmp_path, capsys, m
     assert err.startswith("moestream: error: cannot read ") and "model.safetensors" in err and err.count("\n") == 1, err
 
 
-def test_a_gguf_file_is_not_a_checkpoint_folder(tmp_path, capsys):
+def test_a_damaged_gguf_file_is_named(tmp_path, capsys):
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
-    expect_error(capsys, CheckpointError, [str(gguf), "GGUF file", "checkpoint folder"], lambda: _load(gguf),
-                 _run_argv(gguf))
+    expect_error(capsys, CheckpointError, [str(gguf), "is not a readable GGUF file", "re-download"],
+                 lambda: _load(gguf), _run_argv(gguf))
 
 
 # ---- tensors ------------------------------------------------------------------------------

@@ -74,9 +74,9 @@ def test_convert_without_experts_is_refused_before_torch(tmp_path):
     _fails_before_torch("convert", "src", "out", cwd=tmp_path, match="convert needs --experts FORMAT")
 
 
-def test_a_gguf_model_is_named_before_torch(tmp_path):
+def test_a_damaged_gguf_model_is_named_before_torch(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(28))
-    _fails_before_torch("run", "m.gguf", "-p", "hi", cwd=tmp_path, match="m.gguf is a GGUF file, not a checkpoint folder")
+    _fails_before_torch("run", "m.gguf", "-p", "hi", cwd=tmp_path, match="m.gguf is not a readable GGUF file")
 
 
 def test_chat_without_a_template_is_refused_before_the_load(demo_without_template, tmp_path):

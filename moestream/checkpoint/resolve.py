@@ -31,12 +31,12 @@ def local_checkpoint(model: str | Path) -> Path | None:
                 raise PermissionError(13, "permission denied", str(path))
             return path
         if path.is_file() and path.suffix.lower() == ".gguf":
-            raise CheckpointError(f"{path} is a GGUF file, not a checkpoint folder; moestream reads Hugging Face "
-                                  "checkpoint folders (config.json + safetensors): give the folder of the original "
-                                  "weights or its hub id.")
+            if not os.access(path, os.R_OK):
+                raise PermissionError(13, "permission denied", str(path))
+            return path   # a GGUF file is a checkpoint of its own (checkpoint/gguf_file.py)
         if path.is_file():
             raise CheckpointError(f"{path} is a file, not a checkpoint folder; give the folder that holds config.json "
-                                  "and the safetensors files.")
+                                  "and the safetensors files, or a .gguf file.")
     except PermissionError:
         raise CheckpointError(f"cannot read the checkpoint folder {path} (permission denied); make it readable "
                               f"(e.g. chmod -R u+rX {path}) or run as a user who may read it.") from None
@@ -70,13 +70,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def has_tokenizer(folder: Path) -> bool:
-    """Whether the checkpoint ships tokenizer files (without them prompts are token ids)."""
+    """Whether the checkpoint ships tokenizer files (without them prompts are token ids); a GGUF
+    file has one when files sit beside it or its metadata holds one."""
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        from moestream.checkpoint.gguf_file import gguf_metadata
+
+        return has_tokenizer(folder.parent) or bool(gguf_metadata(folder, "tokenizer.ggml.tokens"))
     return any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
 def chat_template_of(folder: Path) -> str | None:
     """The checkpoint's chat template, read from its files without loading the tokenizer:
-    chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template; None if none."""
+    chat_template.jinja, chat_template.json, or tokenizer_config.json's chat_template (of a GGUF: those
+    beside it, else its metadata's tokenizer.chat_template); None if none."""
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        from moestream.checkpoint.gguf_file import gguf_metadata
+
+        return chat_template_of(folder.parent) or gguf_metadata(folder, "tokenizer.chat_template") or None
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
     for name in ("chat_template.json", "tokenizer_config.json"):

@@ -108,6 +108,24 @@ def print_model(plan) -> None:
     if plan.kind == "fp8":
         print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
               "and so are the dense FP8 linears")
+    if getattr(plan, "gguf", None) is not None:
+        print_gguf(plan)
+
+
+def print_gguf(plan) -> None:
+    """A GGUF: the ggml types of its experts, per distinct mix, and what each is held as."""
+    from moestream.experts.gguf_store import layer_types
+
+    from moestream.quant import ggml
+
+    held: dict[str, set[int]] = {}
+    for layer, fmt in plan.expert_formats.items():
+        types = layer_types(plan.gguf, layer)
+        how = ("requantized" if any(t in ggml.REQUANTIZED for t in types) and getattr(fmt, "spec", None) is not None
+               else "exact")
+        held.setdefault(f"{'/'.join(types)} -> {fmt.name}, {how}", set()).add(layer)
+    for what, layers in held.items():
+        print(f"experts           {what} (gate/up/down; {len(layers)} layer{'s' if len(layers) > 1 else ''})")
 
 
 def print_int_quant(plan) -> None:

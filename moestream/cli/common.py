@@ -56,11 +56,16 @@ def parse_token_ids(text: str, where: str) -> list[int]:
 
 def model_arg(value: str | None) -> str:
     """MODEL, or the bundled demo model; a local path is checked here (it exists, it is a checkpoint
-    folder that may be read, not a GGUF file), before torch imports or any weight loads."""
+    folder that may be read, or a GGUF file whose header and architecture we read), before torch
+    imports or any weight loads."""
     from moestream.checkpoint.resolve import local_checkpoint
 
     if value:
-        local_checkpoint(value)
+        path = local_checkpoint(value)
+        if path is not None and path.suffix.lower() == ".gguf":
+            from moestream.checkpoint.gguf_file import open_gguf
+
+            open_gguf(path)
         return value
     if not (DEMO_MODEL / "config.json").is_file():
         raise InputError("no MODEL was given and the bundled demo model is missing; pass a checkpoint folder or hub id.")

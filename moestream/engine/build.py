@@ -19,6 +19,8 @@ import torch
 from moestream.checkpoint import TensorIndex
 from moestream.checkpoint.resolve import has_tokenizer
 from moestream.engine.config import EngineConfig
+from moestream.checkpoint.gguf_index import GGUFIndex
+from moestream.checkpoint.gguf_tokenizer import load_gguf_tokenizer
 from moestream.checkpoint.int_quantized import IntQuantReader
 from moestream.engine.plan import LoadPlan, plan_load, read_model
 from moestream.engine.ranks import check_world, rank_budget, rank_counts, with_budget
@@ -28,6 +30,7 @@ from moestream.experts.bank import ExpertBank
 from moestream.experts.format import stored_format
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
+from moestream.experts.gguf_store import GGUFExpertStore
 from moestream.experts.int_store import IntQuantExpertStore
 from moestream.experts.store import (CheckpointExpertStore, ExpertStore, Fp8ExpertStore, MLXExpertStore,
                                      PackedExpertStore)
@@ -85,10 +88,10 @@ def build_model(plan: LoadPlan, index: TensorIndex) -> MoECausalLM:
     with torch.device("meta"):
         model = MoECausalLM(plan.config, plan.spec)
     stored = _stored_precision(plan, index)
-    reader = int_reader(plan, index)
+    reader = index if plan.kind == "gguf" else int_reader(plan, index)
     if reader is not None:   # each module as its tensors say: affine where exact, else dequantized
         stored = reader.stored_spec
-    quantize_modules(model, stored if plan.kind in ("mlx", "int") else plan.precision)
+    quantize_modules(model, stored if plan.kind in ("mlx", "int", "gguf") else plan.precision)
     load_dense_weights(model, index, plan.config, plan.device, plan.dtype, stored, reader, plan.fp8)
     return model.eval()
 
@@ -122,6 +125,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return IntQuantExpertStore(index, plan.config, plan.spec, int_reader(plan, index))
     if plan.kind == "fp8":
         return Fp8ExpertStore(index, plan.config, plan.spec, plan.fp8)
+    if plan.kind == "gguf":
+        return GGUFExpertStore(plan.gguf, plan.config, plan.spec, index)
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
@@ -267,8 +272,10 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
                      if profile is not None else Placement(rank, world, config.num_experts, counts=counts))
     plan = plan_load(cfg, experts_here=placement.count if sharded else None)
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
-    tokenizer = load_tokenizer(plan.folder)
-    index = TensorIndex(plan.folder)
+    tokenizer = (load_tokenizer(plan.folder) if plan.gguf is None   # a GGUF: the files beside it, else its metadata's
+                 else load_tokenizer(plan.folder.parent) if has_tokenizer(plan.folder.parent)
+                 else load_gguf_tokenizer(plan.gguf))
+    index = GGUFIndex(plan.gguf, plan.spec, plan.config) if plan.gguf is not None else TensorIndex(plan.folder)
     store = open_store(plan, index)
     model = build_model(plan, index)
     if plan.device.type == "cuda":

@@ -32,6 +32,7 @@ import torch
 
 from moestream.archs import ModelConfig, detect_arch, model_config_from_hf
 from moestream.checkpoint import TensorIndex, read_config, resolve_checkpoint
+from moestream.checkpoint.gguf_file import is_gguf
 from moestream.checkpoint.packed import FORMAT, LAYOUT_NAME, VERSION, LayerRecords, PackedLayout, record_layout
 from moestream.checkpoint.safetensors_writer import write_safetensors
 from moestream.errors import InputError
@@ -99,6 +100,9 @@ class Converter:
     def __init__(self, source: str | Path, out: str | Path, recipe: QuantRecipe, dtype: str = "auto",
                  device: str = "auto", force: bool = False, progress: bool = True):
         self.folder = resolve_checkpoint(source)
+        if is_gguf(self.folder):
+            raise InputError(f"{self.folder} is a GGUF checkpoint; run it as it is (moestream reads GGUF files "
+                             "directly) or convert its full-precision source.")
         raw = read_config(self.folder)
         if PackedLayout.present(self.folder):
             raise InputError(f"{self.folder} is already a packed checkpoint; convert its Hugging Face source instead.")

@@ -20,10 +20,13 @@ import torch
 
 from moestream.archs import ARCHS, ArchSpec, ModelConfig, detect_arch, model_config_from_hf
 from moestream.checkpoint import read_config, resolve_checkpoint
+from moestream.checkpoint.gguf_file import GGUFCheckpoint, is_gguf, open_gguf
+from moestream.checkpoint.gguf_index import GGUFIndex
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import (ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format,
                                       stored_format)
+from moestream.experts.gguf_store import expert_formats as gguf_expert_formats
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -308,8 +311,8 @@ class LoadPlan:
     dtype: torch.dtype
     context: int                 # positions per sequence
     kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized),
-                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized) or
-                                 # "fp8" (FP8 e4m3 weights with scales: quant/fp8.py)
+                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized),
+                                 # "fp8" (FP8 e4m3 weights with scales: quant/fp8.py) or "gguf" (llama.cpp's)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -319,10 +322,17 @@ class LoadPlan:
     mlx: dict | None = None                   # an MLX checkpoint's quantization block
     int_quant: IntQuant | None = None         # a GPTQ / AWQ / compressed-tensors checkpoint's quantization
     fp8: Fp8Spec | None = None                # an FP8 checkpoint's layout
+    gguf: GGUFCheckpoint | None = None        # a GGUF checkpoint (folder is then its first file)
 
 
 def read_model(cfg: EngineConfig) -> tuple[Path, dict, ArchSpec, ModelConfig]:
-    """The checkpoint's folder, raw config.json, arch and model configuration (nothing else read)."""
+    """The checkpoint's folder (a GGUF's first file), raw config.json (a GGUF's, built from its
+    metadata), arch and model configuration (nothing else read)."""
+    if is_gguf(cfg.model):
+        ckpt = open_gguf(cfg.model)
+        raw = ckpt.hf_config()
+        spec = detect_arch(raw)
+        return ckpt.path, raw, spec, model_config_from_hf(raw, spec)
     folder = resolve_checkpoint(cfg.model)
     raw = read_config(folder)
     spec = detect_arch(raw)
@@ -358,17 +368,22 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     # integer formats), else the FP8 reader (fp8, compressed-tensors' float-quantized), else MLX
     # (whose test, bits and group_size, GPTQ's block would also pass).
     int_quant = int_quantization(raw)
-    fp8 = fp8_quantization(raw) if layout is None and int_quant is None else None
-    mlx = mlx_quantization(raw) if int_quant is None and fp8 is None else None
-    kind = ("packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None
-            else "fp8" if fp8 is not None else "hf")
+    ckpt = open_gguf(folder) if is_gguf(folder) else None
+    fp8 = fp8_quantization(raw) if layout is None and int_quant is None and ckpt is None else None
+    mlx = mlx_quantization(raw) if int_quant is None and fp8 is None and ckpt is None else None
+    kind = ("gguf" if ckpt is not None else "packed" if layout is not None else "mlx" if mlx is not None
+            else "int" if int_quant is not None else "fp8" if fp8 is not None else "hf")
     if kind not in ("hf", "fp8") and (asked.quantized or asked.layer_formats):
-        stored = ("a packed (moestream convert)" if layout is not None else "an MLX-quantized" if mlx is not None
-                  else f"a {int_quant.method}-quantized")
+        stored = ("a GGUF" if ckpt is not None else "a packed (moestream convert)" if layout is not None
+                  else "an MLX-quantized" if mlx is not None else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
-    if layout is not None:
+    if ckpt is not None:   # each linear and each layer's experts as their ggml types say (gguf_store.layer_spec)
+        recipe = QuantRecipe()
+        precision = GGUFIndex(ckpt, spec, config).stored_spec
+        formats = gguf_expert_formats(ckpt, config, dtype, dense_format(dtype))
+    elif layout is not None:
         recipe = QuantRecipe.from_dict(layout.recipe)
         precision = functools.partial(_recipe_precision, recipe, L)
         formats = {layer: stored_format(rec.spec, dtype) for layer, rec in layout.layers.items()}
@@ -410,7 +425,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                          slack_bytes=SLACK_BYTES if device.type == "cuda" else 0)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
-                    host_memory, layout, mlx, int_quant, fp8)
+                    host_memory, layout, mlx, int_quant, fp8, ckpt)
 
 
 def _plan_int(q: IntQuant, config: ModelConfig,

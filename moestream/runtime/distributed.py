@@ -115,6 +115,10 @@ def checkpoint_digest(folder) -> str:
     from pathlib import Path
 
     folder = Path(folder)
+    if folder.is_file():   # a GGUF: its parts' names and sizes (the metadata is inside them)
+        from moestream.checkpoint.gguf_file import split_files
+
+        return hashlib.sha256("".join(f"{p.name}:{p.stat().st_size}" for p in split_files(folder)).encode()).hexdigest()
     h = hashlib.sha256((folder / "config.json").read_bytes())
     for shard in sorted(folder.glob("*.safetensors")):
         h.update(f"{shard.name}:{shard.stat().st_size}".encode())

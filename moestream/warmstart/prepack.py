@@ -65,6 +65,11 @@ def _checkpoint_identity(folder: Path) -> dict:
     A re-download, re-conversion or edit changes size or mtime; a copy elsewhere changes the path.
     """
     folder = folder.resolve()
+    if folder.is_file():   # a GGUF: its file(s)
+        from moestream.checkpoint.gguf_file import split_files
+
+        return {"folder": str(folder), "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+                                                 for p in split_files(folder)}}
     names = sorted(p.name for p in folder.glob("*.safetensors"))
     names += [n for n in ("config.json", "model.safetensors.index.json") if (folder / n).exists()]
     files = {}

@@ -1,0 +1,321 @@
+"""GGUF files (llama.cpp's format) read as a checkpoint: metadata → config.json's fields, tensor
+names → ours, each tensor's bytes by offset.
+
+A GGUF is one file (or a split set `name-00001-of-0000N.gguf`) holding key/value metadata (the
+architecture's sizes under `{arch}.*`, the tokenizer under `tokenizer.*`) and tensors named
+llama.cpp's way (`blk.N.attn_q.weight`, `blk.N.ffn_gate_exps.weight` stacked (E, I, H), ...),
+each in a ggml type (F32/F16/BF16 or a block quantization: quant/ggml.py). `gguf.GGUFReader`
+parses the header and memory-maps the data, so opening a file reads no weight.
+
+What llama.cpp's converter changed is undone here: the families it converts as `llama` (Mixtral)
+have the rows of q and k permuted for its rotary layout (`_unpermute`); the Qwen and OLMoE
+families are stored as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moestream.errors import CheckpointError, UnsupportedArchError
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+# general.architecture → our model type
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
+                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
+PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def split_files(path: Path) -> list[Path]:
+    """The files of the checkpoint `path` names: itself, or every part of its split set (it must be
+    the first), each checked to exist."""
+    m = SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    part, count = int(m["part"]), int(m["count"])
+    if part != 1:
+        raise CheckpointError(f"{path.name} is part {part} of a split GGUF; give the first part, "
+                              f"{m['stem']}-00001-of-{m['count']}.gguf.")
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{m['count']}.gguf") for i in range(1, count + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"part {missing[0]} of the split GGUF {path.name} is missing from {path.parent}; "
+                              "download every part.")
+    return files
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One stored tensor: its file, the absolute byte offset of its data, its ggml type and its
+    shape in row-major order (rows first: (E, N, K) for stacked experts, (N, K) for a linear)."""
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    qtype: int
+    shape: tuple[int, ...]
+
+    @property
+    def type_name(self) -> str:
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.qtype).name
+        except ValueError:
+            return f"type {self.qtype}"
+
+
+def _open(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path, "r")
+    except PermissionError:
+        raise CheckpointError(f"cannot read {path} (permission denied); make it readable.") from None
+    except Exception as exc:   # gguf raises ValueError, IndexError, struct errors on damaged or truncated files
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:100] if str(exc) else 'truncated or damaged'}); "
+                              "re-download it.") from None
+
+
+def _value(field) -> Any:
+    try:
+        return field.contents()
+    except Exception:   # an unreadable value reads as absent
+        return None
+
+
+class GGUFCheckpoint:
+    """Every tensor and the metadata of a GGUF checkpoint (one file or a split set)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files = split_files(path)
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, GGUFTensor] = {}
+        for i, file in enumerate(self.files):
+            reader = _open(file)
+            size = file.stat().st_size
+            if i == 0:
+                self.metadata = {key: _value(field) for key, field in reader.fields.items()
+                                 if not key.startswith("GGUF.")}
+            for t in reader.tensors:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if t.data_offset + t.n_bytes > size:
+                    raise CheckpointError(f"{file} is truncated (tensor {t.name!r} lies past its end); re-download it.")
+                if t.name in self.tensors:
+                    raise CheckpointError(f"tensor {t.name!r} is in two parts of the split GGUF {path.name}; the set "
+                                          "is damaged, re-download it.")
+                self.tensors[t.name] = GGUFTensor(t.name, file, int(t.data_offset), int(t.n_bytes),
+                                                  int(t.tensor_type), shape)
+        self.architecture = str(self.metadata.get("general.architecture") or "")
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedArchError(f"{path.name} is a GGUF of architecture {self.architecture or 'none'!r}, "
+                                       f"which moestream does not read; it reads "
+                                       f"{', '.join(sorted(set(ARCHITECTURES) - {'mixtral'}))} GGUFs.")
+        if self.architecture == "llama" and not self.get("expert_count"):
+            raise UnsupportedArchError(f"{path.name} is a dense llama GGUF (no experts); moestream runs "
+                                       "Mixture-of-Experts models only.")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`{arch}.key` of the metadata."""
+        value = self.metadata.get(f"{self.architecture}.{key}")
+        return default if value is None else value
+
+    @property
+    def model_type(self) -> str:
+        """Ours; llama.cpp's deepseek2 is DeepSeek-V2 (softmax routing) or V3 (sigmoid, gating func 2)."""
+        if self.architecture == "deepseek2" and self.get("expert_gating_func", 1) == 2:
+            return "deepseek_v3"
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def permuted_qk(self) -> bool:
+        return self.architecture in PERMUTED_QK
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path.name} has no '{self.architecture}.{key}' in its metadata; the GGUF "
+                                  "is incomplete, re-convert it.")
+        return value
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json this GGUF stands for (the fields moestream reads)."""
+        heads = int(self.need("attention.head_count"))
+        hidden = int(self.need("embedding_length"))
+        vocab = self.get("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens") or ()) or \
+            self.tensors["token_embd.weight"].shape[0]
+        expert_ff = self.get("expert_feed_forward_length") or self.get("feed_forward_length")
+        config: dict[str, Any] = {
+            "model_type": self.model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self.need("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.get("attention.head_count_kv", heads)),
+            "head_dim": int(self.get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.get("context_length", 4096)),
+            "rms_norm_eps": float(self.get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.get("rope.freq_base", 10000.0)),
+            "num_experts_per_tok": int(self.need("expert_used_count")),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "torch_dtype": "float32",
+        }
+        experts = int(self.need("expert_count"))
+        if self.model_type == "mixtral":
+            config.update(num_local_experts=experts, intermediate_size=int(self.need("feed_forward_length")))
+        elif self.model_type == "olmoe":
+            config.update(num_experts=experts, intermediate_size=int(expert_ff), norm_topk_prob=False)
+            clip = self.get("attention.clamp_kqv")
+            if clip:
+                config["clip_qkv"] = float(clip)
+        elif self.model_type not in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
+            config.update(num_experts=experts, moe_intermediate_size=int(expert_ff),
+                          intermediate_size=int(self.get("feed_forward_length", expert_ff)))
+        if self.model_type == "glm4_moe":   # the next-token-prediction layers at the end are not the model's
+            nextn = int(self.get("nextn_predict_layers", 0))
+            config.update(n_routed_experts=experts, num_hidden_layers=config["num_hidden_layers"] - nextn,
+                          moe_intermediate_size=int(expert_ff),
+                          intermediate_size=int(self.get("feed_forward_length", expert_ff)),
+                          n_shared_experts=int(self.get("expert_shared_count", 1)),
+                          first_k_dense_replace=int(self.get("leading_dense_block_count", 0)),
+                          routed_scaling_factor=float(self.get("expert_weights_scale", 1.0)),
+                          norm_topk_prob=bool(self.get("expert_weights_norm", True)),
+                          n_group=int(self.get("expert_group_count", 1) or 1),
+                          topk_group=int(self.get("expert_group_used_count", 1) or 1),
+                          partial_rotary_factor=int(self.get("rope.dimension_count", config["head_dim"]))
+                          / config["head_dim"],
+                          use_qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+                          attention_bias="blk.0.attn_q.bias" in self.tensors)
+            if self.get("expert_gating_func", 2) != 2:
+                raise CheckpointError(f"{self.path.name} routes its experts with gating function "
+                                      f"{self.get('expert_gating_func')} where GLM-4.5 uses sigmoid (2); the GGUF "
+                                      "does not match the family moestream reads.")
+        if self.architecture == "deepseek2":
+            config.update(self._deepseek(config, experts, int(expert_ff)))
+        if self.model_type == "qwen3_moe":   # llama.cpp always renormalises qwen3moe's top-k weights
+            config.update(norm_topk_prob=bool(self.get("expert_weights_norm", True)), decoder_sparse_step=1,
+                          mlp_only_layers=[])
+        if self.model_type == "qwen2_moe":
+            shared = self.get("expert_shared_feed_forward_length")
+            config.update(norm_topk_prob=bool(self.get("expert_weights_norm", False)), decoder_sparse_step=1,
+                          mlp_only_layers=[], shared_expert_intermediate_size=int(shared or expert_ff),
+                          qkv_bias="blk.0.attn_q.bias" in self.tensors)
+        scaling = self.get("rope.scaling.type")
+        if scaling and scaling != "none":
+            config["rope_scaling"] = {"rope_type": scaling, "factor": float(self.get("rope.scaling.factor", 1.0)),
+                                      "original_max_position_embeddings":
+                                          int(self.get("rope.scaling.original_context_length",
+                                                       config["max_position_embeddings"]))}
+        if self.architecture == "deepseek2" and config.get("rope_scaling", {}).get("rope_type") == "yarn":
+            mscale = float(self.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1   # llama.cpp keeps 0.1·mscale
+            config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale, beta_fast=32, beta_slow=1)
+        for ours, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                          ("pad_token_id", "padding_token_id")):
+            value = self.metadata.get(f"tokenizer.ggml.{key}")
+            if value is not None:
+                config[ours] = int(value)
+        return config
+
+    def _deepseek(self, config: dict[str, Any], experts: int, expert_ff: int) -> dict[str, Any]:
+        """DeepSeek-V2/V3's fields: multi-head latent attention's ranks and head sizes (the MQA form
+        of newer conversions keeps the per-head sizes in `*_length_mla`), routing, shared experts."""
+        rope = int(self.need("rope.dimension_count"))
+        key = self.get("attention.key_length_mla") or self.need("attention.key_length")
+        value = self.get("attention.value_length_mla") or self.need("attention.value_length")
+        groups = int(self.get("expert_group_count", 1) or 1)
+        v3 = self.model_type == "deepseek_v3"
+        out = dict(n_routed_experts=experts, moe_intermediate_size=expert_ff,
+                   intermediate_size=int(self.get("feed_forward_length", expert_ff)),
+                   num_hidden_layers=config["num_hidden_layers"] - int(self.get("nextn_predict_layers", 0)),
+                   num_key_value_heads=config["num_attention_heads"], head_dim=rope,
+                   q_lora_rank=int(self.get("attention.q_lora_rank", 0)) or None,
+                   kv_lora_rank=int(self.need("attention.kv_lora_rank")), qk_rope_head_dim=rope,
+                   qk_nope_head_dim=int(key) - rope, v_head_dim=int(value),
+                   n_shared_experts=int(self.get("expert_shared_count", 1)),
+                   first_k_dense_replace=int(self.get("leading_dense_block_count", 0)),
+                   routed_scaling_factor=float(self.get("expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(self.get("expert_weights_norm", v3)), n_group=groups,
+                   topk_group=int(self.get("expert_group_used_count", 1) or 1),
+                   topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+                   scoring_func="sigmoid" if v3 else "softmax")
+        return out
+
+    # ---- names ------------------------------------------------------------------------------
+    def hf_names(self, moe_prefix: str, shared: str = "shared_expert") -> dict[str, str]:
+        """Our checkpoint name → the GGUF tensor name, for every tensor the GGUF holds that we read
+        as a dense parameter (experts excluded: `expert_names`); `shared`: the family's shared
+        expert module name."""
+        out = {}
+        for name in self.tensors:
+            hf = _hf_name(name, moe_prefix, shared)
+            if hf is not None:
+                out[hf] = name
+        return out
+
+    def expert_names(self, layer: int) -> tuple[str, str, str]:
+        base = f"blk.{layer}"
+        names = (f"{base}.ffn_gate_exps.weight", f"{base}.ffn_up_exps.weight", f"{base}.ffn_down_exps.weight")
+        for name in names:
+            if name not in self.tensors:
+                if f"{base}.ffn_gate.0.weight" in self.tensors:
+                    raise CheckpointError(f"{self.path.name} stores layer {layer}'s experts one tensor each (an "
+                                          "old conversion); re-convert it with a current llama.cpp (stacked "
+                                          "ffn_*_exps tensors).")
+                raise CheckpointError(f"tensor {name!r} is missing from {self.path.name}; the GGUF is incomplete.")
+        return names
+
+
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "post_attention_norm": "post_attention_layernorm",   # glm4moe's name for it
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
+          "ffn_up_shexp": "{moe}.{shared}.up_proj", "ffn_down_shexp": "{moe}.{shared}.down_proj",
+          "ffn_gate_inp_shexp": "{moe}.shared_expert_gate", "exp_probs_b": "{moe}.gate",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+          "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+          "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert") -> str | None:
+    module, _, part = name.rpartition(".")
+    if module in _TOP:
+        return f"{_TOP[module]}.{part}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
+    if m is None or m[2] not in _LAYER:
+        return None
+    if m[2] == "exp_probs_b":   # the router's selection-only correction bias
+        part = "e_score_correction_bias"
+    return f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix, shared=shared)}.{part}"
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(path: str, stamp: tuple) -> GGUFCheckpoint:
+    return GGUFCheckpoint(Path(path))
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    """The checkpoint at `path`, parsed once per file version (plans and builds share it)."""
+    path = Path(path).expanduser().resolve()
+    try:
+        stamp = tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in split_files(path))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path} ({exc.strerror}); check the path.") from None
+    return _cached(str(path), stamp)
+
+
+def gguf_metadata(path: Path, key: str) -> Any:
+    """One metadata value of the GGUF at `path` (torch-free: the CLI asks before anything loads)."""
+    return open_gguf(path).metadata.get(key)

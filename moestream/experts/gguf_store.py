@@ -1,0 +1,121 @@
+"""The expert store of a GGUF checkpoint: llama.cpp's stacked `ffn_{gate,up,down}_exps` tensors.
+
+Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
+blocks). `layer_spec` decides each layer's format from the three types alone (the plan calls it
+before any weight is read): the affine spec holding them exactly when there is one (int4-g32 for
+Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
+int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
+read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from moestream.archs.spec import ArchSpec, ModelConfig
+from moestream.checkpoint.gguf_file import GGUFCheckpoint
+from moestream.checkpoint.gguf_index import GGUFReads, unsupported
+from moestream.errors import CheckpointError
+from moestream.experts.format import ExpertFormat, QuantizedFormat
+from moestream.experts.store import ExpertStore
+from moestream.quant import QuantSpec, ggml
+from moestream.quant.tensor import QuantizedTensor
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def layer_types(ckpt: GGUFCheckpoint, layer: int) -> tuple[str, str, str]:
+    return tuple(ckpt.tensors[n].type_name for n in ckpt.expert_names(layer))
+
+
+def layer_spec(types: tuple[str, ...]) -> QuantSpec | None:
+    """The affine spec a layer's experts are held in, None for the compute dtype (float stacks)."""
+    if any(t in ggml.FLOAT_TYPES for t in types):   # floats (beside blocks, too): the blocks dequantized, exact
+        return None
+    specs = {ggml.spec_of(t) for t in types}
+    return specs.pop() if len(specs) == 1 else QuantSpec("int", 8, ggml.GROUP, torch.float32)
+
+
+class GGUFExpertStore(ExpertStore):
+    def __init__(self, ckpt: GGUFCheckpoint, config: ModelConfig, spec: ArchSpec, index):
+        super().__init__(index, config, spec)
+        self.ckpt, self.reads = ckpt, GGUFReads(ckpt)
+        I, H, E = self.shape.intermediate, self.shape.hidden, self.num_experts
+        want = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+        self.tensors = {}
+        for layer in self.moe_layers:   # every stack present, of its shape and a type we read: before any load
+            stacks = dict(zip(PROJECTIONS, (ckpt.tensors[n] for n in ckpt.expert_names(layer))))
+            for proj, t in stacks.items():
+                if not ggml.readable(t.type_name):
+                    raise unsupported(t, ckpt.path.name)
+                if t.shape != want[proj]:
+                    raise CheckpointError(f"tensor {t.name!r} of {ckpt.path.name} has shape {list(t.shape)} but its "
+                                          f"metadata implies {list(want[proj])}; the GGUF does not match its metadata.")
+            self.tensors[layer] = stacks
+        self.dtype = torch.float32
+        self._noted = threading.Lock()
+        self._requant_error: float | None = None
+
+    def _rows(self, layer: int, expert: int, proj: str) -> tuple[Tensor, str]:
+        t = self.tensors[layer][proj]
+        per = t.shape[1]
+        return self.reads.rows(t, expert * per, per)
+
+    def _quantized(self, rows: Tensor, type_name: str, spec: QuantSpec) -> QuantizedTensor:
+        """`rows` of one projection in `spec`: exact, or requantized (Q6_K, floats beside blocks)."""
+        if type_name in ggml.EXACT:
+            q = ggml.to_affine(rows, type_name)
+            if q.spec.bits != spec.bits:   # 4-bit codes widened to a layer's 8-bit ones: the same weights
+                codes = ggml.to_codes(rows, type_name)[0]
+                q = QuantizedTensor(codes.contiguous(), q.scales, q.biases, spec)
+            return q
+        q, error = ggml.requantize(rows, type_name, rows.shape[1] * 256 // ggml.REQUANTIZED[type_name][1])
+        self._note(type_name, error)
+        return q
+
+    def _note(self, type_name: str, error: float) -> None:
+        with self._noted:
+            if self._requant_error is None:
+                self._requant_error = error
+                print(f"[moestream] {type_name} experts have no exact form in moestream's formats (two scales in "
+                      f"every 32 values): they are requantized to int8-g32 at load, a relative weight error of "
+                      f"{error:.2%} on the first one read (max |dw| / max |w|; {type_name}'s own rounding is up to "
+                      "1.6%).", file=sys.stderr)
+
+    def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        I = self.shape.intermediate
+        rows = {p: self._rows(layer, expert, p) for p in PROJECTIONS}
+        if not isinstance(fmt, QuantizedFormat):
+            fmt.encode(*(self._dense(*rows[p], self.sizes(p)[1]) for p in PROJECTIONS), out)
+            return
+        for proj in PROJECTIONS:
+            parts = self._quantized(*rows[proj], fmt.spec).parts()
+            for part, t in parts.items():
+                dest = out[f"down.{part}"] if proj == "down" else \
+                    out[f"gate_up.{part}"][:I] if proj == "gate" else out[f"gate_up.{part}"][I:]
+                dest.copy_(t.to(dest.dtype) if part != "qweight" else t)
+
+    def sizes(self, proj: str) -> tuple[int, int]:
+        I, H = self.shape.intermediate, self.shape.hidden
+        return (H, I) if proj == "down" else (I, H)
+
+    @staticmethod
+    def _dense(rows: Tensor, type_name: str, k: int) -> Tensor:
+        return rows if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, k)
+
+
+def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,
+                   dense: ExpertFormat) -> dict[int, ExpertFormat]:
+    """Per MoE layer, the format `layer_spec` gives its experts (`dense`: the compute dtype's)."""
+    out = {}
+    for layer, moe in enumerate(config.moe_layers):
+        if moe:
+            spec = layer_spec(layer_types(ckpt, layer))
+            out[layer] = QuantizedFormat(spec, dtype) if spec is not None else dense
+    return out
+

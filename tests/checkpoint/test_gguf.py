@@ -1,0 +1,374 @@
+"""GGUF checkpoints run as they are: the same logits as transformers' own GGUF loader (its names,
+its dequantization through the gguf package) on a tiny Qwen3-MoE in every ggml type we read, the
+other families against the weights their GGUF stands for, block types bit-exact against gguf's
+dequantization, a bounded bank token-identical to the resident one, the tokenizer and chat template
+from the metadata, split sets, and bad input refused in one sentence."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import moestream
+from moestream import cli
+from moestream.checkpoint.gguf_index import _unpermute
+from moestream.errors import CheckpointError, UnsupportedArchError
+from moestream.experts.format import ExpertShape
+from moestream.quant import QuantSpec, dequantize, ggml, quantize
+from gguf_checkpoints import make_gguf, random_k_blocks
+
+COMMON = dict(vocab_size=160, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, num_hidden_layers=2, num_experts_per_tok=2)
+IDS = torch.randint(2, 150, (2, 13), generator=torch.Generator().manual_seed(3))
+MASK = torch.ones_like(IDS)
+MASK[1, :4] = 0
+PROMPT = IDS[0, :7].tolist()
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    """Widths of 256 (every K-quant super-block) and 8 experts."""
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=64, intermediate_size=256, moe_intermediate_size=256,
+                                           num_experts=8, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**COMMON, intermediate_size=256, moe_intermediate_size=256,
+                                           shared_expert_intermediate_size=256, num_experts=8)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**COMMON, intermediate_size=256, num_local_experts=8)
+    if arch == "glm4_moe":   # layer 0 dense, 2 groups of 4 experts with 1 kept, half-rotary heads
+        return transformers.Glm4MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=64, intermediate_size=256,
+                                          moe_intermediate_size=256, n_routed_experts=8, n_group=2, topk_group=1,
+                                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                          use_qk_norm=True, attention_bias=True)
+    if arch in ("deepseek_v2", "deepseek_v3"):   # latent attention; layer 0 dense; grouped routing
+        mla = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+                   num_hidden_layers=3)
+        if arch == "deepseek_v2":   # a plain q_proj (V2-Lite), softmax limited to the 2 best of 4 groups
+            return transformers.DeepseekV2Config(**{**COMMON, **mla, "num_key_value_heads": 4}, q_lora_rank=None,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=1.5, n_shared_experts=2, norm_topk_prob=False)
+        return transformers.DeepseekV3Config(**{**COMMON, **mla, "num_key_value_heads": 4}, q_lora_rank=64, n_group=2,
+                                             topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "original_max_position_embeddings": 64,
+                                                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.8,
+                                                              "mscale_all_dim": 0.8})
+    return transformers.OlmoeConfig(**COMMON, intermediate_size=256, num_experts=8, clip_qkv=4.0, pad_token_id=0,
+                                    eos_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf_hf")
+    out = {}
+    for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    p.normal_(0, 0.5)
+                elif "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+                elif name.endswith("bias"):
+                    p.normal_(0, 0.1)
+                elif arch.startswith("deepseek") and ".self_attn." in name and p.dim() == 2:
+                    p.normal_(0, p.shape[1] ** -0.5)   # latent attention that moves the logits
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):   # so the selection-only bias changes choices
+                    b.normal_(0, 0.5)
+        model.save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+def relative(out, ref):
+    valid = MASK.bool()
+    return ((out - ref)[valid].abs().max() / ref[valid].abs().max()).item()
+
+
+def transformers_gguf(path) -> transformers.PreTrainedModel:
+    """transformers' own GGUF loading (names, permutations, dequantization by the gguf package).
+    Its qwen3_moe config map lacks expert_feed_forward_length, so that one size is given here."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(str(path))["config"]
+    config["moe_intermediate_size"] = gguf.GGUFReader(path).fields["qwen3moe.expert_feed_forward_length"].contents()
+    config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell)["tensors"]
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    return model
+
+
+def greedy(model, prompt, n=12):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# (experts' type, attention linears' type, the experts' held format, attention kept as QuantLinear)
+TYPES = [("F32", "F32", "fp32", False), ("F16", "F16", "fp32", False), ("Q8_0", "Q8_0", "int8-g32", True),
+         ("Q4_0", "Q4_1", "int4-g32", True), ("Q4_1", "Q8_0", "int4-g32", True), ("Q4_K", "Q4_K", "int4-g32", True),
+         ("Q5_K", "Q5_K", "int8-g32", True), ("Q5_0", "Q5_1", "int8-g32", True),
+         ("BF16", "Q5_0", "fp32", True)]
+
+
+@pytest.mark.parametrize("experts,dense,held,quant_linear", TYPES, ids=[t[0] for t in TYPES])
+def test_qwen3_moe_matches_transformers_gguf_loader(hf_models, tmp_path, experts, dense, held, quant_linear):
+    path = tmp_path / f"tiny-{experts}.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense=dense)
+    reference = transformers_gguf(path)
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert engine.plan.kind == "gguf" and {f.name for f in engine.bank.formats.values()} == {held}
+    o_proj = engine.model.model.layers[0].self_attn.o_proj
+    assert (type(o_proj).__name__ == "QuantLinear") == quant_linear
+    with torch.no_grad():
+        ref = reference(IDS, attention_mask=MASK).logits
+    assert relative(engine.logits(IDS, MASK), ref) <= 1e-4
+    got = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    assert got == greedy(reference, PROMPT)[:len(got)] and len(got) == 12
+    bounded = moestream.load(str(path), device="cpu", dtype="float32", capacity=3)
+    assert not bounded.plan.memory.fully_resident
+    assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == got
+
+
+@pytest.mark.parametrize("arch,experts,kw", [("qwen2_moe", "Q8_0", {}), ("mixtral", "Q4_0", {}),
+                                             ("olmoe", "Q4_K", {}), ("glm4_moe", "Q4_1", {}),
+                                             ("deepseek_v2", "Q8_0", {}),
+                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
+                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split"])
+def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts, kw):
+    """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
+    q/k rows permuted by the writer as llama.cpp's converter does; DeepSeek's kv_b_proj split per
+    head as newer conversions write it)."""
+    path, ref_folder = tmp_path / "m.gguf", tmp_path / "ref"
+    make_gguf(hf_models[arch], path, ref_folder, experts=experts, dense=experts, **kw)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    with torch.no_grad():
+        assert relative(engine.logits(IDS, MASK), reference(IDS, attention_mask=MASK).logits) <= 1e-4
+    bounded = moestream.load(str(path), device="cpu", dtype="float32", capacity=2)
+    assert bounded.generate(PROMPT, max_tokens=8, ignore_eos=True) == engine.generate(PROMPT, max_tokens=8,
+                                                                                     ignore_eos=True)
+
+
+def test_unpermute_is_transformers_reverse_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    w = torch.randn(64, 24)
+    theirs = LlamaTensorProcessor({})._reverse_permute_weights(w.numpy(), 4, 2)
+    assert torch.equal(_unpermute(w, 2), torch.from_numpy(theirs))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_block_types_dequantize_as_gguf_does(qtype):
+    rng = np.random.default_rng(1)
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        blocks = random_k_blocks(6, 512, qtype, rng, 0.01)
+    else:
+        weights = rng.standard_normal((6, 512)).astype(np.float32)
+        blocks = gguf.quants.quantize(weights, gguf.GGMLQuantizationType[qtype])
+    theirs = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    ours = ggml.dequantize_blocks(torch.from_numpy(blocks), qtype, 512)
+    assert torch.equal(ours, torch.from_numpy(theirs))   # bit for bit
+    if qtype in ggml.EXACT:   # and the affine form the kernels read holds exactly those weights
+        q = ggml.to_affine(torch.from_numpy(blocks), qtype)
+        assert q.spec == QuantSpec("int", ggml.EXACT[qtype][2], 32, torch.float32)
+        assert torch.equal(dequantize(q.qweight, q.scales, q.biases, q.spec), torch.from_numpy(theirs))
+
+
+def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models, tmp_path, capfd):
+    path, ref_folder = tmp_path / "q4km.gguf", tmp_path / "ref"
+    make_gguf(hf_models["qwen3_moe"], path, ref_folder, experts="Q4_K", down="Q6_K", dense="Q4_K")
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    err = capfd.readouterr().err
+    assert err.count("Q6_K experts have no exact form") == 1 and "int8-g32" in err
+    assert {f.name for f in engine.bank.formats.values()} == {"int8-g32"}
+    # the oracle: the GGUF's weights, the Q6_K down projections through int8-g32 as moestream holds them
+    tensors = load_file(str(ref_folder / "model.safetensors"))
+    spec = QuantSpec("int", 8, 32, torch.float32)
+    requantized = tmp_path / "requantized"
+    requantized.mkdir()
+    for name, w in tensors.items():
+        if ".experts." in name and name.endswith("down_proj.weight"):
+            q = quantize(w, spec)
+            tensors[name] = dequantize(q.qweight, q.scales, q.biases, spec)
+    save_file(tensors, str(requantized / "model.safetensors"))
+    (requantized / "config.json").write_text((ref_folder / "config.json").read_text())
+    out = engine.logits(IDS, MASK)
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(requantized, dtype=torch.float32).eval()
+        assert relative(out, ref(IDS, attention_mask=MASK).logits) <= 1e-4
+        exact = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+        assert relative(out, exact(IDS, attention_mask=MASK).logits) <= 2e-2
+
+
+def test_bytes_planned_are_the_bytes_held(hf_models, tmp_path, capsys):
+    from moestream.engine.weights import parameter_bytes
+
+    path = tmp_path / "q4_0.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0", dense="Q8_0")
+    engine = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, host_tier="pinned",
+                            cpu_misses=1.0)
+    resident = moestream.load(str(path), device="cpu", dtype="float32")
+    assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True) == resident.generate(PROMPT, max_tokens=8,
+                                                                                       ignore_eos=True)
+    shape = ExpertShape.of(engine.config)
+    fmt = engine.bank.formats[0]
+    I, H = shape.intermediate, shape.hidden
+    assert fmt.nbytes(shape) == 3 * I * H // 2 + 3 * I * H // 32 * 8 == engine.plan.memory.slot_bytes
+    assert sum(t.nbytes for t in engine.bank.slots[0].tensors.values()) == 3 * fmt.nbytes(shape)
+    assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
+    assert cli.main(["check", str(path), "--device", "cpu", "--capacity", "3"]) == 0
+    assert "Q4_0/Q4_0/Q4_0 -> int4-g32, exact (gate/up/down; 2 layers)" in capsys.readouterr().out
+
+
+def test_tokenizer_and_chat_template_come_from_the_metadata(hf_models, tmp_path, capsys):
+    path = tmp_path / "chat.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q8_0", dense="Q8_0", tokenizer=True, template=TEMPLATE)
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    tok = engine.tokenizer
+    assert tok is not None and tok.chat_template == TEMPLATE
+    ids = tok("ABCD").input_ids
+    assert ids == [152, 153] and tok.decode(ids) == "ABCD"   # the two merges of the metadata's BPE
+    assert cli.main(["run", str(path), "-p", "AB", "--max-tokens", "3", "--device", "cpu"]) == 0
+    assert cli.main(["run", str(path), "-p", "AB", "--max-tokens", "3", "--device", "cpu", "--chat"]) == 0
+
+
+def test_a_split_set_reads_as_one_file(hf_models, tmp_path):
+    single, split = tmp_path / "one.gguf", tmp_path / "parts" / "model.gguf"
+    split.parent.mkdir()
+    make_gguf(hf_models["qwen3_moe"], single, experts="Q8_0")
+    make_gguf(hf_models["qwen3_moe"], split, experts="Q8_0", split=20)
+    parts = sorted(p.name for p in split.parent.iterdir())
+    assert len(parts) > 1 and parts[0] == f"model-00001-of-{len(parts):05d}.gguf"
+    first = split.parent / parts[0]
+    out = moestream.load(str(first), device="cpu", dtype="float32").logits(IDS, MASK)
+    assert torch.equal(out, moestream.load(str(single), device="cpu", dtype="float32").logits(IDS, MASK))
+    with pytest.raises(CheckpointError, match="give the first part"):
+        moestream.load(str(split.parent / parts[1]), device="cpu")
+    (split.parent / parts[-1]).unlink()
+    with pytest.raises(CheckpointError, match=f"part {parts[-1]} of the split GGUF .* is missing"):
+        moestream.load(str(first), device="cpu")
+
+
+def _cli_refuses(path, capsys, match):
+    before = sorted(p.name for p in path.parent.iterdir())
+    assert cli.main(["run", str(path), "-p", "3 4", "--max-tokens", "2", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and match in err[0] and "Traceback" not in err[0]
+    assert sorted(p.name for p in path.parent.iterdir()) == before   # nothing written
+
+
+def test_an_unknown_architecture_is_refused(tmp_path, capsys):
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(path, "bert")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchError, match="architecture 'bert'"):
+        moestream.load(str(path), device="cpu")
+    _cli_refuses(path, capsys, "architecture 'bert'")
+
+
+def test_an_unsupported_tensor_type_is_refused(hf_models, tmp_path, capsys):
+    path = tmp_path / "iq.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="IQ4_NL")
+    with pytest.raises(CheckpointError, match="stored as IQ4_NL, a ggml type moestream does not read"):
+        moestream.load(str(path), device="cpu")
+    _cli_refuses(path, capsys, "IQ4_NL")
+
+
+def test_a_truncated_gguf_is_refused(hf_models, tmp_path, capsys):
+    path = tmp_path / "cut.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q8_0")
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 4096])
+    with pytest.raises(CheckpointError, match="truncated|not a readable GGUF"):
+        moestream.load(str(path), device="cpu")
+    _cli_refuses(path, capsys, "cut.gguf")
+    path.write_bytes(data[:100])   # cut inside the header
+    _cli_refuses(path, capsys, "cut.gguf")
+
+
+def test_a_prepacked_bank_warm_starts_and_a_changed_file_rebuilds_it(hf_models, tmp_path):
+    path, snap = tmp_path / "q4k.gguf", tmp_path / "bank"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="F32")
+    cold = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap, warmup_tokens=4)
+    assert not cold.prepack.loaded and (snap / "bank.json").exists()
+    warm = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    assert warm.generate(PROMPT, max_tokens=8, ignore_eos=True) == cold.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="F32", seed=1)   # other K-quant blocks
+    again = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert not again.prepack.loaded and "checkpoint" in again.prepack.reason
+
+
+@pytest.mark.parametrize("embeddings", ["Q8_0", "Q4_K"])
+def test_quantized_embeddings_and_lm_head_stay_quantized(hf_models, tmp_path, embeddings):
+    path = tmp_path / "emb.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0", dense="Q4_0", embeddings=embeddings)
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert type(engine.model.model.embed_tokens).__name__ == "QuantEmbedding"
+    assert type(engine.model.lm_head).__name__ == "QuantLinear"
+    with torch.no_grad():
+        ref = transformers_gguf(path)(IDS, attention_mask=MASK).logits
+    assert relative(engine.logits(IDS, MASK), ref) <= 1e-4
+
+
+def test_convert_refuses_a_gguf(hf_models, tmp_path):
+    from moestream.engine.convert import convert
+    from moestream.errors import InputError
+    from moestream.quant.recipe import QuantRecipe
+
+    path = tmp_path / "m.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q8_0")
+    with pytest.raises(InputError, match="is a GGUF checkpoint; run it as it is"):
+        convert(path, tmp_path / "out", QuantRecipe(experts="int4"), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_ids_are_the_prompt_of_a_gguf_without_a_tokenizer(hf_models, tmp_path, capsys):
+    path = tmp_path / "ids.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0")
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert engine.tokenizer is None
+    want = engine.generate([3, 4, 5], max_tokens=3, ignore_eos=True)
+    assert cli.main(["run", str(path), "-p", "3 4 5", "--max-tokens", "3", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.split()[:len(want)] == [str(t) for t in want]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K"])
+def test_gguf_on_the_gpu_agrees_with_the_cpu_and_a_bounded_bank_with_the_resident_one(hf_models, tmp_path, experts):
+    path = tmp_path / "gpu.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense=experts)
+    cpu = moestream.load(str(path), device="cpu", dtype="float32").logits(IDS, MASK)
+    gpu = moestream.load(str(path), device="cuda", dtype="bfloat16")
+    assert relative(gpu.logits(IDS, MASK).float().cpu(), cpu) <= 3e-2   # bf16 activations
+    bounded = moestream.load(str(path), device="cuda", dtype="bfloat16", capacity=3, miss_policy="fetch")
+    assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == gpu.generate(PROMPT, max_tokens=12,
+                                                                                    ignore_eos=True)
+
+
+def test_two_ranks_of_a_gguf_equal_one_process(hf_models, tmp_path):
+    path = tmp_path / "ep.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_K", dense="Q8_0")
+    single = moestream.load(str(path), device="cpu", dtype="float32")
+    want = single.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    with moestream.load(str(path), devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        assert engine.bank.num_experts == single.config.num_experts // 2   # rank 0's share
+        assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True) == want
