@@ -105,6 +105,9 @@ def print_model(plan) -> None:
     print(f"device            {plan.device} ({str(plan.dtype).replace('torch.', '')}), context {plan.context}")
     if getattr(plan, "int_quant", None) is not None:
         print_int_quant(plan)
+    if getattr(plan, "kind", None) == "mxfp4":
+        print("weights           MXFP4 experts, held as stored (fp4 codes and an e8m0 scale per 32 values: 4.25 bits "
+              "a weight, plus their biases); every other tensor as stored")
 
 
 def print_int_quant(plan) -> None:

@@ -29,6 +29,8 @@ from moestream.experts.format import QuantizedFormat
 from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
 from moestream.experts.int_store import IntQuantExpertStore
+from moestream.experts.mxfp4_format import Mxfp4Format
+from moestream.experts.mxfp4_store import Mxfp4ExpertStore
 from moestream.experts.store import CheckpointExpertStore, ExpertStore, MLXExpertStore, PackedExpertStore
 from moestream.kernels import cpu_moe
 from moestream.model.decoder import MoECausalLM
@@ -119,6 +121,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return MLXExpertStore(index, plan.config, plan.spec, plan.mlx)
     if plan.kind == "int":
         return IntQuantExpertStore(index, plan.config, plan.spec, int_reader(plan, index))
+    if plan.kind == "mxfp4":
+        return Mxfp4ExpertStore(index, plan.config, plan.spec)
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
@@ -127,7 +131,8 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     memory = plan.memory
     formats = plan.expert_formats
     if store.native is not None:   # pre-quantized: the slots hold the stored format exactly
-        formats = {layer: QuantizedFormat(spec, plan.dtype) for layer, spec in store.native.items()}
+        formats = {layer: Mxfp4Format(plan.dtype) if spec == Mxfp4Format.spec else QuantizedFormat(spec, plan.dtype)
+                   for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
     if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them

@@ -23,6 +23,7 @@ from moestream.checkpoint import read_config, resolve_checkpoint
 from moestream.engine.config import DTYPES, EngineConfig
 from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, dense_format
+from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -30,6 +31,7 @@ from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
+from moestream.quant.mxfp4 import mxfp4_quantization
 from moestream.quant.recipe import QuantRecipe, module_class
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
@@ -305,8 +307,8 @@ class LoadPlan:
     device: torch.device
     dtype: torch.dtype
     context: int                 # positions per sequence
-    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized) or
-                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized)
+    kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized),
+                                 # "int" (GPTQ / AWQ / compressed-tensors pack-quantized) or "mxfp4" (gpt-oss)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -352,10 +354,12 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
     int_quant = int_quantization(raw)
     mlx = mlx_quantization(raw) if int_quant is None else None   # GPTQ's block also has bits and group_size
-    kind = "packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None else "hf"
+    mxfp4 = layout is None and mxfp4_quantization(raw)
+    kind = ("packed" if layout is not None else "mlx" if mlx is not None else "int" if int_quant is not None
+            else "mxfp4" if mxfp4 else "hf")
     if kind != "hf" and (asked.quantized or asked.layer_formats):
         stored = ("a packed (moestream convert)" if layout is not None else "an MLX-quantized" if mlx is not None
-                  else f"a {int_quant.method}-quantized")
+                  else "an MXFP4-quantized" if mxfp4 else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
@@ -372,6 +376,10 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                    for layer, moe in enumerate(config.moe_layers) if moe}
     elif int_quant is not None:
         recipe, precision, formats = _plan_int(int_quant, config, dtype)
+    elif mxfp4:   # the experts as they are stored (4.25 bits a weight); everything else is bf16 already
+        recipe = QuantRecipe()
+        precision = functools.partial(_recipe_precision, recipe, L)
+        formats = {layer: Mxfp4Format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)

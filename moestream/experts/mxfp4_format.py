@@ -14,10 +14,10 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from moestream.errors import InputError
+from moestream.errors import CheckpointError, InputError
 from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, TensorSpec
 from moestream.kernels.moe_reference import Activation
-from moestream.quant.mxfp4 import GROUP, MXFP4, check_width, quantize_mxfp4
+from moestream.quant.mxfp4 import GROUP, MXFP4, quantize_mxfp4
 
 
 class Mxfp4Format(ExpertFormat):
@@ -31,8 +31,10 @@ class Mxfp4Format(ExpertFormat):
 
     def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
         H, I = shape.hidden, shape.intermediate
-        check_width(H, "the hidden size")
-        check_width(I, "the expert width")
+        for what, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % GROUP:
+                raise CheckpointError(f"config.json has {what} = {k}, which MXFP4's {GROUP}-value blocks cannot "
+                                      "split; the config does not match the weights.")
         out = (TensorSpec("gate_up.blocks", (2 * I, H // 2), torch.uint8),
                TensorSpec("gate_up.scales", (2 * I, H // GROUP), torch.uint8),
                TensorSpec("down.blocks", (H, I // 2), torch.uint8),

@@ -81,3 +81,10 @@ def quantize_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
     codes = codes.reshape(*lead, k // GROUP, BLOCK_BYTES, 2)
     blocks = codes[..., 0] | (codes[..., 1] << 4)
     return blocks.contiguous(), (exponent + SCALE_BIAS).to(torch.uint8)
+
+
+def mxfp4_quantization(raw: dict) -> bool:
+    """Whether config.json declares gpt-oss's MXFP4 experts (`quantization_config.quant_method = "mxfp4"`;
+    the modules it lists in `modules_to_not_convert` are stored in bf16 as every other dense one)."""
+    q = raw.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
