@@ -164,3 +164,12 @@ def test_reference_dispatch_is_dequantize_then_the_dense_reference():
     want = moe_reference(hidden, dequantize_mxfp4(gu_b, gu_s), dequantize_mxfp4(d_b, d_s), ids, weights, act,
                          slots["gate_up_bias"], slots["down_bias"])
     assert torch.equal(mxfp4_moe_reference(hidden, slots, ids, weights, act), want)
+
+
+def test_convert_says_to_run_the_checkpoint_as_it_is(mxfp4_gpt_oss, tmp_path):
+    from moestream.engine.convert import Converter
+    from moestream.quant.recipe import QuantRecipe
+
+    with pytest.raises(InputError, match="MXFP4-quantized checkpoint; run it as it is") as info:
+        Converter(mxfp4_gpt_oss[0], tmp_path / "out", QuantRecipe.from_dict({"experts": "int4"}))
+    assert str(info.value).count(". ") == 0 and not (tmp_path / "out").exists()
