@@ -51,6 +51,10 @@ Design notes:
   so that the weights spread like normal(0, 0.02), and ``g_idx`` (K,) I32 in group order;
   ``quantization_config`` names it (symmetric, no act-order). Per-expert tensors only: GPT-OSS's
   and Gemma 4's stacked experts are left in ``--dtype``.
+* ``--mxfp4`` (gpt-oss shapes) writes the experts as the Hub ships them: ``gate_up_proj_blocks``
+  (E, 2I, H/32, 16) and ``down_proj_blocks`` (E, H, I/32, 16) U8 of random fp4 codes, their
+  ``_scales`` U8 e8m0 bytes (2^-7, so the weights spread like the bf16 form's), the biases in ``--dtype``,
+  and ``quantization_config`` ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
 """
 
 from __future__ import annotations
@@ -573,7 +577,7 @@ INIT_STD = 0.02
 # generated in parallel and never need more than one block in flight per worker.
 CHUNK_ELEMS = 16 * 1024 * 1024
 
-STORED_DTYPES = {"I32": torch.int32, "F16": torch.float16}
+STORED_DTYPES = {"I32": torch.int32, "F16": torch.float16, "U8": torch.uint8}
 GPTQ_BITS = (2, 3, 4, 8)
 GPTQ_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")
 
@@ -949,6 +953,50 @@ def gptq_specs(specs: Sequence[TensorSpec], bits: int, group: int) -> list[Tenso
     return out
 
 
+# e8m0 byte of the MXFP4 scales: uniformly random fp4 codes have an RMS of about 2.9, so 2^(120 - 127) spreads
+# the weights like normal(0, INIT_STD) would.
+MXFP4_SCALE_BYTE = 120
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def mxfp4_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """GPT-OSS's stacked experts as the Hub stores them: `<proj>_blocks` (E, N, K/32, 16) U8 of random
+    fp4 codes (two a byte) and `<proj>_scales` (E, N, K/32) U8 e8m0 bytes, N the output rows (gate/up
+    interleaved as the bf16 export's columns are); everything else, biases included, stays as it is."""
+    out = []
+    for s in specs:
+        if not s.name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            out.append(s)
+            continue
+        experts, k, n = s.shape
+        out += [TensorSpec(f"{s.name}_blocks", (experts, n, k // 32, 16), "bytes", stored="U8"),
+                TensorSpec(f"{s.name}_scales", (experts, n, k // 32), f"fill:{MXFP4_SCALE_BYTE}", stored="U8")]
+    return out
+
+
+def mxfp4_config() -> dict[str, Any]:
+    """`quantization_config` as the published gpt-oss config has it."""
+    return {"quant_method": "mxfp4", "modules_to_not_convert": list(MXFP4_NOT_CONVERTED)}
+
+
+def quantized_form(cfg: dict[str, Any], specs: list[TensorSpec], gptq: int | None, gptq_group: int,
+                   mxfp4: bool) -> list[TensorSpec]:
+    """The tensors (and config.json's quantization_config) of the --gptq or --mxfp4 form, else as they are."""
+    if gptq is not None and mxfp4:
+        raise SystemExit("--gptq and --mxfp4 are two forms of one checkpoint; pick one")
+    if gptq is not None:
+        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
+            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
+        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
+        return gptq_specs(specs, gptq, gptq_group)
+    if mxfp4:
+        if cfg["model_type"] != "gpt_oss":
+            raise SystemExit("--mxfp4 writes gpt-oss's experts as the Hub ships them; use a gpt-oss --shape")
+        cfg["quantization_config"] = mxfp4_config()
+        return mxfp4_specs(specs)
+    return specs
+
+
 def gptq_config(bits: int, group: int) -> dict[str, Any]:
     """`quantization_config` as GPTQModel writes it (symmetric, no act-order, v1 zero points)."""
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": False,
@@ -1075,6 +1123,8 @@ class ChunkGenerator:
             return torch.zeros(shape, dtype=dtype)
         g = self._gen()
         g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
+        if kind == "bytes":     # MXFP4's blocks: random bytes are two random fp4 codes
+            return torch.randint(0, 256, shape, dtype=torch.uint8, device=self.device, generator=g).cpu()
         if kind == "codes":     # GPTQ's qweight: random words are random codes of any width
             t = torch.randint(-(1 << 31), 1 << 31, shape, dtype=torch.int64, device=self.device, generator=g)
             return t.to(torch.int32).cpu()
@@ -1198,17 +1248,13 @@ def write_checkpoint(
     overwrite: bool = False,
     gptq: int | None = None,
     gptq_group: int = 128,
+    mxfp4: bool = False,
 ) -> dict[str, Any]:
     """Write config.json, generation_config.json, the shards and the index; return a summary dict."""
     torch_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     cfg = build_config(shape, layers, dtype, tiny)
-    specs = plan_tensors(cfg)
-    if gptq is not None:
-        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
-            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
-        specs = gptq_specs(specs, gptq, gptq_group)
-        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
+    specs = quantized_form(cfg, plan_tensors(cfg), gptq, gptq_group, mxfp4)
     total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
@@ -1271,6 +1317,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gptq", type=int, default=None, metavar="BITS",
                     help="write the linears inside the layers in GPTQ form at 2/3/4/8 bits (symmetric, v1 zero points)")
     ap.add_argument("--gptq-group", type=int, default=128, help="GPTQ group size (-1: one group per row)")
+    ap.add_argument("--mxfp4", action="store_true",
+                    help="gpt-oss shapes: write the experts in MXFP4 (blocks + e8m0 scales), as the Hub ships them")
     return ap.parse_args(argv)
 
 
@@ -1281,10 +1329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--device cuda requested but CUDA is not available")
     if a.dry_run:
         cfg = build_config(a.shape, a.layers, a.dtype, a.tiny)
-        specs = plan_tensors(cfg)
-        if a.gptq is not None:
-            specs = gptq_specs(specs, a.gptq, a.gptq_group)
-            cfg["quantization_config"] = gptq_config(a.gptq, a.gptq_group)
+        specs = quantized_form(cfg, plan_tensors(cfg), a.gptq, a.gptq_group, a.mxfp4)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
         total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
@@ -1292,7 +1337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
         return 0
     write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite,
-                     a.gptq, a.gptq_group)
+                     a.gptq, a.gptq_group, a.mxfp4)
     return 0
 
 

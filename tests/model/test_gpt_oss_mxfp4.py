@@ -90,6 +90,9 @@ def test_greedy_tokens_match_and_a_bounded_bank_equals_resident(mxfp4_gpt_oss):
     bounded = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
     assert bounded.bank.capacity == 3
     assert bounded.generate(prompts, max_tokens=12, ignore_eos=True) == expected
+    # misses computed where they sit in host RAM (the reference over the host tier's MXFP4 stacks)
+    host = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0)
+    assert host.generate(prompts, max_tokens=12, ignore_eos=True) == expected
 
 
 def test_the_plan_counts_the_stored_bytes(mxfp4_gpt_oss):
