@@ -71,8 +71,8 @@ class Mxfp4Format(ExpertFormat):
         return device.type == "cuda" and kernels.fused_moe_available()
 
     def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
-        """Calls of a few tokens run the one-token kernel, which reads nothing back; a prompt's call
-        dequantizes the experts it uses (one read of the routing), and the reference always reads it."""
+        """The kernels read nothing back (decode steps can be captured as CUDA graphs); the reference
+        reads the routing to find the slots it dequantizes."""
         return device.type == "cuda" and not self.uses_kernels(device, shape)
 
     def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:

@@ -6,9 +6,10 @@ Slots hold `gate_up.blocks (S, 2I, H/2)`, `gate_up.scales (S, 2I, H/32)`, `down.
 (S, H)`. The result is defined as: dequantize every routed slot to the hidden dtype (quant/mxfp4.py,
 exact in fp32), then `moe_reference` with the biases and the activation.
 
-On CUDA, calls of a few tokens (and any call inside a CUDA graph capture) run the dequantizing
-one-pair kernels (fused_moe_mxfp4_triton.py: no read of the routing on the host); a prompt's call
-dequantizes just the experts it routes to into bf16 and runs the dense grouped kernels on them.
+On CUDA (fused_moe_mxfp4_triton.py, dequantizing in registers; neither reads the routing back):
+calls of a few tokens run the one-pair kernels (each pair streams its expert's bytes), longer ones
+the grouped kernels (pairs aligned by slot, each expert's tile dequantized once per M-block of
+its tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from moestream.quant.mxfp4 import dequantize_mxfp4
 from .moe_reference import Activation, moe_reference
 
 # Calls of at most this many tokens take the one-pair kernels (each pair reads its expert's bytes);
-# longer ones dequantize their experts once and share them across tokens (the grouped kernels).
+# longer ones the grouped kernels, which share each dequantized tile across an M-block of tokens.
+# Not tuned on a GPU yet.
 PAIR_KERNEL_MOST_TOKENS = 16
 
 
@@ -38,9 +40,11 @@ def dequantize_slots(slots: Mapping[str, Tensor], index: Tensor, dtype: torch.dt
     return out
 
 
-def _over_used(run, hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-               activation: Activation, reduce: bool) -> Tensor:
-    """`run` (moe_reference or fused_moe) over the used slots only, dequantized (one host read)."""
+def mxfp4_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                        activation: str | Activation = "swiglu", reduce: bool = True) -> Tensor:
+    """Routed-expert FFN over MXFP4 slots, (T, H) in hidden's dtype (or the (T, k, H) fp32 pair rows
+    with reduce=False); slot -1 or out of range contributes nothing. Only the used slots are
+    dequantized (one host read of the routing: the CPU path and the spec, not the CUDA hot path)."""
     S = slots["gate_up.blocks"].shape[0]
     flat = slot_ids.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < S)
@@ -52,28 +56,19 @@ def _over_used(run, hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     remap = torch.full((S + 1,), -1, dtype=torch.int64, device=hidden.device)
     remap[used] = torch.arange(used.numel(), device=hidden.device)
     local = remap[torch.where(valid, flat, torch.full_like(flat, S))].view_as(slot_ids)
-    return run(hidden, w["gate_up"], w["down"], local, weights, activation, w["gate_up_bias"], w["down_bias"],
-               reduce=reduce)
-
-
-def mxfp4_moe_reference(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
-                        activation: str | Activation = "swiglu", reduce: bool = True) -> Tensor:
-    """Routed-expert FFN over MXFP4 slots, (T, H) in hidden's dtype (or the (T, k, H) fp32 pair rows
-    with reduce=False); slot -1 or out of range contributes nothing."""
-    return _over_used(moe_reference, hidden, slots, slot_ids, weights, Activation.of(activation), reduce)
+    return moe_reference(hidden, w["gate_up"], w["down"], local, weights, Activation.of(activation),
+                         w["gate_up_bias"], w["down_bias"], reduce=reduce)
 
 
 def fused_mxfp4_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                     activation: str | Activation = "swiglu", reduce: bool = True) -> Tensor:
-    """The CUDA dispatch (same contract as the reference): the one-pair kernels for few tokens or
-    under graph capture, else the used experts dequantized into the dense grouped kernels."""
+    """The CUDA dispatch (same contract as the reference): the one-pair kernels for few tokens, the
+    grouped kernels for more; the pair rows summed by the launch that ends every fused dispatch."""
     from moestream import kernels
 
-    activation = Activation.of(activation)
-    few = hidden.shape[0] <= PAIR_KERNEL_MOST_TOKENS
-    if few or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
-        from .fused_moe_mxfp4_triton import mxfp4_pairs
+    from .fused_moe_mxfp4_triton import mxfp4_grouped, mxfp4_pairs
 
-        pairs = mxfp4_pairs(hidden, slots, slot_ids, weights, activation)
-        return kernels.sum_pairs(pairs, hidden.dtype, fused=True) if reduce else pairs
-    return _over_used(kernels.fused_moe, hidden, slots, slot_ids, weights, activation, reduce)
+    activation = Activation.of(activation)
+    run = mxfp4_pairs if hidden.shape[0] <= PAIR_KERNEL_MOST_TOKENS else mxfp4_grouped
+    pairs = run(hidden, slots, slot_ids, weights, activation)
+    return kernels.sum_pairs(pairs, hidden.dtype, fused=True) if reduce else pairs

@@ -1,6 +1,7 @@
 """Checks of the MXFP4 MoE kernels against the plain-torch reference, shared by the interpreter test
-(CPU) and the GPU test: random MXFP4 slots with biases, GPT-OSS's clamped SwiGLU and plain SwiGLU,
-N not a multiple of the tile, -1 and out-of-range slots whose routing weight is NaN (a kernel that
+(CPU) and the GPU test: both paths (one pair per program; grouped by slot into M-blocks of 16 with
+padding rows), random MXFP4 slots with biases, GPT-OSS's clamped SwiGLU and plain SwiGLU,
+-1 and out-of-range slots whose routing weight is NaN (a kernel that
 reads it fails), and the pair rows of `reduce=False` summing to the reduced call."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moestream.kernels.moe_reference import Activation
-from moestream.kernels.mxfp4_moe import mxfp4_moe_reference
+from moestream.kernels.mxfp4_moe import fused_mxfp4_moe, mxfp4_moe_reference
 from moestream.quant.mxfp4 import quantize_mxfp4
 
 
@@ -29,28 +30,31 @@ def mxfp4_bank(S: int, H: int, I: int, dtype, device, g, bias: bool = True) -> d
 
 
 def check_all(device: str, dtypes=(torch.float32,)) -> None:
-    from moestream.kernels.fused_moe_mxfp4_triton import mxfp4_pairs
+    from moestream.kernels.fused_moe_mxfp4_triton import mxfp4_grouped, mxfp4_pairs
     from moestream import kernels
 
     g = torch.Generator().manual_seed(0)
-    S, H, I, k = 5, 96, 64, 2   # H: three 32-value groups (a ragged last K step of the 64-wide tile), N % 32 != 0
+    S, H, I, k = 5, 96, 64, 2   # H: three 32-value groups, so the 64-wide K steps end on half a step
     for dtype in dtypes:
         for act, bias in ((Activation("swiglu_clamped", 1.3, 0.4), True), (Activation(), False)):
             slots = mxfp4_bank(S, H, I, dtype, device, g, bias)
-            for T in (1, 3):
+            for T, run in ((1, mxfp4_pairs), (3, mxfp4_pairs), (3, mxfp4_grouped), (20, mxfp4_grouped)):
                 hidden = torch.randn(T, H, generator=g).to(device, dtype)
                 ids = torch.randint(0, S, (T, k), generator=g).to(device)
                 weights = torch.rand(T, k, generator=g).to(device)
-                if T == 3:
+                if T > 1:
                     ids[1, 0], ids[2, 1] = -1, S + 4
                     weights[1, 0] = weights[2, 1] = float("nan")
                 want = mxfp4_moe_reference(hidden, slots, ids, weights, act, reduce=False)
-                pairs = mxfp4_pairs(hidden, slots, ids, weights, act)
+                pairs = run(hidden, slots, ids, weights, act)
                 assert pairs.shape == (T, k, H) and not pairs.isnan().any()
                 assert rel(pairs, want) < (1e-5 if dtype == torch.float32 else 2e-2), (dtype, act, T, rel(pairs, want))
-                if T == 3:
+                if T > 1:
                     assert torch.equal(pairs[1, 0], torch.zeros(H, device=device))
                     assert torch.equal(pairs[2, 1], torch.zeros(H, device=device))
                 summed = kernels.sum_pairs(pairs, dtype, fused=True)
                 ref = mxfp4_moe_reference(hidden, slots, ids, weights, act)
                 assert rel(summed, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+                if run is mxfp4_grouped:   # the dispatch's entry takes this path at this T (> 16 tokens)
+                    whole = fused_mxfp4_moe(hidden, slots, ids, weights, act)
+                    assert T <= 16 or torch.equal(whole, summed)
