@@ -111,13 +111,13 @@ def _down_kernel(h_ptr, slot_ptr, weight_ptr, blocks_ptr, scales_ptr, bias_ptr, 
 
 
 @triton.jit
-def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K, GROUPS, dtype: tl.constexpr):
-    """The (rows, even columns) and (rows, odd columns) weights of byte columns `col`, in `dtype`."""
+def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K, GROUPS):
+    """The (rows, even columns) and (rows, odd columns) fp32 weights of byte columns `col`."""
     m = row_mask[:, None] & col_mask[None, :]
     byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
     s = tl.load(scales_ptr + rows[:, None] * GROUPS + (col // 16)[None, :], mask=m, other=127).to(tl.int32)
     scale = (s << 23).to(tl.float32, bitcast=True)
-    return (_fp4(byte & 15) * scale).to(dtype), (_fp4(byte >> 4) * scale).to(dtype)
+    return _fp4(byte & 15) * scale, _fp4(byte >> 4) * scale
 
 
 @triton.jit
@@ -134,10 +134,9 @@ def _grouped_dot(a_ptr, a_rows, a_mask, a_stride, blocks_ptr, scales_ptr, rows, 
         base = a_ptr + a_rows[:, None] * a_stride + 2 * col[None, :]
         a_even = tl.load(base, mask=am, other=0.0)
         a_odd = tl.load(base + 1, mask=am, other=0.0)
-        w_even, w_odd = _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, cmask, HALF_K, K // 32,
-                                      a_even.dtype)
-        acc += tl.dot(a_even, tl.trans(w_even), input_precision=PRECISION)
-        acc += tl.dot(a_odd, tl.trans(w_odd), input_precision=PRECISION)
+        w_even, w_odd = _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, cmask, HALF_K, K // 32)
+        acc += tl.dot(a_even, tl.trans(w_even.to(a_even.dtype)), input_precision=PRECISION)
+        acc += tl.dot(a_odd, tl.trans(w_odd.to(a_odd.dtype)), input_precision=PRECISION)
     return acc
 
 

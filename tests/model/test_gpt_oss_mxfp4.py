@@ -176,3 +176,20 @@ def test_convert_says_to_run_the_checkpoint_as_it_is(mxfp4_gpt_oss, tmp_path):
     with pytest.raises(InputError, match="MXFP4-quantized checkpoint; run it as it is") as info:
         Converter(mxfp4_gpt_oss[0], tmp_path / "out", QuantRecipe.from_dict({"experts": "int4"}))
     assert str(info.value).count(". ") == 0 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_kernels_match_and_a_bounded_bank_equals_resident(mxfp4_gpt_oss):
+    folder, ref_model = mxfp4_gpt_oss
+    ids = torch.randint(2, 160, (2, 40), generator=torch.Generator().manual_seed(2))   # > 16 tokens: grouped
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    resident = moestream.load(folder, device="cuda", dtype="bfloat16")
+    assert all(fmt.uses_kernels(torch.device("cuda"), resident.bank.store.shape)
+               for fmt in resident.bank.formats.values())
+    out = resident.logits(ids.cuda()).float().cpu()
+    assert (out - ref).norm() / ref.norm() < 3e-2
+    prompts = [ids[0, :9].tolist(), ids[1, :30].tolist()]
+    tokens = resident.generate(prompts, max_tokens=12, ignore_eos=True)
+    bounded = moestream.load(folder, device="cuda", dtype="bfloat16", capacity=3)
+    assert bounded.generate(prompts, max_tokens=12, ignore_eos=True) == tokens
