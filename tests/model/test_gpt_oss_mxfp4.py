@@ -193,3 +193,25 @@ def test_on_the_gpu_the_kernels_match_and_a_bounded_bank_equals_resident(mxfp4_g
     tokens = resident.generate(prompts, max_tokens=12, ignore_eos=True)
     bounded = moestream.load(folder, device="cuda", dtype="bfloat16", capacity=3)
     assert bounded.generate(prompts, max_tokens=12, ignore_eos=True) == tokens
+
+
+def test_prepacked_snapshots_and_profiles_hold_the_mxfp4_bank(mxfp4_gpt_oss, tmp_path):
+    from moestream.warmstart.profile import record_profile
+
+    folder, _ = mxfp4_gpt_oss
+    prompt = torch.randint(2, 160, (20,), generator=torch.Generator().manual_seed(11)).tolist()
+    snap = tmp_path / "bank"
+    cold = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap, warmup_tokens=6)
+    assert cold.prepack_error is None and (snap / "bank.json").exists()
+    warm = moestream.load(folder, device="cpu", dtype="float32", capacity=3, prepack=snap)
+    assert warm.prepack.loaded
+    for layer in cold.bank.layers:
+        assert torch.equal(warm.bank.layers[layer].tensors["gate_up.blocks"],
+                           cold.bank.layers[layer].tensors["gate_up.blocks"])
+    tokens = cold.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert warm.generate(prompt, max_tokens=10, ignore_eos=True) == tokens
+    path = tmp_path / "profile.json"
+    record_profile(cold, [prompt], max_tokens=3).save(path)
+    pinned = moestream.load(folder, device="cpu", dtype="float32", capacity=3, profile=path, pin_top_k=1)
+    assert all(len(v) == 1 for v in pinned.bank.policy.pinned.values())
+    assert pinned.generate(prompt, max_tokens=10, ignore_eos=True) == tokens
