@@ -36,9 +36,11 @@ def check_all(device: str, dtypes=(torch.float32,)) -> None:
     g = torch.Generator().manual_seed(0)
     S, H, I, k = 5, 96, 64, 2   # H: three 32-value groups, so the 64-wide K steps end on half a step
     for dtype in dtypes:
-        for act, bias in ((Activation("swiglu_clamped", 1.3, 0.4), True), (Activation(), False)):
+        first = dtype == dtypes[0]   # the first dtype takes every case, the others the clamped SwiGLU at two sizes
+        for act, bias in ((Activation("swiglu_clamped", 1.3, 0.4), True), (Activation(), False))[:2 if first else 1]:
             slots = mxfp4_bank(S, H, I, dtype, device, g, bias)
-            for T, run in ((1, mxfp4_pairs), (3, mxfp4_pairs), (3, mxfp4_grouped), (20, mxfp4_grouped)):
+            cases = ((1, mxfp4_pairs), (3, mxfp4_pairs), (3, mxfp4_grouped), (20, mxfp4_grouped))
+            for T, run in cases if first else cases[1:3]:
                 hidden = torch.randn(T, H, generator=g).to(device, dtype)
                 ids = torch.randint(0, S, (T, k), generator=g).to(device)
                 weights = torch.rand(T, k, generator=g).to(device)
