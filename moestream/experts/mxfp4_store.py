@@ -34,6 +34,13 @@ class Mxfp4ExpertStore(ExpertStore):
         I, H, E = self.shape.intermediate, self.shape.hidden, self.num_experts
         Mxfp4Format(torch.float32).tensors(self.shape)   # widths in whole blocks, or one sentence
         self.sizes = {"gate_up": (2 * I, H), "down": (H, I)}
+        experts = {f"{spec.stacked_expert_names(layer)[proj]}_{part}" for layer in self.moe_layers
+                   for proj in self.sizes for part in ("blocks", "scales")}
+        other = sorted(name for name in index.tensors if name.endswith(("_blocks", "_scales")) and name not in experts)
+        if other:
+            raise CheckpointError(f"tensor {other[0]!r} is MXFP4-quantized, but moestream reads MXFP4 for the routed "
+                                  "experts only (the published gpt-oss checkpoints keep every other tensor in bf16); "
+                                  "list that module in modules_to_not_convert and store it unquantized.")
         bias_dtypes = set()
         for layer in self.moe_layers:   # every expert tensor checked before anything loads
             names = spec.stacked_expert_names(layer)

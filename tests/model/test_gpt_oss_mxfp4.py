@@ -125,8 +125,10 @@ def _edit_tensors(folder, edit) -> None:
     (lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj_scales":
                          t["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :, :1].contiguous()}),
      r"gate_up_proj_scales' is uint8 of shape \[8, 64, 1\].*shape \[8, 64, 2\]"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj_blocks": torch.zeros(32, 2, 16, dtype=torch.uint8)}),
+     r"q_proj_blocks' is MXFP4-quantized, but moestream reads MXFP4 for the routed experts only"),
 ])
-def test_missing_or_misshapen_scales_are_one_sentence(mxfp4_gpt_oss, tmp_path, edit, match):
+def test_missing_misshapen_or_misplaced_mxfp4_tensors_are_one_sentence(mxfp4_gpt_oss, tmp_path, edit, match):
     folder = _copy(mxfp4_gpt_oss[0], tmp_path)
     _edit_tensors(folder, edit)
     with pytest.raises(CheckpointError, match=match) as info:
