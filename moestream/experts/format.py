@@ -13,6 +13,7 @@ The dense formats (bf16 / fp16 / fp32): `gate_up (2I, H)` with the gate rows fir
 (affine int8/4/3/2, normal-float nf4/nf3, any group size of `moestream.quant`): each projection as
 `<proj>.qweight` (packed uint8), `<proj>.scales` and, for affine specs, `<proj>.biases` (the
 quantization's offsets, not a layer bias); they hold plain SwiGLU experts without biases only.
+gpt-oss's MXFP4 experts (biases, clamped SwiGLU) have their own format: mxfp4_format.py.
 
 The expert's activation (`ExpertShape.activation`: SwiGLU, or GPT-OSS's clamped SwiGLU with its
 parameters) travels with the shape into `dispatch`.
