@@ -34,9 +34,9 @@ Design notes:
 * DeepSeek-V2-Lite and GLM-4.7-Flash: multi-head latent attention's tensors (``kv_a_proj_with_mqa``,
   ``kv_b_proj``, a plain ``q_proj`` or ``q_a_proj``/``q_b_proj``); ``--tiny`` keeps a null q_lora_rank null.
 * GPT-OSS (``gpt-oss-20b``): the bf16 export's layout (the Hub's MXFP4 ``*_blocks`` / ``*_scales``
-  are what it dequantizes to; ``--mxfp4`` writes those instead): experts stacked per layer, ``mlp.experts.gate_up_proj`` (E, H, 2I) with
-  gate and up columns interleaved, ``down_proj`` (E, I, H), their biases, and ``layer_types`` repeated
-  to ``--layers``.
+  are what it dequantizes to; ``--mxfp4`` writes those instead): experts stacked per layer,
+  ``mlp.experts.gate_up_proj`` (E, H, 2I) with gate and up columns interleaved, ``down_proj`` (E, I, H),
+  their biases, and ``layer_types`` repeated to ``--layers``.
 * Gemma 4 (``gemma-4-26b-a4b``): the text-only export's layout (``gemma4_text``, weights under
   ``model.layers``; the Hub checkpoint is the multimodal wrapper), experts stacked per layer
   (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)), tied embeddings (no

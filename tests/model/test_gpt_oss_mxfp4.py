@@ -121,7 +121,8 @@ def _edit_tensors(folder, edit) -> None:
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda t: t.pop("model.layers.1.mlp.experts.down_proj_scales"), r"down_proj_scales' is missing.*_blocks and _scales"),
+    (lambda t: t.pop("model.layers.1.mlp.experts.down_proj_scales"),
+     r"down_proj_scales' is missing.*_blocks and _scales"),
     (lambda t: t.update({"model.layers.0.mlp.experts.gate_up_proj_scales":
                          t["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :, :1].contiguous()}),
      r"gate_up_proj_scales' is uint8 of shape \[8, 64, 1\].*shape \[8, 64, 2\]"),
