@@ -181,6 +181,42 @@ def test_convert_says_to_run_the_checkpoint_as_it_is(mxfp4_gpt_oss, tmp_path):
     assert str(info.value).count(". ") == 0 and not (tmp_path / "out").exists()
 
 
+def test_cli_convert_without_experts_names_the_mxfp4_checkpoint(mxfp4_gpt_oss, tmp_path, capsys):
+    """Asking for --experts would mislead (an MXFP4 checkpoint is not converted at all): the
+    refusal names the format, in one line."""
+    from moestream import cli
+
+    assert cli.main(["convert", str(mxfp4_gpt_oss[0]), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "MXFP4-quantized checkpoint; run it as it is" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hybrid_misses_refused_for_mxfp4_experts_and_auto_says_why(mxfp4_gpt_oss, capsys):
+    """The CPU worker has no MXFP4 kernel: the hybrid policy is refused by name, auto falls back to
+    fetch with the reason `--stats` prints, and `check` names the format."""
+    from moestream import cli
+    from moestream.engine.build import hybrid_refusal
+
+    folder = mxfp4_gpt_oss[0]
+    with pytest.raises(InputError, match=r"does not read MXFP4 experts yet; use --miss-policy fetch"):
+        moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="hybrid", host_tier="pinned")
+    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
+    assert engine.bank.miss_policy == "fetch" and engine.bank.policy_note.startswith("miss policy: fetch (auto: ")
+
+    class OnGpu:   # the plan as a GPU's would be, with the pinned tier: only the format stands in the way
+        memory, device = engine.plan.memory, torch.device("cuda")
+
+    class Tier:
+        layers = {0: {}}
+
+    why = hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats,
+                         Tier, sharded=False)
+    assert why == "CPU worker does not read MXFP4 experts yet"
+    assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
+    assert "MXFP4, kept as stored" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_the_kernels_match_and_a_bounded_bank_equals_resident(mxfp4_gpt_oss):
     folder, ref_model = mxfp4_gpt_oss

@@ -47,3 +47,12 @@ def test_mxfp4_is_for_gpt_oss_shapes_only(tmp_path):
     with pytest.raises(SystemExit, match="gpt-oss"):
         mrc.main(["--shape", "qwen3-30b-a3b", "--tiny", "--out", str(tmp_path / "x"), "--mxfp4"])
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("other", [["--gptq", "4"], ["--fp8-block", "16x16"]])
+def test_mxfp4_excludes_the_other_quantized_forms(tmp_path, other):
+    """A checkpoint has one quantization_config: --mxfp4 with --gptq or --fp8-block is refused, dry run included."""
+    with pytest.raises(SystemExit, match=f"{other[0]} and --mxfp4 each write the whole checkpoint's quantization; "
+                                         "give one of them"):
+        mrc.main(["--shape", "gpt-oss-20b", "--tiny", "--out", str(tmp_path / "x"), "--mxfp4", *other, "--dry-run"])
+    assert not (tmp_path / "x").exists()
