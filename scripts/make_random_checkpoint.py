@@ -34,9 +34,9 @@ Design notes:
 * DeepSeek-V2-Lite and GLM-4.7-Flash: multi-head latent attention's tensors (``kv_a_proj_with_mqa``,
   ``kv_b_proj``, a plain ``q_proj`` or ``q_a_proj``/``q_b_proj``); ``--tiny`` keeps a null q_lora_rank null.
 * GPT-OSS (``gpt-oss-20b``): the bf16 export's layout (the Hub's MXFP4 ``*_blocks`` / ``*_scales``
-  are what it dequantizes to): experts stacked per layer, ``mlp.experts.gate_up_proj`` (E, H, 2I) with
-  gate and up columns interleaved, ``down_proj`` (E, I, H), their biases, and ``layer_types`` repeated
-  to ``--layers``.
+  are what it dequantizes to; ``--mxfp4`` writes those instead): experts stacked per layer,
+  ``mlp.experts.gate_up_proj`` (E, H, 2I) with gate and up columns interleaved, ``down_proj`` (E, I, H),
+  their biases, and ``layer_types`` repeated to ``--layers``.
 * Gemma 4 (``gemma-4-26b-a4b``): the text-only export's layout (``gemma4_text``, weights under
   ``model.layers``; the Hub checkpoint is the multimodal wrapper), experts stacked per layer
   (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I)), tied embeddings (no
@@ -57,7 +57,13 @@ Design notes:
   symmetric zero point (2^(bits-1), stored minus 1 as GPTQ v1 does), ``scales`` (G, N) F16 drawn
   so that the weights spread like normal(0, 0.02), and ``g_idx`` (K,) I32 in group order;
   ``quantization_config`` names it (symmetric, no act-order). Per-expert tensors only: GPT-OSS's
-  and Gemma 4's stacked experts are left in ``--dtype``. ``--gptq`` and ``--fp8-block`` exclude each other.
+  and Gemma 4's stacked experts are left in ``--dtype``.
+* ``--mxfp4`` (gpt-oss shapes) writes the experts as the Hub ships them: ``gate_up_proj_blocks``
+  (E, 2I, H/32, 16) and ``down_proj_blocks`` (E, H, I/32, 16) U8 of random fp4 codes, their
+  ``_scales`` U8 e8m0 bytes (2^-7, so the weights spread like the bf16 form's), the biases in ``--dtype``,
+  and ``quantization_config`` ``{"quant_method": "mxfp4", "modules_to_not_convert": [...]}``.
+* ``--gptq``, ``--fp8-block`` and ``--mxfp4`` exclude each other (a checkpoint has one
+  ``quantization_config``).
 """
 
 from __future__ import annotations
@@ -580,7 +586,7 @@ INIT_STD = 0.02
 # generated in parallel and never need more than one block in flight per worker.
 CHUNK_ELEMS = 16 * 1024 * 1024
 
-STORED_DTYPES = {"I32": torch.int32, "F16": torch.float16}
+STORED_DTYPES = {"I32": torch.int32, "F16": torch.float16, "U8": torch.uint8}
 GPTQ_BITS = (2, 3, 4, 8)
 GPTQ_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight", "mlp.router.weight")
 
@@ -989,6 +995,59 @@ def gptq_specs(specs: Sequence[TensorSpec], bits: int, group: int) -> list[Tenso
     return out
 
 
+# e8m0 byte of the MXFP4 scales: uniformly random fp4 codes have an RMS of about 2.9, so 2^(120 - 127) spreads
+# the weights like normal(0, INIT_STD) would.
+MXFP4_SCALE_BYTE = 120
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def mxfp4_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """GPT-OSS's stacked experts as the Hub stores them: `<proj>_blocks` (E, N, K/32, 16) U8 of random
+    fp4 codes (two a byte) and `<proj>_scales` (E, N, K/32) U8 e8m0 bytes, N the output rows (gate/up
+    interleaved as the bf16 export's columns are); everything else, biases included, stays as it is."""
+    out = []
+    for s in specs:
+        if not s.name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            out.append(s)
+            continue
+        experts, k, n = s.shape
+        out += [TensorSpec(f"{s.name}_blocks", (experts, n, k // 32, 16), "bytes", stored="U8"),
+                TensorSpec(f"{s.name}_scales", (experts, n, k // 32), f"fill:{MXFP4_SCALE_BYTE}", stored="U8")]
+    return out
+
+
+def mxfp4_config() -> dict[str, Any]:
+    """`quantization_config` as the published gpt-oss config has it."""
+    return {"quant_method": "mxfp4", "modules_to_not_convert": list(MXFP4_NOT_CONVERTED)}
+
+
+def quantized_form(cfg: dict[str, Any], specs: list[TensorSpec], gptq: int | None, gptq_group: int,
+                   fp8_block: tuple[int, int] | None, mxfp4: bool) -> list[TensorSpec]:
+    """The tensors (and config.json's quantization_config) of the --gptq, --fp8-block or --mxfp4 form,
+    else as they are; one at most, since a checkpoint has one quantization_config."""
+    asked = [flag for flag, on in (("--gptq", gptq is not None), ("--fp8-block", fp8_block is not None),
+                                   ("--mxfp4", mxfp4)) if on]
+    if len(asked) > 1:
+        raise SystemExit(f"{' and '.join(asked)} each write the whole checkpoint's quantization; give one of them")
+    if gptq is not None:
+        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
+            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
+        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
+        return gptq_specs(specs, gptq, gptq_group)
+    if fp8_block is not None:
+        if cfg["model_type"] in ("gpt_oss", "gemma4_text"):
+            raise SystemExit(f"--fp8-block: {cfg['model_type']} stores its experts stacked; FP8 checkpoints store "
+                             "them one by one")
+        cfg["quantization_config"] = fp8_quantization_config(fp8_block)
+        return fp8_specs(specs, fp8_block)
+    if mxfp4:
+        if cfg["model_type"] != "gpt_oss":
+            raise SystemExit("--mxfp4 writes gpt-oss's experts as the Hub ships them; use a gpt-oss --shape")
+        cfg["quantization_config"] = mxfp4_config()
+        return mxfp4_specs(specs)
+    return specs
+
+
 def gptq_config(bits: int, group: int) -> dict[str, Any]:
     """`quantization_config` as GPTQModel writes it (symmetric, no act-order, v1 zero points)."""
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": False,
@@ -1117,6 +1176,8 @@ class ChunkGenerator:
             return torch.full(shape, INIT_STD / FP8_VALUE_STD, dtype=torch.float32)
         g = self._gen()
         g.manual_seed(chunk_seed(self.seed, c.spec.name, c.index))
+        if kind == "bytes":     # MXFP4's blocks: random bytes are two random fp4 codes
+            return torch.randint(0, 256, shape, dtype=torch.uint8, device=self.device, generator=g).cpu()
         if kind == "codes":     # GPTQ's qweight: random words are random codes of any width
             t = torch.randint(-(1 << 31), 1 << 31, shape, dtype=torch.int64, device=self.device, generator=g)
             return t.to(torch.int32).cpu()
@@ -1245,12 +1306,14 @@ def write_checkpoint(
     gptq: int | None = None,
     gptq_group: int = 128,
     fp8_block: tuple[int, int] | None = None,
+    mxfp4: bool = False,
 ) -> dict[str, Any]:
     """Write config.json, generation_config.json, the shards and the index; return a summary dict.
-    `gptq` / `fp8_block`: write the GPTQ or the FP8 e4m3 block form (see the module docstring)."""
+    `gptq` / `fp8_block` / `mxfp4`: write the GPTQ, the FP8 e4m3 block or the MXFP4 form (see the module
+    docstring)."""
     torch_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    cfg, specs = planned(shape, layers, dtype, tiny, fp8_block, gptq, gptq_group)
+    cfg, specs = planned(shape, layers, dtype, tiny, gptq, gptq_group, fp8_block, mxfp4)
     total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
@@ -1315,28 +1378,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gptq-group", type=int, default=128, help="GPTQ group size (-1: one group per row)")
     ap.add_argument("--fp8-block", type=parse_block, default=None, metavar="ROWSxCOLS",
                     help="write the FP8 e4m3 block form with this scale block, e.g. 128x128 (DeepSeek-V3, Qwen3-FP8)")
+    ap.add_argument("--mxfp4", action="store_true",
+                    help="gpt-oss shapes: write the experts in MXFP4 (blocks + e8m0 scales), as the Hub ships them")
     return ap.parse_args(argv)
 
 
-def planned(shape: str, layers: int | None, dtype: str, tiny: bool, fp8_block: tuple[int, int] | None = None,
-            gptq: int | None = None, gptq_group: int = 128) -> tuple[dict[str, Any], list[TensorSpec]]:
-    """config.json and the tensor plan, in the FP8 block form when `fp8_block` is given, in the
-    GPTQ form when `gptq` is (one or the other: a checkpoint has one quantization_config)."""
+def planned(shape: str, layers: int | None, dtype: str, tiny: bool, gptq: int | None = None,
+            gptq_group: int = 128, fp8_block: tuple[int, int] | None = None,
+            mxfp4: bool = False) -> tuple[dict[str, Any], list[TensorSpec]]:
+    """config.json and the tensor plan, in the quantized form asked for (`quantized_form`)."""
     cfg = build_config(shape, layers, dtype, tiny)
-    specs = plan_tensors(cfg)
-    if gptq is not None and fp8_block is not None:
-        raise SystemExit("--gptq and --fp8-block each write the whole checkpoint's linears; give one of them")
-    if gptq is not None:
-        if gptq not in GPTQ_BITS or not (gptq_group == -1 or gptq_group > 0):
-            raise SystemExit(f"--gptq takes {'/'.join(map(str, GPTQ_BITS))} bits and --gptq-group -1 or a positive size")
-        specs = gptq_specs(specs, gptq, gptq_group)
-        cfg["quantization_config"] = gptq_config(gptq, gptq_group)
-    if fp8_block is not None:
-        if cfg["model_type"] in ("gpt_oss", "gemma4_text"):
-            raise SystemExit(f"--fp8-block: {shape} stores its experts stacked; FP8 checkpoints store them one by one")
-        cfg["quantization_config"] = fp8_quantization_config(fp8_block)
-        specs = fp8_specs(specs, fp8_block)
-    return cfg, specs
+    return cfg, quantized_form(cfg, plan_tensors(cfg), gptq, gptq_group, fp8_block, mxfp4)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1345,7 +1397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if a.dry_run:
-        cfg, specs = planned(a.shape, a.layers, a.dtype, a.tiny, a.fp8_block, a.gptq, a.gptq_group)
+        cfg, specs = planned(a.shape, a.layers, a.dtype, a.tiny, a.gptq, a.gptq_group, a.fp8_block, a.mxfp4)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
         total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
@@ -1353,7 +1405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
         return 0
     write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite,
-                     a.gptq, a.gptq_group, a.fp8_block)
+                     a.gptq, a.gptq_group, a.fp8_block, a.mxfp4)
     return 0
 
 

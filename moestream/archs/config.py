@@ -185,14 +185,15 @@ def _expert_kind(raw: dict[str, Any], spec: ArchSpec) -> dict[str, Any]:
     return out
 
 
-def _check_quantization(raw: dict[str, Any]) -> None:
+def _check_quantization(raw: dict[str, Any], spec: ArchSpec) -> None:
     """A Hugging Face quantization moestream does not read is refused by name before any tensor is
-    (MLX's quantization, which it reads, is `quantization` with bits and group_size: quant/mlx.py)."""
+    (MLX's quantization, which it reads, is `quantization` with bits and group_size: quant/mlx.py;
+    MXFP4 is read for the families whose experts are stored as gpt-oss stores them)."""
     q = raw.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
-        raise CheckpointError("config.json says the weights are MXFP4-quantized (quantization_config.quant_method = "
-                              "'mxfp4'), which moestream does not read yet; use a bf16 export of the model (its "
-                              "experts dequantized) for now.")
+    if isinstance(q, dict) and q.get("quant_method") == "mxfp4" and spec.expert_layout != "stacked":
+        raise CheckpointError(f"config.json says the weights are MXFP4-quantized (quantization_config.quant_method = "
+                              f"'mxfp4'), which moestream reads for gpt-oss's experts only, not {spec.name}'s; use a "
+                              "bf16 export of the model.")
 
 
 def _linear_attention(raw: dict[str, Any], spec: ArchSpec, mixers: tuple[str, ...]) -> LinearAttentionConfig | None:
@@ -377,7 +378,7 @@ def _layer_list(raw: dict[str, Any], key: str, layers: int) -> set[int]:
 
 def model_config_from_hf(raw: dict[str, Any], spec: ArchSpec) -> ModelConfig:
     _check_variants(raw, spec)
-    _check_quantization(raw)
+    _check_quantization(raw, spec)
     hidden = _lookup(raw, spec, "hidden_size")
     heads = _lookup(raw, spec, "num_attention_heads")
     layers = _lookup(raw, spec, "num_hidden_layers")

@@ -6,7 +6,8 @@ stacked per layer (`mlp.experts.gate_up_proj` (E, H, 2I) with gate and up column
 `down_proj` (E, I, H), and their biases). Norms scale in fp32 (transformers keeps them in fp32).
 
 The published weights are MXFP4 (`*_blocks` + `*_scales`, quantization_config.quant_method
-"mxfp4"): those are refused, a bf16 export (the experts dequantized) is read."""
+"mxfp4"): the experts are kept in those bytes (experts/mxfp4_store.py, mxfp4_format.py); a bf16
+export (the experts dequantized) is read too."""
 
 from moestream.archs.spec import ArchSpec
 

@@ -108,6 +108,9 @@ def print_model(plan) -> None:
     if plan.kind == "fp8":
         print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
               "and so are the dense FP8 linears")
+    if plan.kind == "mxfp4":
+        print("experts           MXFP4, kept as stored (fp4 codes and an e8m0 scale per 32 values: 4.25 bits "
+              "a weight, plus their biases); every other tensor as stored")
     if getattr(plan, "gguf", None) is not None:
         print_gguf(plan)
 

@@ -25,9 +25,10 @@ def add_parser(sub) -> None:
 
 def may_skip_experts(raw: dict) -> bool:
     """Whether config.json may name an FP8 checkpoint, whose own FP8 experts convert without
-    --experts (compressed-tensors may be FP8 or integer: the Converter tells them apart)."""
+    --experts (compressed-tensors may be FP8 or integer: the Converter tells them apart), or an
+    MXFP4 one, which the Converter refuses by name (asking for --experts would mislead)."""
     q = raw.get("quantization_config")
-    return isinstance(q, dict) and q.get("quant_method") in ("fp8", "compressed-tensors")
+    return isinstance(q, dict) and q.get("quant_method") in ("fp8", "compressed-tensors", "mxfp4")
 
 
 def run(args) -> int:

@@ -32,6 +32,7 @@ from moestream.experts.host_tier import make_host_tier
 from moestream.experts.hybrid import check_hybrid
 from moestream.experts.gguf_store import GGUFExpertStore
 from moestream.experts.int_store import IntQuantExpertStore
+from moestream.experts.mxfp4_store import Mxfp4ExpertStore
 from moestream.experts.store import (CheckpointExpertStore, ExpertStore, Fp8ExpertStore, MLXExpertStore,
                                      PackedExpertStore)
 from moestream.kernels import cpu_moe
@@ -127,6 +128,8 @@ def open_store(plan: LoadPlan, index: TensorIndex) -> ExpertStore:
         return Fp8ExpertStore(index, plan.config, plan.spec, plan.fp8)
     if plan.kind == "gguf":
         return GGUFExpertStore(plan.gguf, plan.config, plan.spec, index)
+    if plan.kind == "mxfp4":
+        return Mxfp4ExpertStore(index, plan.config, plan.spec)
     return CheckpointExpertStore(index, plan.config, plan.spec)
 
 
@@ -167,7 +170,7 @@ def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, 
 def hybrid_refusal(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> str | None:
     """Why `--miss-policy auto` does not take the hybrid policy, or None where it does: it needs a
     bounded bank on a GPU, every expert in pinned host RAM in a format the CPU worker reads
-    (bf16/fp32, 8/4/2-bit, NF4: not FP8 yet), the worker's kernel built, one device, and no
+    (bf16/fp32, 8/4/2-bit, NF4: not FP8 or MXFP4 yet), the worker's kernel built, one device, and no
     fetch-only option asked for (prefetch). Elsewhere auto is the fetch policy (`--stats` says why)."""
     if plan.memory.fully_resident:
         return "every expert is resident"

@@ -45,6 +45,7 @@ from moestream.quant import QuantizedTensor, quantize
 from moestream.quant.fp8 import dequantize_fp8, fp8_quantization
 from moestream.quant.gptq import int_quantization
 from moestream.quant.mlx import mlx_quantization
+from moestream.quant.mxfp4 import mxfp4_quantization
 from moestream.quant.recipe import QuantRecipe
 
 PROGRESS = "progress.json"
@@ -113,6 +114,9 @@ class Converter:
         if mlx_quantization(raw) is not None:
             raise InputError(f"{self.folder} is an MLX-quantized checkpoint; run it as it is (moestream reads MLX "
                              "checkpoints directly) or convert its full-precision source.")
+        if mxfp4_quantization(raw):
+            raise InputError(f"{self.folder} is an MXFP4-quantized checkpoint; run it as it is (moestream keeps its "
+                             "experts in their MXFP4 bytes), a packed copy would not be smaller.")
         self.spec = detect_arch(raw)
         self.config = model_config_from_hf(raw, self.spec)
         self.recipe = recipe.validate(self.config.num_layers)

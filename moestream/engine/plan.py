@@ -27,6 +27,7 @@ from moestream.errors import BudgetError, DeviceError, InputError
 from moestream.experts.format import (ExpertFormat, ExpertShape, Fp8Format, QuantizedFormat, dense_format,
                                       stored_format)
 from moestream.experts.gguf_store import expert_formats as gguf_expert_formats
+from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -35,6 +36,7 @@ from moestream.quant import QuantSpec
 from moestream.quant.fp8 import Fp8Spec, fp8_quantization
 from moestream.quant.gptq import IntQuant, affine_spec, fallback_spec, int_quantization
 from moestream.quant.mlx import mlx_quantization, mlx_spec
+from moestream.quant.mxfp4 import mxfp4_quantization
 from moestream.quant.recipe import QuantRecipe, module_class
 from moestream.sizes import dtype_size, format_bytes, parse_bytes
 
@@ -312,7 +314,8 @@ class LoadPlan:
     context: int                 # positions per sequence
     kind: str                    # "hf" (full precision), "packed" (moestream convert), "mlx" (MLX-quantized),
                                  # "int" (GPTQ / AWQ / compressed-tensors pack-quantized),
-                                 # "fp8" (FP8 e4m3 weights with scales: quant/fp8.py) or "gguf" (llama.cpp's)
+                                 # "fp8" (FP8 e4m3 weights with scales: quant/fp8.py), "mxfp4" (gpt-oss)
+                                 # or "gguf" (llama.cpp's)
     recipe: QuantRecipe          # the precision of every tensor class (asked for, or what the checkpoint holds)
     precision: Precision         # dense module path → its quantization
     expert_formats: dict[int, ExpertFormat]   # per MoE layer
@@ -365,17 +368,20 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     asked.check_dtype(dtype)
     layout = PackedLayout.load(folder) if PackedLayout.present(folder) else None
     # Which reader owns the quantization block: the integer reader (GPTQ / AWQ / compressed-tensors'
-    # integer formats), else the FP8 reader (fp8, compressed-tensors' float-quantized), else MLX
-    # (whose test, bits and group_size, GPTQ's block would also pass).
+    # integer formats), else the FP8 reader (fp8, compressed-tensors' float-quantized), else MXFP4
+    # (quant_method "mxfp4", gpt-oss), else MLX (whose test, bits and group_size, GPTQ's block would
+    # also pass).
     int_quant = int_quantization(raw)
     ckpt = open_gguf(folder) if is_gguf(folder) else None
     fp8 = fp8_quantization(raw) if layout is None and int_quant is None and ckpt is None else None
-    mlx = mlx_quantization(raw) if int_quant is None and fp8 is None and ckpt is None else None
+    mxfp4 = layout is None and int_quant is None and fp8 is None and ckpt is None and mxfp4_quantization(raw)
+    mlx = mlx_quantization(raw) if int_quant is None and fp8 is None and not mxfp4 and ckpt is None else None
     kind = ("gguf" if ckpt is not None else "packed" if layout is not None else "mlx" if mlx is not None
-            else "int" if int_quant is not None else "fp8" if fp8 is not None else "hf")
+            else "int" if int_quant is not None else "fp8" if fp8 is not None else "mxfp4" if mxfp4 else "hf")
     if kind not in ("hf", "fp8") and (asked.quantized or asked.layer_formats):
         stored = ("a GGUF" if ckpt is not None else "a packed (moestream convert)" if layout is not None
-                  else "an MLX-quantized" if mlx is not None else f"a {int_quant.method}-quantized")
+                  else "an MLX-quantized" if mlx is not None else "an MXFP4-quantized" if mxfp4
+                  else f"a {int_quant.method}-quantized")
         raise InputError(f"{folder} is {stored} checkpoint whose precision is fixed; drop --experts, --shared, "
                          "--attention, --embeddings and --layer-format.")
     L = config.num_layers
@@ -402,6 +408,10 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
         unpacked = str(recipe.experts).lower() in ("bf16", "fp16", "fp32")   # asked for by name: dequantized
         formats = {layer: (fmt if isinstance(fmt, QuantizedFormat) or unpacked else Fp8Format(fp8, dtype))
                    for layer, fmt in expert_formats(config, dtype, recipe).items()}
+    elif mxfp4:   # the experts as they are stored (4.25 bits a weight); everything else is bf16 already
+        recipe = QuantRecipe()
+        precision = functools.partial(_recipe_precision, recipe, L)
+        formats = {layer: Mxfp4Format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     else:
         recipe = asked
         precision = functools.partial(_recipe_precision, recipe, L)

@@ -16,6 +16,7 @@ quantization's offsets, not a layer bias); they hold plain SwiGLU experts withou
 The FP8 format (`Fp8Format`, e4m3 as FP8 checkpoints ship it: `moestream.quant.fp8`) keeps the same
 names: `<proj>.qweight` (N, K) uint8 holding the float8_e4m3fn bits and `<proj>.scales` float32 per
 block of the checkpoint's grid, gate_up's being the gate's grid then the up's.
+gpt-oss's MXFP4 experts (biases, clamped SwiGLU) have their own format: mxfp4_format.py.
 
 The expert's activation (`ExpertShape.activation`: SwiGLU, or GPT-OSS's clamped SwiGLU with its
 parameters) travels with the shape into `dispatch`.
@@ -36,6 +37,7 @@ from moestream.errors import InputError
 from moestream.kernels.moe_reference import Activation
 from moestream.quant import QuantSpec, quantize
 from moestream.quant.fp8 import Fp8Spec, quantize_fp8
+from moestream.quant.mxfp4 import Mxfp4Spec
 from moestream.sizes import dtype_size
 
 # (hidden (T, H), slot tensors of one layer by name, slot ids (T, k), routing weights (T, k)) -> (T, H);
@@ -354,8 +356,11 @@ class Fp8Format(QuantizedFormat):
         return f"Fp8Format({self.name})"
 
 
-def stored_format(spec: QuantSpec | Fp8Spec, dtype: torch.dtype) -> QuantizedFormat:
+def stored_format(spec: QuantSpec | Fp8Spec | Mxfp4Spec, dtype: torch.dtype) -> ExpertFormat:
     """The format that holds experts stored pre-quantized in `spec` exactly (a store's `native` spec)."""
+    if isinstance(spec, Mxfp4Spec):
+        from moestream.experts.mxfp4_format import Mxfp4Format   # it builds on this module
+        return Mxfp4Format(dtype)
     return Fp8Format(spec, dtype) if isinstance(spec, Fp8Spec) else QuantizedFormat(spec, dtype)
 
 

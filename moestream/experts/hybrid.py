@@ -44,6 +44,7 @@ from torch import Tensor
 
 from moestream.errors import InputError
 from moestream.experts.format import DenseFormat, Dispatch, ExpertFormat, ExpertShape, QuantizedFormat
+from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.experts.residency import ResidencyPolicy
 from moestream.experts.skip import choose_promotions
 from moestream.experts.slots import Landing, SlotTable
@@ -73,6 +74,9 @@ def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stac
         if getattr(fmt.spec if isinstance(fmt, QuantizedFormat) else None, "kind", None) == "fp8":
             raise InputError(f"--miss-policy hybrid's CPU worker does not read FP8 experts ({fmt.name}) yet; use "
                              "--miss-policy fetch, or --experts bf16 to hold them dequantized (twice the bytes).")
+        if isinstance(fmt, Mxfp4Format):   # the checkpoint's precision is fixed: no dequantized alternative
+            raise InputError("--miss-policy hybrid's CPU worker does not read MXFP4 experts yet; use "
+                             "--miss-policy fetch.")
         if isinstance(fmt, DenseFormat):
             ok = cpu_moe.supports(fmt.dtype, shape.activation)
         else:

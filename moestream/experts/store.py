@@ -97,8 +97,9 @@ class CheckpointExpertStore(ExpertStore):
         names = self.spec.stacked_expert_names(layer)
         base = names["gate_up"]
         if f"{base}_blocks" in self.index or f"{base}_scales" in self.index:
-            raise CheckpointError(f"{base} is stored MXFP4-quantized (blocks and scales), which moestream does not "
-                                  "read yet; use a bf16 export of the model (its experts dequantized).")
+            raise CheckpointError(f"{base} is stored MXFP4-quantized (blocks and scales) but config.json does not say "
+                                  "so; add quantization_config with quant_method 'mxfp4' as the published gpt-oss "
+                                  "config has it.")
         if self.rows:
             return [(names["gate_up"], (E, 2 * I, H)), (names["down"], (E, H, I))]
         return [(names["gate_up"], (E, H, 2 * I)), (names["gate_up_bias"], (E, 2 * I)),

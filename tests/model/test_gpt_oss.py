@@ -2,7 +2,7 @@
 the sliding-window ring cache (wrapping, chunk boundaries, rows of different lengths, row moves
 and snapshots), prompts longer than the window and prefill chunks shorter than it against
 transformers, the prefix cache over a ring, the stacked expert layout, and what is refused (MXFP4
-checkpoints, quantized experts, bad sliding-window settings). The shared reference tests
+tensors and config.json that disagree, quantized experts, bad sliding-window settings). The shared reference tests
 (tests/model/test_reference.py) run the tiny GPT-OSS checkpoint too."""
 
 from __future__ import annotations
@@ -256,10 +256,10 @@ def _edited(folder, tmp_path, **changes):
     return out
 
 
-def test_mxfp4_checkpoints_are_refused_with_what_to_use(gpt_oss, tmp_path):
+def test_an_mxfp4_config_with_widths_mxfp4_cannot_split_is_refused(gpt_oss, tmp_path):
     folder = _edited(gpt_oss[0], tmp_path, quantization_config={"quant_method": "mxfp4",
                                                                 "modules_to_not_convert": ["model.layers.*.self_attn"]})
-    with pytest.raises(CheckpointError, match=r"MXFP4.*bf16 export") as info:
+    with pytest.raises(CheckpointError, match=r"intermediate_size = 16, which MXFP4's 32-value blocks") as info:
         moestream.load(folder, device="cpu")
     assert str(info.value).count(". ") == 0 and str(info.value).endswith(".")   # one sentence
 
@@ -274,7 +274,7 @@ def test_mxfp4_expert_tensors_without_the_config_entry_are_refused(gpt_oss, tmp_
     tensors[f"{name}_scales"] = torch.zeros(8, 32, 1, dtype=torch.uint8)
     del tensors[name]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"MXFP4.*bf16 export"):
+    with pytest.raises(CheckpointError, match=r"MXFP4-quantized.*config.json does not say so.*quant_method 'mxfp4'"):
         moestream.load(folder, device="cpu")
 
 

@@ -1,0 +1,98 @@
+"""The MXFP4 expert format: gpt-oss's experts kept in the bytes they ship in (4.25 bits a weight).
+
+One expert is `gate_up.blocks (2I, H/2)` uint8 (two fp4 codes a byte, quant/mxfp4.py's layout) with
+`gate_up.scales (2I, H/32)` uint8 (e8m0), gate rows first as every format has them; `down.blocks
+(H, I/2)` and `down.scales (H, I/32)`; and the experts' biases `gate_up_bias (2I,)` and `down_bias
+(H,)` in the compute dtype. The bank, the host tier and snapshots hold these bytes; the dispatch
+dequantizes as it computes (kernels/mxfp4_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from moestream.errors import CheckpointError, InputError
+from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, TensorSpec
+from moestream.kernels.moe_reference import Activation
+from moestream.quant.mxfp4 import GROUP, MXFP4, quantize_mxfp4
+
+
+class Mxfp4Format(ExpertFormat):
+    """Experts stored MXFP4, computed in `dtype`; `spec` is what the store compares (`native`)."""
+
+    spec = MXFP4
+    name = "mxfp4"
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def tensors(self, shape: ExpertShape) -> tuple[TensorSpec, ...]:
+        H, I = shape.hidden, shape.intermediate
+        for what, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % GROUP:
+                raise CheckpointError(f"config.json has {what} = {k}, which MXFP4's {GROUP}-value blocks cannot "
+                                      "split; the config does not match the weights.")
+        out = (TensorSpec("gate_up.blocks", (2 * I, H // 2), torch.uint8),
+               TensorSpec("gate_up.scales", (2 * I, H // GROUP), torch.uint8),
+               TensorSpec("down.blocks", (H, I // 2), torch.uint8),
+               TensorSpec("down.scales", (H, I // GROUP), torch.uint8))
+        if shape.bias:
+            out += (TensorSpec("gate_up_bias", (2 * I,), self.dtype), TensorSpec("down_bias", (H,), self.dtype))
+        return out
+
+    def raw_views(self, expert, source_dtype):
+        return None
+
+    def encode(self, gate: Tensor, up: Tensor, down: Tensor, out: Mapping[str, Tensor],
+               biases: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        """Quantize full-precision weights into MXFP4 (tests and the random-checkpoint writer; the
+        published checkpoints are read as their bytes are)."""
+        I = gate.shape[0]
+        for proj, weight in (("gate_up", torch.cat([gate, up])), ("down", down)):
+            blocks, scales = quantize_mxfp4(weight)
+            out[f"{proj}.blocks"].copy_(blocks.reshape(weight.shape[0], -1))
+            out[f"{proj}.scales"].copy_(scales)
+        if biases is not None:
+            gate_bias, up_bias, down_bias = biases
+            out["gate_up_bias"][:I].copy_(gate_bias)
+            out["gate_up_bias"][I:].copy_(up_bias)
+            out["down_bias"].copy_(down_bias)
+
+    def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        """The Triton kernels on CUDA for the activations they implement; the reference elsewhere."""
+        from moestream import kernels
+        from moestream.kernels.moe_reference import FUSED_ACTIVATIONS
+
+        if shape is not None and shape.activation.name not in FUSED_ACTIVATIONS:
+            return False
+        return device.type == "cuda" and kernels.fused_moe_available()
+
+    def dispatch_syncs(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
+        """The kernels read nothing back (decode steps can be captured as CUDA graphs); the reference
+        reads the routing to find the slots it dequantizes."""
+        return device.type == "cuda" and not self.uses_kernels(device, shape)
+
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+        from moestream.kernels import mxfp4_moe
+
+        activation = shape.activation if shape is not None else Activation()
+        fused = self.uses_kernels(device, shape)
+
+        def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                     reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
+            if host is not None:
+                raise InputError("MXFP4 experts are not read in place from host RAM; use --miss-policy fetch.")
+            if slot_map is not None:
+                slot_ids = slot_map[slot_ids.long()]
+            run = mxfp4_moe.fused_mxfp4_moe if fused else mxfp4_moe.mxfp4_moe_reference
+            return run(hidden, slots, slot_ids, weights, activation, reduce=reduce)
+        return dispatch
+
+    def describe(self, shape: ExpertShape) -> dict:
+        return {**super().describe(shape), "bits": 4, "group": GROUP, "kind": "mxfp4"}
+
+    def __repr__(self) -> str:
+        return "Mxfp4Format()"
