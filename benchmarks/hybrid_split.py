@@ -159,7 +159,8 @@ def main() -> None:
                     cold_start(engine, policy_state)
                 apply(engine, variant, start, quantum, every)
                 waits[:] = [0, 0, 0, 0]
-                torch.manual_seed(0)   # the same routing draws for every row
+                torch.manual_seed(0)             # the same sampling draws for every row,
+                engine.runner.reset_routing()    # and the same routing draws (warm-up included)
                 r = run_bench(engine, prompt, args.gen_tokens, temperature=temperature, routing=routing)
                 row = {"routing": kind, "variant": variant.name, "round": rnd, "decode_tok_s": r.decode_tok_s,
                        "hit_rate": r.decode_hit_rate, "copied_mb": r.decode_bytes_per_token / 1e6,

@@ -29,15 +29,15 @@ class UniformRouting:
     On CUDA with the fused ops one launch per layer draws and weights (`kernels.uniform_topk`), as
     the model's own router takes one: the benchmark's routing then costs what a real router costs
     (the torch form, seven launches per layer, added ~19 µs to every layer of a decode step). The
-    random streams come from `seed` (torch's generator at construction) and a counter: a device counter
+    random streams come from `seed` (0 unless given) and a counter: a device counter
     on CUDA, a host one for the CPU's torch form; so ranks given the same routing draw alike."""
 
     label = "uniform (synthetic)"   # what a bench result's `routing` field says
     prediction_accuracy = None
 
-    def __init__(self, top_k: int, device: torch.device | str | None = None):
+    def __init__(self, top_k: int, device: torch.device | str | None = None, seed: int = 0):
         self.top_k = top_k
-        self.seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        self.seed = seed   # fixed by default: a benchmark run draws the same routing in every process
         self.calls = 0   # the CPU form's draws so far (its generator is seeded from seed + calls)
         self.draws: torch.Tensor | None = None   # rows drawn so far, on the device (made outside any capture)
         if device is not None and torch.device(device).type == "cuda":
