@@ -214,6 +214,35 @@ def test_a_stream_closed_early_is_counted_as_499(strict, slow, caplog):
     wait_until(lambda: strict.state.worker.running == 0)
 
 
+def test_a_client_that_leaves_during_a_long_prefill_frees_the_engine_within_a_chunk(strict, demo_engine, monkeypatch):
+    """A prompt is prefilled a chunk a step and the stream's keep-alives notice a client that left, so
+    a streaming request abandoned during its prefill costs at most the chunk in flight, and the next
+    request is served (asserted by the engine's chunk count, not by time)."""
+    monkeypatch.setattr(demo_engine.scheduler, "prefill_chunk", 32)
+    prefill = demo_engine.runner.prefill
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.15)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(demo_engine.runner, "prefill", slowed)
+    text = "LEAVEPREFILL " + "total = total + 1\n" * 48
+    prompt_tokens = len(demo_engine.tokenizer.encode(text))
+    chunks_needed = -(-prompt_tokens // 32)
+    assert chunks_needed >= 8
+    _, client = clients(strict)
+    before = demo_engine.counters.prefill_chunks
+    stream = client.messages.create(model="m", max_tokens=4, stream=True,
+                                    messages=[{"role": "user", "content": text}])
+    wait_until(lambda: demo_engine.counters.prefill_chunks - before >= 2)
+    stream.close()   # the client leaves two chunks into a prompt of many
+    wait_until(lambda: strict.state.worker.running == 0)
+    done = demo_engine.counters.prefill_chunks - before
+    assert done < chunks_needed - 2, f"{done} of {chunks_needed} chunks were prefilled for a client that left"
+    reply = client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert reply.usage.output_tokens >= 1                      # the engine is free for the next request
+
+
 # ---- output cap, end of turn, usage ---------------------------------------------------------------
 
 def test_the_server_cap_is_the_default_and_the_ceiling(strict, force):
