@@ -158,6 +158,18 @@ class ExpertFormat(ABC):
                 "tensors": {t.name: [list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self.tensors(shape)}}
 
 
+def encode_biases(out: Mapping[str, Tensor], biases: tuple[Tensor, Tensor, Tensor] | None) -> None:
+    """Write an expert's (gate, up, down) biases into its `gate_up_bias` (gate rows first) and
+    `down_bias` tensors; nothing for experts without biases."""
+    if biases is None:
+        return
+    gate_bias, up_bias, down_bias = biases
+    I = gate_bias.shape[0]
+    out["gate_up_bias"][:I].copy_(gate_bias)
+    out["gate_up_bias"][I:].copy_(up_bias)
+    out["down_bias"].copy_(down_bias)
+
+
 class DenseFormat(ExpertFormat):
     """Unquantized experts: `gate_up (2I, H)` (gate rows first) and `down (H, I)` in one float dtype,
     plus `gate_up_bias (2I,)` and `down_bias (H,)` when the experts have biases."""
@@ -184,11 +196,7 @@ class DenseFormat(ExpertFormat):
         out["gate_up"][:I].copy_(gate)
         out["gate_up"][I:].copy_(up)
         out["down"].copy_(down)
-        if biases is not None:
-            gate_bias, up_bias, down_bias = biases
-            out["gate_up_bias"][:I].copy_(gate_bias)
-            out["gate_up_bias"][I:].copy_(up_bias)
-            out["down_bias"].copy_(down_bias)
+        encode_biases(out, biases)
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """The Triton kernels on CUDA (biases, GPT-OSS's clamped SwiGLU and Gemma 4's GeGLU included)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from moestream.errors import CheckpointError, InputError
-from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, TensorSpec
+from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, TensorSpec, encode_biases
 from moestream.kernels.moe_reference import Activation
 from moestream.quant.mxfp4 import GROUP, MXFP4, quantize_mxfp4
 
@@ -50,16 +50,11 @@ class Mxfp4Format(ExpertFormat):
                biases: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
         """Quantize full-precision weights into MXFP4 (tests and the random-checkpoint writer; the
         published checkpoints are read as their bytes are)."""
-        I = gate.shape[0]
         for proj, weight in (("gate_up", torch.cat([gate, up])), ("down", down)):
             blocks, scales = quantize_mxfp4(weight)
             out[f"{proj}.blocks"].copy_(blocks.reshape(weight.shape[0], -1))
             out[f"{proj}.scales"].copy_(scales)
-        if biases is not None:
-            gate_bias, up_bias, down_bias = biases
-            out["gate_up_bias"][:I].copy_(gate_bias)
-            out["gate_up_bias"][I:].copy_(up_bias)
-            out["down_bias"].copy_(down_bias)
+        encode_biases(out, biases)
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """The Triton kernels on CUDA for the activations they implement; the reference elsewhere."""
