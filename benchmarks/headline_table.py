@@ -1,14 +1,16 @@
 """The headline table: moestream beside llama.cpp on one machine, on random weights of one shape.
 
 Writes the random checkpoint (the 24-layer Qwen3-30B-A3B shape unless told otherwise), its int4 forms
-(`moestream convert --experts int4`, and int4 everywhere: `--attention int4 --embeddings int4` too)
-and, with a llama.cpp build, same-shape GGUFs (BF16 and Q4_0, `benchmarks/random_gguf.py`); then runs
-both engines, one after the other, on this machine:
+(`moestream convert --experts int4`, and int4 everywhere: `--attention int4 --embeddings int4` too), an
+FP8 checkpoint with 128x128 block scales (as DeepSeek and Qwen's -FP8 models ship) and same-shape GGUFs
+(BF16, Q8_0 and Q4_0, `benchmarks/random_gguf.py`); then runs both engines, one after the other, on
+this machine:
 
-* per format (bf16, int4 experts, int4 everywhere; llama.cpp BF16, Q4_0, Q4_0): resident decode at
-  batch 1 and a 512-token prompt; a bank of 25% of the experts (llama.cpp: `--n-cpu-moe` keeps the
-  experts of 75% of the layers on the CPU) decoding under uniform routing and under trace replay,
-  and its 512-token prompt (`moestream bench --json`, `llama-bench -o json`);
+* per format (bf16, int4 experts, int4 everywhere, FP8 block, and llama.cpp's own Q8_0 and Q4_0 files
+  read by moestream; beside llama.cpp on BF16, Q4_0, Q4_0, Q8_0, Q8_0, Q4_0): resident decode at batch 1
+  and a 512-token prompt; a bank of 25% of the experts (llama.cpp: `--n-cpu-moe` keeps the experts of
+  75% of the layers on the CPU) decoding under uniform routing (and, for bf16 and int4, under trace
+  replay), and its 512-token prompt (`moestream bench --json`, `llama-bench -o json`);
 * served, bf16 resident: 1/16/64 concurrent streams and an agent's second turn with its prefix
   cached, the same requests to our server and to llama-server (`benchmarks/serve_throughput.py`).
 
@@ -19,6 +21,10 @@ whose run failed or whose peer was not run says so; nothing else stops the table
     python benchmarks/headline_table.py --out /tmp/headline --llama-cpp ~/llama.cpp/build/bin
     python benchmarks/headline_table.py --out /tmp/headline --llama-cpp-src ~/llama.cpp   # builds it first
     python benchmarks/headline_table.py --out /tmp/smoke --tiny --cpu                      # a smoke run, no GPU
+    python benchmarks/headline_table.py --out /tmp/fp8 --llama-cpp BIN --formats fp8-block gguf-q8_0 --no-served
+
+`--resume` takes every run that already has a result in the work folder from there, so a table cut
+short (a timeout, a lost machine) is finished by running the same command again.
 
 The GGUFs need the `gguf` package (`pip install gguf`; with `--llama-cpp-src` the tree's own gguf-py is
 used). Random weights do not route like a trained model: our rows state their routing (uniform
@@ -36,6 +42,7 @@ import platform
 import re
 import runpy
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,11 +56,35 @@ sys.path.insert(0, str(ROOT))
 
 from moestream.fileio import write_bytes_atomic, write_json_atomic  # noqa: E402
 
-# (name, convert flags, llama.cpp GGUF type): our format and the peer's of the same precision
-FORMATS = [("bf16", [], "bf16"),
-           ("int4 experts", ["--experts", "int4"], "q4_0"),
-           ("int4 everywhere", ["--experts", "int4", "--attention", "int4", "--embeddings", "int4"], "q4_0")]
-PEER_NAMES = {"bf16": "BF16", "q4_0": "Q4_0"}
+
+
+@dataclass(frozen=True)
+class Format:
+    """One of our formats beside llama.cpp's GGUF type of the same precision. `source` says how our
+    checkpoint is made: "random" (scripts/make_random_checkpoint.py, with `flags`), "convert" (`moestream
+    convert` of the bf16 checkpoint, with `flags`) or "gguf" (llama.cpp's own file of type `peer`, read by us)."""
+    name: str
+    peer: str
+    source: str
+    flags: tuple[str, ...] = ()
+    trace: bool = True        # a trace-replay row beside the uniform one
+
+    @property
+    def key(self) -> str:
+        return f"gguf-{self.peer}" if self.source == "gguf" else self.name.replace(" ", "-")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} / {PEER_NAMES[self.peer]}"
+
+
+FORMATS = [Format("bf16", "bf16", "random", ("--dtype", "bf16")),
+           Format("int4 experts", "q4_0", "convert", ("--experts", "int4")),
+           Format("int4 everywhere", "q4_0", "convert", ("--experts", "int4", "--attention", "int4", "--embeddings", "int4")),
+           Format("fp8 block", "q8_0", "random", ("--dtype", "bf16", "--fp8-block", "128x128"), trace=False),
+           Format("llama.cpp's Q8_0 GGUF", "q8_0", "gguf", trace=False),
+           Format("llama.cpp's Q4_0 GGUF", "q4_0", "gguf", trace=False)]
+PEER_NAMES = {"bf16": "BF16", "q4_0": "Q4_0", "q8_0": "Q8_0"}
 UNIFORM = "uniform (synthetic)"
 BANK_SHARE = 0.25
 
@@ -192,31 +223,43 @@ def machine() -> dict:
 # ---- preparing the weights and llama.cpp ---------------------------------------------------------
 
 def prepare(args, runner: Runner) -> dict:
-    """The checkpoint, its int4 forms and the routing trace: format → folder, or format → why not."""
+    """The checkpoints of our formats and the routing trace: format name → folder, or → why not."""
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
     made: dict = {"ckpt": {}, "errors": {}}
     bf16 = w / "ckpt-bf16"
-    if not ((bf16 / "model.safetensors.index.json").exists() or (bf16 / "model.safetensors").exists()):
-        cmd = [sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", args.shape,
-               "--layers", str(args.layers), "--dtype", "bf16", "--out", str(bf16), "--device", args.device,
-               "--overwrite", *(["--tiny"] if args.tiny else [])]
-        err = runner.call("checkpoint", cmd, args.timeout_prepare)
-        if err:
-            made["errors"]["bf16"] = f"checkpoint not written: {err}"
-            return made
-    made["ckpt"]["bf16"] = bf16
-    for name, flags, _ in FORMATS[1:]:
-        out = w / ("ckpt-" + name.replace(" ", "-"))
+    for fmt in [f for f in args.formats if f.source == "random"]:
+        out = w / f"ckpt-{fmt.key}"
+        if not ((out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists()):
+            flags = list(fmt.flags)
+            if args.tiny and "--fp8-block" in flags:   # the tiny shape's widths are not multiples of 128
+                flags[flags.index("--fp8-block") + 1] = "16x16"
+            cmd = [sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", args.shape,
+                   "--layers", str(args.layers), *flags, "--out", str(out), "--device", args.device, "--overwrite",
+                   *(["--tiny"] if args.tiny else [])]
+            err = runner.call(f"checkpoint-{fmt.key}", cmd, args.timeout_prepare)
+            if err:
+                made["errors"][fmt.name] = f"checkpoint not written: {err}"
+                continue
+        made["ckpt"][fmt.name] = out
+    if "bf16" not in made["ckpt"] and bf16.exists():
+        made["ckpt"]["bf16"] = bf16
+    for fmt in [f for f in args.formats if f.source == "convert"]:
+        out = w / f"ckpt-{fmt.key}"
+        if "bf16" not in made["ckpt"]:
+            made["errors"][fmt.name] = "no bf16 checkpoint to convert"
+            continue
         if not out.exists():
-            err = runner.call("convert-" + name.replace(" ", "-"),
-                              [sys.executable, "-m", "moestream", "convert", str(bf16), str(out), *flags,
+            err = runner.call(f"convert-{fmt.key}",
+                              [sys.executable, "-m", "moestream", "convert", str(bf16), str(out), *fmt.flags,
                                "--device", args.device], args.timeout_prepare)
             if err:
-                made["errors"][name] = f"convert failed: {err}"
+                made["errors"][fmt.name] = f"convert failed: {err}"
                 continue
-        made["ckpt"][name] = out
-    made["trace"] = args.trace if args.trace else _trace(bf16, w)
+        made["ckpt"][fmt.name] = out
+    # the shape every other file follows (GGUFs, the trace): the first random checkpoint written
+    made["shape"] = next((made["ckpt"][f.name] for f in args.formats if f.source == "random" and f.name in made["ckpt"]), None)
+    made["trace"] = args.trace if args.trace else (_trace(made["shape"], w) if made["shape"] else None)
     return made
 
 
@@ -252,7 +295,8 @@ def llama_bin(args, runner: Runner) -> tuple[Path | None, str]:
     arch = _quiet(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]).splitlines()
     if arch and not args.cpu:
         cuda.append(f"-DCMAKE_CUDA_ARCHITECTURES={arch[0].replace('.', '')}")
-    configure = ["cmake", "-S", str(args.llama_cpp_src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *cuda,
+    ninja = ["-G", "Ninja"] if shutil.which("ninja") and not (build / "CMakeCache.txt").exists() else []
+    configure = ["cmake", "-S", str(args.llama_cpp_src), "-B", str(build), *ninja, "-DCMAKE_BUILD_TYPE=Release", *cuda,
                  "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                  "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     err = runner.call("llama-cmake", configure, args.timeout_build)
@@ -264,16 +308,17 @@ def llama_bin(args, runner: Runner) -> tuple[Path | None, str]:
     return build / "bin", ""
 
 
-def write_ggufs(args, runner: Runner, ckpt: Path) -> dict:
+def write_ggufs(args, runner: Runner, ckpt: Path, qtypes: set[str]) -> dict:
     """qtype → GGUF path, or → the reason it is missing (a str starting with 'failed')."""
     out: dict = {}
     env = None
     gguf_py = args.gguf_py or (Path(args.llama_cpp_src) / "gguf-py" if args.llama_cpp_src else None)
     if gguf_py:
         env = {"PYTHONPATH": os.pathsep.join([str(gguf_py), str(ROOT)])}
-    for qtype in sorted({q for _, _, q in FORMATS}):
+    for qtype in sorted(qtypes):
         path = _gguf_path(args, {}, qtype)
         if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
             err = runner.call(f"gguf-{qtype}", [sys.executable, str(ROOT / "benchmarks/random_gguf.py"), str(path),
                                                 "--config", str(ckpt / "config.json"), "--qtype", qtype],
                               args.timeout_prepare, env=env or {})
@@ -286,13 +331,42 @@ def write_ggufs(args, runner: Runner, ckpt: Path) -> dict:
 
 # ---- the runs ------------------------------------------------------------------------------------
 
-def bench_runs(args, runner: Runner, made: dict) -> dict[str, Run]:
-    """Our `moestream bench --json` runs: per format, resident, 25% uniform, 25% trace."""
+class Results:
+    """Each finished run's record in `work/runs/KEY.json`; with `resume`, a run whose record holds a
+    result for the same command is taken from it instead of run again (a table finished across
+    several sittings on one machine)."""
+
+    def __init__(self, folder: Path, resume: bool):
+        self.folder = folder
+        self.resume = resume
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def reuse(self, run: Run) -> bool:
+        path = self.folder / f"{run.key}.json"
+        if not self.resume or not path.exists():
+            return False
+        try:
+            saved = json.loads(path.read_text())
+        except ValueError:
+            return False
+        if saved.get("command") != run.command or saved.get("error") or saved.get("result") is None:
+            return False
+        run.result, run.seconds = saved["result"], saved.get("seconds", 0.0)
+        log(f"{run.key}: taken from {path}")
+        return True
+
+    def save(self, run: Run) -> None:
+        write_json_atomic(self.folder / f"{run.key}.json", {"command": run.command, "error": run.error,
+                                                           "seconds": run.seconds, "result": run.result})
+
+
+def bench_runs(args, runner: Runner, made: dict, results: Results) -> dict[str, Run]:
+    """Our `moestream bench --json` runs: per format, resident, 25% uniform (and 25% trace)."""
     runs: dict[str, Run] = {}
-    for name, _, _ in FORMATS:
-        ckpt = made["ckpt"].get(name)
-        for kind in ("resident", "bank-uniform", "bank-trace"):
-            key = f"ours-{name.replace(' ', '-')}-{kind}"
+    for fmt in args.formats:
+        ckpt = made["ckpt"].get(fmt.name)
+        for kind in ("resident", "bank-uniform", "bank-trace") if fmt.trace else ("resident", "bank-uniform"):
+            key = f"ours-{fmt.key}-{kind}"
             out = args.work / "results" / f"{key}.json"
             cmd = [sys.executable, "-m", "moestream", "bench", str(ckpt), "--device", args.device, "--json", str(out)]
             if kind == "bank-trace":
@@ -301,11 +375,13 @@ def bench_runs(args, runner: Runner, made: dict) -> dict[str, Run]:
             else:
                 cmd += ["--routing", "uniform", "--temperature", "1.0", "--prompt-tokens", str(args.prompt_tokens),
                         "--gen-tokens", str(args.gen_tokens)]
-            if kind != "resident":
-                cmd += ["--capacity", str(made["capacity"]), "--miss-policy", "hybrid", "--host-tier", "pinned"]
+            if kind != "resident":   # auto: the hybrid policy where the format's experts allow it, else fetch
+                cmd += ["--capacity", str(made["capacity"]), "--miss-policy", "auto", "--host-tier", "pinned"]
             run = runs[key] = Run(key, cmd)
             if ckpt is None:
-                run.error = made["errors"].get(name, "no checkpoint")
+                run.error = made["errors"].get(fmt.name, "no checkpoint")
+                continue
+            if results.reuse(run):
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
             out.unlink(missing_ok=True)
@@ -314,13 +390,16 @@ def bench_runs(args, runner: Runner, made: dict) -> dict[str, Run]:
             run.seconds = time.perf_counter() - t0
             if run.error is None:
                 run.result = _read_json(out, run)
+            results.save(run)
     return runs
 
 
-def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str) -> dict[str, Run]:
+def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str,
+              results: Results | None = None) -> dict[str, Run]:
     """`llama-bench -o json` per GGUF type at --n-cpu-moe 0 (resident) and at the 25% bank's layers."""
     runs: dict[str, Run] = {}
-    for qtype in sorted({q for _, _, q in FORMATS}):
+    qtypes = sorted({f.peer for f in args.formats}) if hasattr(args, "formats") else sorted(ggufs)
+    for qtype in qtypes:
         for kind, n_cpu_moe in (("resident", 0), ("bank", args.n_cpu_moe)):
             key = f"llama-{qtype}-{kind}"
             gguf = ggufs.get(qtype)
@@ -334,23 +413,31 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str)
             if not isinstance(gguf, Path):
                 run.error = gguf or "failed: no GGUF"
                 continue
+            if results is not None and results.reuse(run):
+                continue
+            t0 = time.perf_counter()
             err = runner.call(key, cmd, args.timeout_run)
+            run.seconds = time.perf_counter() - t0
             if err:
                 run.error = f"failed: {err}"
-                continue
-            try:
-                records = _llama_json((runner.logs / f"{key}.log").read_text())
-                run.result = {"prompt_tok_s": next(r["avg_ts"] for r in records if r["n_prompt"] > 0 and r["n_gen"] == 0),
-                              "decode_tok_s": next(r["avg_ts"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0),
-                              "records": records}
-            except (ValueError, StopIteration, KeyError, TypeError) as exc:
-                run.error = f"failed: llama-bench's JSON not read ({type(exc).__name__})"
+            else:
+                try:
+                    records = _llama_json((runner.logs / f"{key}.log").read_text())
+                    run.result = {"prompt_tok_s": next(r["avg_ts"] for r in records if r["n_prompt"] > 0 and r["n_gen"] == 0),
+                                  "decode_tok_s": next(r["avg_ts"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0),
+                                  "records": records}
+                except (ValueError, StopIteration, KeyError, TypeError) as exc:
+                    run.error = f"failed: llama-bench's JSON not read ({type(exc).__name__})"
+            if results is not None:
+                results.save(run)
     return runs
 
 
 def _gguf_path(args, ggufs: dict, qtype: str) -> Path:
     """Where the GGUF of `qtype` is (or would be: a command is shown even for a peer that did not run)."""
-    return ggufs[qtype] if isinstance(ggufs.get(qtype), Path) else args.work / f"peer-{qtype}.gguf"
+    if isinstance(ggufs.get(qtype), Path):
+        return ggufs[qtype]
+    return Path(getattr(args, "gguf_dir", None) or args.work) / f"peer-{qtype}.gguf"
 
 
 def _llama_json(text: str) -> list[dict]:
@@ -361,7 +448,8 @@ def _llama_json(text: str) -> list[dict]:
     return json.JSONDecoder().raw_decode(text[start.start():])[0]
 
 
-def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: dict, why: str) -> dict[str, Run]:
+def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: dict, why: str,
+                results: Results) -> dict[str, Run]:
     """benchmarks/serve_throughput.py, ours and then llama-server's (each its own run, so one failing
     keeps the other), bf16 resident, uniform routing."""
     runs: dict[str, Run] = {}
@@ -380,6 +468,9 @@ def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: d
         out = args.work / "results" / key
         cmd = [*base, "--out", str(out), *extra]
         run = runs[key] = Run(key, cmd)
+        if args.no_served or FORMATS[0] not in args.formats:
+            run.error = "not run: " + ("--no-served" if args.no_served else "bf16 is not among --formats")
+            continue
         if ckpt is None:
             run.error = made["errors"].get("bf16", "no checkpoint")
             continue
@@ -390,16 +481,21 @@ def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: d
             if not isinstance(ggufs.get("bf16"), Path):
                 run.error = ggufs.get("bf16") or "failed: no GGUF"
                 continue
+        if results.reuse(run):
+            continue
         (out / "serve_throughput.json").unlink(missing_ok=True)
+        t0 = time.perf_counter()
         err = runner.call(key, cmd, args.timeout_serve)
+        run.seconds = time.perf_counter() - t0
         if err:
             run.error = err if key == "served-ours" else f"failed: {err}"
-            continue
-        data = _read_json(out / "serve_throughput.json", run)
-        if data is not None:
-            run.result = data.get("llama_server" if key == "served-llama" else "ours")
-            if run.result is None:
-                run.error = "no result in serve_throughput.json"
+        else:
+            data = _read_json(out / "serve_throughput.json", run)
+            if data is not None:
+                run.result = data.get("llama_server" if key == "served-llama" else "ours")
+                if run.result is None:
+                    run.error = "no result in serve_throughput.json"
+        results.save(run)
     return runs
 
 
@@ -440,7 +536,7 @@ def _cell(run: Run | None, pick) -> tuple[float | None, str]:
 
 
 def make_rows(ours: dict[str, Run], peer: dict[str, Run], served: dict[str, Run], trace_label: str,
-              n_cpu_moe: int, layers: int, streams: list[int]) -> list[Row]:
+              n_cpu_moe: int, layers: int, streams: list[int], formats: list[Format] | None = None) -> list[Row]:
     """Every headline row from the runs (a run that failed leaves its rows' cells empty, with why)."""
     rows: list[Row] = []
 
@@ -460,10 +556,12 @@ def make_rows(ours: dict[str, Run], peer: dict[str, Run], served: dict[str, Run]
              (f"{bank} decode", "bank-trace", "bank", "decode_tok_s", "decode_tok_s", trace_label),
              (f"{bank} prompt", "bank-uniform", "bank", "prefill_tok_s", "prompt_tok_s", UNIFORM)]
     for name, kind, peer_kind, ours_key, peer_key, routing in specs:
-        for fmt, _, qtype in FORMATS:
-            add(name, f"{fmt} / {PEER_NAMES[qtype]}", routing, "tok/s",
-                ours.get(f"ours-{fmt.replace(' ', '-')}-{kind}"), lambda r, k=ours_key: r[k],
-                peer.get(f"llama-{qtype}-{peer_kind}"), lambda r, k=peer_key: r[k])
+        for fmt in formats or FORMATS:
+            if kind == "bank-trace" and not fmt.trace:
+                continue
+            add(name, fmt.label, routing, "tok/s",
+                ours.get(f"ours-{fmt.key}-{kind}"), lambda r, k=ours_key: r[k],
+                peer.get(f"llama-{fmt.peer}-{peer_kind}"), lambda r, k=peer_key: r[k])
     so, sp = served.get("served-ours"), served.get("served-llama")
     for n in streams:
         pick = lambda r, n=n: next(s["aggregate_decode_tok_s"] for s in r["streams"] if s["streams"] == n)  # noqa: E731
@@ -546,7 +644,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-serve", type=float, default=3600, help="seconds for each served run")
     ap.add_argument("--timeout-prepare", type=float, default=3600, help="seconds to write a checkpoint, convert, write a GGUF")
     ap.add_argument("--timeout-build", type=float, default=3600, help="seconds for each step of the llama.cpp build")
+    ap.add_argument("--formats", nargs="+", choices=[f.key for f in FORMATS], default=[f.key for f in FORMATS],
+                    help="our formats to run (each beside llama.cpp's GGUF type of the same precision)")
+    ap.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUFs go (default: the work folder)")
+    ap.add_argument("--resume", action="store_true", help="take each run that already has a result in the work "
+                    "folder from there (a table finished across several sittings on one machine)")
+    ap.add_argument("--no-served", action="store_true", help="leave out the served rows (our server and llama-server)")
+    ap.add_argument("--prepare-only", action="store_true", help="write the checkpoints and GGUFs (and build llama.cpp), "
+                    "run nothing")
     args = ap.parse_args(argv)
+    args.formats = [f for f in FORMATS if f.key in args.formats]
+    if any(f.source == "convert" for f in args.formats) and FORMATS[0] not in args.formats:
+        args.formats.insert(0, FORMATS[0])   # the converted formats are made from it
     if args.tiny:   # lengths the tiny shape's 512 positions hold, and a run in seconds
         for name, value in (("layers", 2), ("prompt_tokens", 32), ("gen_tokens", 8), ("trace_prompt_tokens", 16),
                             ("trace_gen_tokens", 8), ("repetitions", 1), ("serve_prompt_tokens", 16),
@@ -564,21 +673,33 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     made = prepare(args, runner)
     config = {}
-    if "bf16" in made["ckpt"]:
-        config = json.loads((made["ckpt"]["bf16"] / "config.json").read_text())
+    if made["shape"] is not None:
+        config = json.loads((made["shape"] / "config.json").read_text())
     experts, layers = config.get("num_experts", 0), config.get("num_hidden_layers", args.layers)
-    made["capacity"] = max(1, round(BANK_SHARE * experts))
+    # a quarter of the experts, and never fewer than a token's top-k (the fetch policy's least)
+    made["capacity"] = max(1, round(BANK_SHARE * experts), config.get("num_experts_per_tok", 1))
     args.n_cpu_moe = layers - round(BANK_SHARE * layers)
     bin_dir, why = llama_bin(args, runner)
-    ggufs = write_ggufs(args, runner, made["ckpt"]["bf16"]) if bin_dir is not None and "bf16" in made["ckpt"] else {}
-    ours = bench_runs(args, runner, made)
-    peer_r = peer_runs(args, runner, bin_dir, ggufs, why)
-    served = served_runs(args, runner, made, bin_dir, ggufs, why)
+    wanted = {f.peer for f in args.formats if f.source == "gguf"} | ({f.peer for f in args.formats} if bin_dir else set())
+    ggufs = write_ggufs(args, runner, made["shape"], wanted) if made["shape"] is not None else {}
+    for fmt in [f for f in args.formats if f.source == "gguf"]:   # llama.cpp's own file, read by us
+        if isinstance(ggufs.get(fmt.peer), Path):
+            made["ckpt"][fmt.name] = ggufs[fmt.peer]
+        else:
+            made["errors"][fmt.name] = ggufs.get(fmt.peer) or "no random checkpoint to shape the GGUF"
+    if args.prepare_only:
+        log("prepared: " + ", ".join(f"{k}: {v}" for k, v in {**made["ckpt"], **made["errors"]}.items())
+            + (f"; llama.cpp: {bin_dir}" if bin_dir else f"; llama.cpp {why}"))
+        return 1 if made["errors"] else 0
+    results = Results(args.work / "runs", args.resume)
+    ours = bench_runs(args, runner, made, results)
+    peer_r = peer_runs(args, runner, bin_dir, ggufs, why, results)
+    served = served_runs(args, runner, made, bin_dir, ggufs, why, results)
 
     trace = made.get("trace")
     trace_label = ("trace replay (demo model)" if trace and Path(trace).name == "demo_heldout_trace.json"
                    else f"trace replay ({Path(trace).name if trace else '?'})")
-    rows = make_rows(ours, peer_r, served, trace_label, args.n_cpu_moe, layers, args.streams)
+    rows = make_rows(ours, peer_r, served, trace_label, args.n_cpu_moe, layers, args.streams, args.formats)
     all_runs = {**ours, **peer_r, **served}
     shape = f"{args.shape}{' (tiny)' if args.tiny else ''}, {layers} layers, {experts} experts"
     table = {"date": time.strftime("%Y-%m-%d"), "machine": info, "command": command, "shape": shape,

@@ -37,12 +37,16 @@ def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["headline_table.json", "headline_table.md", "work"]  # no temporaries
 
     rows = table["rows"]
-    formats = ["bf16 / BF16", "int4 experts / Q4_0", "int4 everywhere / Q4_0"]
+    formats = ["bf16 / BF16", "int4 experts / Q4_0", "int4 everywhere / Q4_0", "fp8 block / Q8_0",
+               "llama.cpp's Q8_0 GGUF / Q8_0", "llama.cpp's Q4_0 GGUF / Q4_0"]
     bench_rows = [r for r in rows if not r["row"].startswith(("served", "agent"))]
-    assert len(bench_rows) == 15 and [r["format"] for r in bench_rows] == formats * 5
+    traced = formats[:3]                                           # FP8 and GGUF banks fetch: no trace row
+    assert [r["format"] for r in bench_rows] == formats * 3 + traced + formats
     names = [r["row"] for r in rows]
     assert names[0] == "resident decode, batch 1" and "resident prompt" in names
-    assert sum("25% bank" in n and n.endswith("decode") for n in names) == 6
+    assert sum("25% bank" in n and n.endswith("decode") for n in names) == 9
+    gguf_run = table["runs"]["ours-gguf-q4_0-resident"]["command"]  # our engine on llama.cpp's own file
+    assert "peer-q4_0.gguf" in gguf_run and gguf_run.startswith("python -m moestream bench")
     assert {r["routing"] for r in bench_rows if "bank" in r["row"] and r["row"].endswith("decode")} == {
         "uniform (synthetic)", "trace replay (random_trace_16x8.json)"}
     assert [n for n in names if n.startswith("served")] == ["served, 1 stream (aggregate decode)",
@@ -52,7 +56,7 @@ def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
         assert r["ours"] is not None and r["ours"] > 0, r
         assert r["llama_cpp"] is None and r["ratio"] is None and r["llama_cpp_note"].startswith("not run"), r
         assert r["commands"] and all(key in table["runs"] for key in r["commands"])
-    assert table["capacity"] == 4                                  # 25% of the tiny shape's 16 experts
+    assert table["capacity"] == 8                                  # 25% of the tiny shape's 16 experts is under its top-8
     assert table["date"] and table["machine"]["cpu"] and table["machine"]["gpu"]
     assert "--tiny --cpu" in table["command"]
 
