@@ -1,5 +1,6 @@
 import importlib
 import importlib.util
+import os
 import re
 import sys
 
@@ -28,6 +29,10 @@ _hide_fla_from_transformers()
 from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):   # worker processes share the cores: no more torch threads than their share
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
 GPU_REASON = re.compile(r"^(?!.*\bno GPU).*needs .*\b(CUDA|GPUs?)\b")   # "needs a CUDA GPU", not "... and no GPU"
 
 
@@ -41,6 +46,21 @@ def pytest_addoption(parser):
 SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_cli.py", "tests/test_convert.py",
               "tests/quant/test_int_checkpoints.py", "tests/warmstart/")
 SLOW_NAMES = re.compile(r"interpreter")
+
+
+GPU_WORKERS = 4   # --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side)
+
+
+def pytest_cmdline_main(config):
+    """--gpu-only runs in GPU_WORKERS processes where pytest-xdist is installed (the gpu extra brings it)
+    and no -n was given: the GPU suite is mostly Triton compiles, which a single process runs one by one."""
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return   # a worker runs the tests it is sent; only the controller starts workers
+    if (config.getoption("--gpu-only") and config.pluginmanager.hasplugin("xdist")
+            and config.getoption("numprocesses", None) is None and config.getoption("dist", "no") == "no"):
+        config.option.numprocesses = GPU_WORKERS   # what -n 4 sets (xdist reads -n before this hook)
+        config.option.tx = ["popen"] * GPU_WORKERS
+        config.option.dist = "load"
 
 
 def pytest_configure(config):
@@ -60,6 +80,14 @@ def pytest_collection_modifyitems(config, items):
                  if any(GPU_REASON.search(str(m.kwargs.get("reason", ""))) for m in item.iter_markers("skipif"))]
     config.hook.pytest_deselected(items=[item for item in items if item not in needs_gpu])
     items[:] = needs_gpu
+
+
+def pytest_ignore_collect(collection_path, config):
+    """--gpu-only leaves tests/serve out: none of its tests needs a GPU (CI runs them), and a GPU box
+    may lack the API clients and the server's packages that its conftest imports."""
+    if config.getoption("--gpu-only") and collection_path.name == "serve" and collection_path.parent.name == "tests":
+        return True
+    return None
 
 
 @pytest.fixture(scope="session")

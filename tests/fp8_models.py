@@ -18,8 +18,12 @@ from moestream.quant.fp8 import Fp8Spec, quantize_fp8
 
 def _reference_dequantize(q: torch.Tensor, scale: torch.Tensor, spec: Fp8Spec) -> torch.Tensor:
     if spec.block_n is not None and spec.block_k is not None:
-        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
+        try:   # transformers' own block dequantization (5.2x); older releases lack it: the definition then
+            from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+        except ImportError:
+            n, k = q.shape
+            grid = scale.to(torch.float32).repeat_interleave(spec.block_n, 0)[:n].repeat_interleave(spec.block_k, 1)[:, :k]
+            return q.to(torch.float32) * grid
         return _dequantize_fp8_weight(q, scale, [spec.block_n, spec.block_k], torch.float32)
     return q.to(torch.float32) * scale.to(torch.float32)   # (N, 1) per channel, (1, 1) per tensor: broadcast
 

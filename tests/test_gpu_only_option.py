@@ -18,3 +18,17 @@ def test_gpu_only_keeps_the_tests_that_need_a_gpu():
     assert kept and all("gpu" in line for line in kept), kept          # the GPU tests of both files
     assert not any("under_interpreter" in line for line in kept)   # "needs Triton and no GPU": the CPU's check
     assert "deselected" in run.stdout
+
+
+def test_gpu_only_runs_in_worker_processes_and_the_workers_start_none_of_their_own():
+    """--gpu-only starts conftest.GPU_WORKERS workers (pytest-xdist) unless -n is given; a worker, which
+    sees --gpu-only too, runs what it is sent instead of starting workers itself."""
+    import conftest
+
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpu-only", "tests/kernels/test_sampling_kernel.py"]
+    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]   # every GPU test skipped here, none failed
+    assert f"created: {conftest.GPU_WORKERS}/{conftest.GPU_WORKERS} workers" in run.stdout
+    assert run.stdout.count("created:") == 1                          # no worker started workers of its own
+    serial = subprocess.run([*args, "-n", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert serial.returncode == 0 and "created:" not in serial.stdout   # -n 0 keeps one process

@@ -27,12 +27,15 @@ def test_the_gemv_covers_the_common_formats_and_leaves_the_rest_to_the_decode_pa
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_quant_gemv_under_interpreter():
-    """Every case in fp32 (the GPU test takes every case in three dtypes)."""
+    """Every case in fp32 (the GPU test takes every case in bf16, one in three dtypes)."""
     check_all_under_interpreter(Path(__file__).with_name("quant_gemv_checks.py"), timeout=600, dtypes="torch.float32")
 
 
+# every case in bf16; fp16 and fp32 on the first (the dtype changes loads and casts only)
+GPU_CASES = [(*case, torch.bfloat16) for case in CASES] + [(*CASES[0], dt) for dt in (torch.float16, torch.float32)]
+
+
 @pytest.mark.skipif(not fused_moe_quant_available(), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("fmt,N,K", CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt,N,K,dtype", GPU_CASES)
 def test_quant_gemv_on_gpu(fmt, N, K, dtype):
     check_quant_gemv("cuda", dtype, fmt, N, K)
