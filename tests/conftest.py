@@ -54,7 +54,7 @@ GPU_WORKERS = 4   # --gpu-only's worker processes on the one GPU (kernel compile
 def pytest_cmdline_main(config):
     """--gpu-only runs in GPU_WORKERS processes where pytest-xdist is installed (the gpu extra brings it)
     and no -n was given: the GPU suite is mostly Triton compiles, which a single process runs one by one."""
-    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(config, "workerinput"):
         return   # a worker runs the tests it is sent; only the controller starts workers
     if (config.getoption("--gpu-only") and config.pluginmanager.hasplugin("xdist")
             and config.getoption("numprocesses", None) is None and config.getoption("dist", "no") == "no"):
