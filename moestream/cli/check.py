@@ -106,13 +106,27 @@ def print_model(plan) -> None:
     if getattr(plan, "int_quant", None) is not None:
         print_int_quant(plan)
     if plan.kind == "fp8":
-        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
-              "and so are the dense FP8 linears")
+        print_fp8(plan)
     if plan.kind == "mxfp4":
         print("experts           MXFP4, kept as stored (fp4 codes and an e8m0 scale per 32 values: 4.25 bits "
               "a weight, plus their biases); every other tensor as stored")
     if getattr(plan, "gguf", None) is not None:
         print_gguf(plan)
+
+
+def print_fp8(plan) -> None:
+    """An FP8 checkpoint: its experts kept in their FP8 bytes, or (--experts / --layer-formats) held in
+    the format asked for, quantized at load from the dequantized weights."""
+    from moestream.experts.format import Fp8Format
+
+    asked = sorted({fmt.name for fmt in plan.expert_formats.values() if not isinstance(fmt, Fp8Format)})
+    if not asked:
+        print(f"experts           {plan.fp8.name}, kept as stored (a byte a weight + float32 block scales), "
+              "and so are the dense FP8 linears")
+        return
+    kept = len(asked) < len({fmt.name for fmt in plan.expert_formats.values()})
+    print(f"experts           {plan.fp8.name} in the checkpoint, held as {', '.join(asked)} (quantized at load from "
+          f"the dequantized weights{'; the other layers kept as stored' if kept else ''})")
 
 
 def print_gguf(plan) -> None:

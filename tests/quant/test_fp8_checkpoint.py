@@ -256,3 +256,14 @@ def test_convert_without_experts_keeps_the_fp8_experts_in_the_packed_records(fp8
     prompt = IDS[0, :9].tolist()
     assert packed.generate(prompt, max_tokens=12, ignore_eos=True) == direct.generate(prompt, max_tokens=12,
                                                                                     ignore_eos=True)
+
+
+def test_check_says_which_format_holds_the_experts_of_an_fp8_checkpoint(fp8_checkpoints, capsys):
+    """As stored, `check` says the FP8 bytes are kept; with --experts int4 it names the format they are
+    quantized to at load instead of claiming they are kept."""
+    folder = fp8_checkpoints["qwen3_moe-block"][0]
+    assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
+    assert "fp8-b12x12, kept as stored" in capsys.readouterr().out
+    assert cli.main(["check", str(folder), "--device", "cpu", "--experts", "int4"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("experts "))
+    assert "held as int4" in line and "kept as stored" not in line
