@@ -257,3 +257,25 @@ def test_the_default_prefix_cache_is_sized_from_the_model(tiny_qwen3):
     assert default_prefix_cache_bytes(demo, 8) < 64 * 2**20   # the 33 MB demo holds no 1 GiB cache
     assert default_prefix_cache_bytes(demo, 10**6) == PREFIX_CACHE_MOST
     assert build_parser().parse_args(["serve"]).prefix_cache_memory is None
+
+
+def test_json_is_one_convention_in_run_bench_and_perplexity(tmp_path, capsys):
+    """`--json FILE` writes the JSON to FILE in every command; `--json` alone prints it on stdout, alone
+    (bench, perplexity) or after the generated text (run); run's older `--stats-json FILE` still works."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n" * 4)
+    common = ["--device", "cpu"]
+    for command, check in ((["bench", "--prompt-tokens", "8", "--gen-tokens", "4"], "decode_tok_s"),
+                           (["perplexity", "--file", str(sample)], "perplexity"),
+                           (["run", "-p", "def f(", "--max-tokens", "4"], "hits")):
+        capsys.readouterr()
+        assert cli_main([*command, *common, "--json", str(tmp_path / "out.json")]) == 0
+        assert check in json.loads((tmp_path / "out.json").read_text())
+        capsys.readouterr()
+        assert cli_main([*command, *common, "--json"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert check in json.loads(out[-1]), command                      # the last line is the JSON
+        if command[0] != "run":
+            assert len(out) == 1, out                                  # and nothing else
+    assert cli_main(["run", "-p", "def f(", "--max-tokens", "2", *common, "--stats-json", str(tmp_path / "s.json")]) == 0
+    assert "hits" in json.loads((tmp_path / "s.json").read_text())

@@ -3,10 +3,8 @@ routing, uniform random routing or a replayed trace."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from moestream.cli.common import check_output, checked_model, load_engine, stats_text, write_json
-from moestream.cli.flags import add_load_args, add_profile_args, integer, number
+from moestream.cli.common import check_output, checked_model, emit_json, load_engine, stats_text
+from moestream.cli.flags import add_json_arg, add_load_args, add_profile_args, integer, number
 from moestream.errors import InputError
 
 
@@ -22,7 +20,7 @@ def add_parser(sub) -> None:
     bench.add_argument("--routing", choices=["model", "uniform"], default="model",
                        help="uniform: replace the model's expert choice by uniform random experts (worst case for the bank; labelled)")
     bench.add_argument("--stats", action="store_true", help="also print the per-layer table")
-    bench.add_argument("--json", default=None, help="write the results as JSON to this file")
+    add_json_arg(bench, "the results and the bank's statistics")
     bench.add_argument("--routing-trace", default=None,
                        help="replay the expert choices of a routing trace from `moestream profile --trace` (labelled)")
     add_profile_args(bench)
@@ -50,10 +48,11 @@ def run(args) -> int:
         use_routing(engine, routing)
     result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed,
                        temperature=args.temperature, routing=routing)
-    print(result.table())
-    if args.stats:
-        print(stats_text(engine))
+    if args.json != "-":
+        print(result.table())
+        if args.stats:
+            print(stats_text(engine))
     if args.json:
-        write_json(Path(args.json), {**result.as_dict(), "stats": engine.stats()})
+        emit_json(args.json, {**result.as_dict(), "stats": engine.stats()})
     return 0
 

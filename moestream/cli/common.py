@@ -31,7 +31,7 @@ def check_output_folder(path: str | None, flag: str) -> None:
 def check_output(path: str | None, flag: str) -> None:
     """An output path can be written (its folder exists and is writable, it is not a folder): checked
     before any work, so a long run never fails at its last step."""
-    if path is None:
+    if path is None or path == "-":   # "-": stdout
         return
     target = Path(path).expanduser()
     folder = target.parent
@@ -256,8 +256,8 @@ def _report_load(engine, load_s: float, args) -> None:
 def report_stats(engine, args) -> None:
     if getattr(args, "stats", False):
         print(stats_text(engine), file=sys.stderr)
-    if getattr(args, "stats_json", None):
-        write_json(Path(args.stats_json), engine.stats())
+    if getattr(args, "json", None):
+        emit_json(args.json, engine.stats())
 
 
 def stats_text(engine) -> str:
@@ -289,6 +289,16 @@ def ranks_table(ranks: list[dict]) -> str:
                      f"{c.get('bytes', 0) / 1e6:.1f}", f"{c.get('seconds', 0.0):.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def emit_json(target: str, data) -> None:
+    """`--json`'s output: "-" prints one line of JSON on stdout, anything else is a file written whole."""
+    if target == "-":
+        import json
+
+        print(json.dumps(data))
+    else:
+        write_json(Path(target), data)
 
 
 def write_json(path: Path, data) -> None:

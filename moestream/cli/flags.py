@@ -16,6 +16,13 @@ class Parser(argparse.ArgumentParser):
         sys.exit(1)
 
 
+def add_json_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--json [FILE]`, the same in every command: FILE gets the JSON; without one (or with -) the JSON is
+    printed alone on stdout, in place of the text report."""
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                        help=f"{what} as JSON: written to FILE, or printed alone on stdout without one (or with -)")
+
+
 def integer(low: int | None = None, high: int | None = None):
     """An argparse type: an integer in [low, high] (either bound optional)."""
     def parse(text: str) -> int:

@@ -3,13 +3,12 @@ with the KL divergence to a reference."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
-from moestream.cli.common import checked_model, load_engine
-from moestream.cli.flags import add_load_args, add_profile_args, integer
+from moestream.cli.common import check_output, checked_model, emit_json, load_engine
+from moestream.cli.flags import add_json_arg, add_load_args, add_profile_args, integer
 from moestream.errors import InputError
 
 
@@ -18,7 +17,7 @@ def add_parser(sub) -> None:
     add_load_args(ppl)
     ppl.add_argument("--file", required=True, help="text or code file to score")
     ppl.add_argument("--window", type=integer(2), default=None, help="window length (default: the context)")
-    ppl.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a sentence")
+    add_json_arg(ppl, "the result")
     ppl.add_argument("--decode", action="store_true",
                      help="score every token through a decode step (what decode-only approximations such as --miss-policy skip change)")
     ppl.add_argument("--max-tokens", type=integer(1), default=None, help="with --decode: score at most this many tokens")
@@ -41,6 +40,7 @@ def run(args) -> int:
         raise InputError(f"--file {path} cannot be read ({exc.strerror or exc}); give a readable text file.") from None
     if args.decode and args.kl_reference is not None:
         raise InputError("--kl-reference scores prompt windows; run it without --decode.")
+    check_output(args.json, "--json")
     checked_model(args)
     from moestream.runtime.perplexity import decode_perplexity, sliding_window_scores
 
@@ -74,8 +74,10 @@ def run(args) -> int:
               "capacity": engine.bank.capacity, "experts": engine.bank.formats[next(iter(engine.bank.formats))].name
               if engine.bank.formats else None, "kl_to_reference": kl}
     extra = f", KL to the reference {kl:.5f} nats/token" if kl is not None else ""
-    print(json.dumps(result) if args.json else
-          f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {engine.bank.miss_policy}, "
+    if args.json:
+        emit_json(args.json, result)
+    if args.json != "-":
+        print(f"perplexity {ppl:.4f} over {n} tokens (window {window}, {result['mode']}, {engine.bank.miss_policy}, "
           f"capacity {engine.bank.capacity}/{engine.config.num_experts}{extra})")
     return 0
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from moestream.checkpoint.resolve import has_tokenizer, local_checkpoint
 from moestream.cli.common import (check_chat_template, check_output, checked_model, load_engine, parse_token_ids,
                                   report_stats)
-from moestream.cli.flags import add_load_args, add_profile_args, integer, number
+from moestream.cli.flags import add_json_arg, add_load_args, add_profile_args, integer, number
 from moestream.cli.interrupts import interrupts
 from moestream.errors import InputError
 
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
     run_p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run_p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     run_p.add_argument("--stats", action="store_true", help="print the bank's hit/miss table to stderr")
-    run_p.add_argument("--stats-json", default=None, help="write the bank's statistics as JSON to this file")
+    add_json_arg(run_p, "the bank's statistics (after the text on stdout)")
+    run_p.add_argument("--stats-json", dest="json", default=None, help=argparse.SUPPRESS)   # the older name of --json
     add_profile_args(run_p)
     run_p.set_defaults(func=run)
 
@@ -54,7 +56,7 @@ def gib(n: int) -> str:
 
 def run(args) -> int:
     prompt = read_prompt(args)
-    check_output(args.stats_json, "--stats-json")
+    check_output(args.json, "--json")
     model = checked_model(args)
     folder = local_checkpoint(model)
     if args.chat:
