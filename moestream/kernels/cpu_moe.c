@@ -251,10 +251,10 @@ static inline float scale_at(const void *p, int sdtype, size_t i) {
  * reads as the value times 2^-120; exact for subnormal codes too (denormals are not flushed: no
  * -ffast-math). Codes 0x7f / 0xff are NaN. */
 static inline float fp8_e4m3(uint8_t c) {
-    if ((c & 0x7f) == 0x7f) return NAN;
     union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)(c & 0x7f) << 20) | ((uint32_t)(c & 0x80) << 24);
-    return v.f * 0x1p120f;
+    const uint32_t mag = c & 0x7fu;
+    v.u = (mag << 20) | ((uint32_t)(c & 0x80u) << 24);
+    return mag == 0x7fu ? NAN : v.f * 0x1p120f;   /* branch-free: the portable loop vectorizes */
 }
 
 /* The scale row of weight row `row` (expert-major over the stacked experts) of projection `which`. */
@@ -318,6 +318,7 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
         const float s = scale_at(sc, W->sdtype, s_at + g), b = bi ? scale_at(bi, W->sdtype, s_at + g) : 0.f;
         float dot = 0.f, sum = 0.f;
         if (W->fp8) {   /* a byte a value, v = 1 */
+#pragma omp simd reduction(+ : dot)
             for (int i = s0; i < s0 + len; i++) dot += fp8_e4m3(q[i]) * x[i];
             acc += s * dot;
             continue;
