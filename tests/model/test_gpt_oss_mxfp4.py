@@ -90,7 +90,7 @@ def test_greedy_tokens_match_and_a_bounded_bank_equals_resident(mxfp4_gpt_oss):
     bounded = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
     assert bounded.bank.capacity == 3
     assert bounded.generate(prompts, max_tokens=12, ignore_eos=True) == expected
-    # misses computed where they sit in host RAM (the reference over the host tier's MXFP4 stacks)
+    # misses computed where they sit in host RAM (the C kernel over the host tier's MXFP4 stacks)
     host = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0)
     assert host.generate(prompts, max_tokens=12, ignore_eos=True) == expected
 
@@ -217,6 +217,11 @@ def test_hybrid_misses_of_mxfp4_experts_give_the_resident_tokens(mxfp4_gpt_oss, 
         assert [engine.generate(p, max_tokens=10, ignore_eos=True) for p in prompts] == want   # alone
     finally:
         engine.close()
+    # the fetch policy's --cpu-misses computes its share with the same kernel (`host_dispatch`)
+    fetch = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0,
+                           discovery=False)
+    torch.testing.assert_close(fetch.teacher_forced(ids[:8], ids[8:]), want_logp, rtol=1e-4, atol=1e-4)
+    assert fetch.stats()["cpu_served"] > 0
 
     class OnGpu:   # the plan as a GPU's would be, with the pinned tier
         memory, device = engine.plan.memory, torch.device("cuda")

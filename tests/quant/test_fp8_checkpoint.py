@@ -168,6 +168,11 @@ def test_hybrid_misses_of_fp8_experts_give_the_resident_tokens(fp8_checkpoints, 
             assert engine.generate(prompt, max_tokens=12, ignore_eos=True) == want, share
         finally:
             engine.close()
+    # the fetch policy's --cpu-misses computes its share with the same kernel (`host_dispatch`)
+    fetch = moestream.load(folder, device="cpu", dtype="float32", capacity=2, host_tier="pinned", cpu_misses=1.0,
+                           discovery=False)
+    torch.testing.assert_close(fetch.teacher_forced(ids[:6], ids[6:]), want_logp, rtol=1e-4, atol=1e-4)
+    assert fetch.stats()["cpu_served"] > 0
 
 
 def test_auto_takes_hybrid_for_fp8_experts_where_it_runs(fp8_checkpoints):
