@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import moestream
 from moestream import cli
-from moestream.errors import CheckpointError, InputError
+from moestream.errors import CheckpointError
 from moestream.engine.weights import parameter_bytes
 from moestream.experts.format import Fp8Format
 from moestream.model.quant_linear import QuantLinear
