@@ -379,27 +379,34 @@ def test_mxfp4_experts_equal_the_reference(activation, H, I):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["fp8-b12x12", "fp8-tensor", "mxfp4"])
-def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt):
+def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt, dtype):
     """The worker serves posts from FP8 and MXFP4 host stacks (each layer's layout handed over in its
-    `QuantLayout`; MXFP4 with the experts' biases and the clamped SwiGLU) as the direct call does."""
+    `QuantLayout`; MXFP4 with the experts' biases, in the hidden rows' dtype, and the clamped SwiGLU)
+    as the direct call does; in bf16 that is the reference to bf16's rounding."""
+    from moestream.kernels.mxfp4_moe import mxfp4_moe_reference
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
     from moestream.quant.fp8 import parse_fp8
     from moestream.quant.mxfp4 import MXFP4
 
     E, H, I, k, T = 6, 96, 64, 3, 2
     if fmt == "mxfp4":
         spec, stack, act = MXFP4, _mxfp4_experts(E, H, I, seed=8), Activation("swiglu_clamped", 1.702, 7.0)
+        stack = {n: t.to(dtype) if t.is_floating_point() else t for n, t in stack.items()}
+        reference = lambda x, ids, w: mxfp4_moe_reference(x, stack, ids, w, act)   # noqa: E731
     else:
         spec, act = parse_fp8(fmt), Activation("swiglu")
         stack = _fp8_experts(E, H, I, spec, seed=8)
-    box = cpu_moe.Mailbox(k, H, max_tokens=T, dtype=torch.float32, pin=False)
+        reference = lambda x, ids, w: quant_moe_reference(x, stack, ids, w, spec)   # noqa: E731
+    box = cpu_moe.Mailbox(k, H, max_tokens=T, dtype=dtype, pin=False)
     worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=T, activation=act, threads=2,
                                   specs={0: spec})
     g = torch.Generator().manual_seed(9)
     try:
         for seq in (1, 2):
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-            x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+            x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
             box.ids[:T * k].copy_(ids.view(-1))
             box.weights[:T * k].copy_(w.view(-1))
             box.hidden[:T * H].copy_(x.view(-1))
@@ -407,7 +414,10 @@ def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt):
             cpu_moe.publish(box.post, seq)
             assert cpu_moe.wait_answer(box.result, seq, timeout_s=20.0), f"post {seq} was not answered"
             assert int(box.result[1]) == T * k
-            want = cpu_moe.cpu_moe_quant(x, stack, ids, w, spec, activation=act)
-            torch.testing.assert_close(box.rows[:T * H].view(T, H), want, rtol=1e-6, atol=1e-6)
+            rows = box.rows[:T * H].view(T, H)
+            want = cpu_moe.cpu_moe_quant(x, stack, ids, w, spec, out_dtype=torch.float32, activation=act)
+            torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-6)
+            ref = reference(x, ids, w).float()
+            assert (rows - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * ref.abs().max()
     finally:
         worker.close()
