@@ -25,6 +25,9 @@
 #include <sys/prctl.h>
 #include <time.h>
 #include <omp.h>
+#if defined(__AVX512F__)   /* AVX-512 without AVX512-BF16 (Skylake-X to Ice Lake) takes the vector paths too */
+#include <immintrin.h>
+#endif
 
 enum { W_BF16 = 0, W_FP32 = 1 };
 enum { ACT_SWIGLU = 0, ACT_SWIGLU_CLAMPED = 1, ACT_GEGLU_TANH = 2 };
@@ -69,7 +72,6 @@ void moe_cpu_set_prefetch(int bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
 #define TT 4   /* tokens per tile: their accumulators stay in registers while one row streams by */
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* bf16 · bf16 with AVX512-BF16: 32 products per instruction, accumulated in fp32. */
 static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
     if (K % 32) return 0;
