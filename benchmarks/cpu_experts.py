@@ -2,7 +2,8 @@
 reference), or copied over PCIe into a device slot.
 
     python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
-        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4] [--int4-path fp32]
+        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4 fp8-b128x128 mxfp4]
+        [--int4-path fp32]
         [--prefetch 0 512 2048 --rounds 5]
 
 The experts live in one stacked host tensor of `--pool` experts (default 256: several hundred MB,
@@ -27,6 +28,8 @@ from moestream.kernels import cpu_moe  # noqa: E402
 from moestream.kernels.moe_reference import moe_reference  # noqa: E402
 from moestream.kernels.quant_moe_reference import quant_moe_reference  # noqa: E402
 from moestream.quant import parse_quant, quantize  # noqa: E402
+from moestream.quant.fp8 import parse_fp8  # noqa: E402
+from moestream.quant.mxfp4 import MXFP4  # noqa: E402
 
 
 def timed(fn, calls: int) -> float:
@@ -48,7 +51,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--formats", nargs="+", default=["bf16"],
-                    help="expert formats: bf16, or quantized ones (int4-g64, nf4, ...: the bf16 pool quantized)")
+                    help="expert formats: bf16, or quantized ones (int4-g64, nf4, fp8-b128x128, fp8-channel, mxfp4, "
+                         "...: the bf16 pool quantized)")
     ap.add_argument("--int4-path", choices=["bf16", "fp32"], default="bf16",
                     help="affine 4-bit experts with bf16 inputs: the bf16 dot products (default) or the fp32 path")
     ap.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
@@ -68,7 +72,7 @@ def main() -> None:
     if args.int4_path == "fp32":   # the kernel's fp32 path for every quantized call (before the bf16 one)
         cpu_moe._q4_bf16 = lambda *a: False
     for fmt in args.formats:
-        pool = source if fmt == "bf16" else _quantized(source, parse_quant(fmt), cuda)
+        pool = source if fmt == "bf16" else _quantized(source, _spec(fmt), cuda)
         kernel, reference = _paths(fmt)
         expert_bytes = sum(t[0].nbytes for t in pool.values())
         for memory in args.memory:
@@ -79,8 +83,24 @@ def main() -> None:
     (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
 
 
+def _spec(fmt: str):
+    """A format name's stored spec: FP8, MXFP4 or group quantization."""
+    return MXFP4 if fmt == "mxfp4" else parse_fp8(fmt) or parse_quant(fmt)
+
+
 def _quantized(source: dict, spec, cuda: bool) -> dict:
-    """The bf16 pool's experts in `spec`'s stacked slot tensors (quantized on the GPU when there is one)."""
+    """The bf16 pool's experts in `spec`'s stacked slot tensors (quantized on the GPU when there is one;
+    FP8 and MXFP4 through their expert formats' own encoders, on the CPU)."""
+    if spec is MXFP4 or parse_fp8(spec.name) is not None:
+        from moestream.experts.format import ExpertShape, stored_format
+
+        P, two_i, H = source["gate_up"].shape
+        fmt, I = stored_format(spec, torch.bfloat16), two_i // 2
+        out = fmt.empty(ExpertShape(H, I), P)
+        for e in range(P):
+            gate_up = source["gate_up"][e].float()
+            fmt.encode(gate_up[:I], gate_up[I:], source["down"][e].float(), {n: t[e] for n, t in out.items()})
+        return out
     out = {}
     for proj, stack in source.items():
         parts = [quantize(w.cuda() if cuda else w.float(), spec).parts() for w in stack]
@@ -94,7 +114,11 @@ def _paths(fmt: str):
     if fmt == "bf16":
         return (lambda x, st, ids, w: cpu_moe.cpu_moe(x, st, ids, w, out_dtype=torch.float32),
                 lambda x, st, ids, w: moe_reference(x, st["gate_up"], st["down"], ids, w))
-    spec = parse_quant(fmt)
+    spec = _spec(fmt)
+    if spec is MXFP4:
+        from moestream.kernels.mxfp4_moe import mxfp4_moe_reference
+        return (lambda x, st, ids, w: cpu_moe.cpu_moe_quant(x, st, ids, w, spec, out_dtype=torch.float32),
+                lambda x, st, ids, w: mxfp4_moe_reference(x, st, ids, w))
     return (lambda x, st, ids, w: cpu_moe.cpu_moe_quant(x, st, ids, w, spec, out_dtype=torch.float32),
             lambda x, st, ids, w: quant_moe_reference(x, st, ids, w, spec))
 

@@ -308,7 +308,7 @@ class QuantizedFormat(ExpertFormat):
 
     def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
         """The C kernel, unpacking the values in registers (a 4-bit expert is a quarter of the bytes a
-        bf16 one reads), for the specs it reads; the plain-torch reference for the others."""
+        bf16 one reads, an FP8 one half), for the specs it reads; the plain-torch reference for the others."""
         from moestream.kernels import cpu_moe
 
         if not cpu_moe.supports_quant(self.spec) or cpu_moe.load() is None:
@@ -329,7 +329,8 @@ class Fp8Format(QuantizedFormat):
     `spec.scale_shape`. gate_up's scales are the gate's grid stacked on the up's (2·⌈I/bn⌉ rows), so a
     block never straddles the two when bn does not divide I, and the checkpoint's scales are copied
     as they are. The dispatch is `QuantizedFormat`'s: the dequantizing Triton kernels on CUDA (their
-    FP8 tiles: `kernels/moe_tiles.py`), `quant_moe_reference` elsewhere and for hybrid misses."""
+    FP8 tiles: `kernels/moe_tiles.py`), `quant_moe_reference` elsewhere; hybrid misses (`host_dispatch`,
+    the CPU worker) read the bytes and grids in host RAM with the C kernel (`kernels/cpu_moe.py`)."""
 
     def __init__(self, spec: Fp8Spec, dtype: torch.dtype):
         self.spec, self.dtype, self.name = spec, dtype, spec.name

@@ -18,8 +18,8 @@ included; the GPU reads the rest. The kernels, the counters and the worker apply
 the same routing (the device's table is the only one: each post hands the worker its call's take
 and cut), so every row is served once, and the two sides' work stays balanced however many of a
 token's experts miss. Quantized experts split in whole experts (take[m] = round(cpu_share × m)):
-the GPU's dequantizing launches read their packed bytes in place, the worker unpacks 8/4/2-bit and
-NF4 experts. The share moves while decoding (`SplitBalance`) unless the user fixes it. Calls of
+the GPU's dequantizing launches read their packed bytes in place, the worker decodes 8/4/2-bit,
+NF4, FP8 and MXFP4 experts as the host tier stores them. The share moves while decoding (`SplitBalance`) unless the user fixes it. Calls of
 more than one token (a batch of streams), and experts with biases, leave every miss to the CPU:
 the kernels of larger calls read slots only. Rows past the live ones of a captured batch (its
 padding) get no experts computed. Calls larger than the mailboxes (prompts) go through the fetch
@@ -71,20 +71,16 @@ def check_hybrid(formats: dict[int, ExpertFormat], shape: ExpertShape, host_stac
                          "from disk here; add --host-tier pinned (and the host memory it needs) or use "
                          "--miss-policy fetch.")
     for fmt in formats.values():
-        if getattr(fmt.spec if isinstance(fmt, QuantizedFormat) else None, "kind", None) == "fp8":
-            raise InputError(f"--miss-policy hybrid's CPU worker does not read FP8 experts ({fmt.name}) yet; use "
-                             "--miss-policy fetch, or --experts bf16 to hold them dequantized (twice the bytes).")
-        if isinstance(fmt, Mxfp4Format):   # the checkpoint's precision is fixed: no dequantized alternative
-            raise InputError("--miss-policy hybrid's CPU worker does not read MXFP4 experts yet; use "
-                             "--miss-policy fetch.")
         if isinstance(fmt, DenseFormat):
             ok = cpu_moe.supports(fmt.dtype, shape.activation)
+        elif isinstance(fmt, Mxfp4Format):   # gpt-oss: biases and the clamped SwiGLU, which the kernel applies
+            ok = cpu_moe.supports(fmt.dtype, shape.activation) and cpu_moe.supports_quant(fmt.spec)
         else:
             ok = isinstance(fmt, QuantizedFormat) and cpu_moe.supports_quant(fmt.spec) and shape.plain
         if not ok:
             raise InputError(f"--miss-policy hybrid's CPU worker does not compute {fmt.name} experts with a "
-                             f"{shape.activation.name} activation (it takes bf16/fp32, and 8/4/2-bit or NF4 SwiGLU "
-                             "experts); use --miss-policy fetch.")
+                             f"{shape.activation.name} activation (it takes bf16/fp32, 8/4/2-bit, NF4 and FP8 "
+                             "SwiGLU experts, and MXFP4 ones in bf16/fp32); use --miss-policy fetch.")
     if cpu_moe.load() is None:
         raise InputError(f"--miss-policy hybrid needs the CPU expert kernel, which cannot be built here "
                          f"({cpu_moe.unavailable_reason()}); use --miss-policy fetch.")
@@ -268,8 +264,9 @@ class HybridMisses:
         device = self.device = slots.device
         E = slots.num_experts
         # The GPU reads experts in place in one-token calls (dense: the one-token launches; quantized:
-        # the decode launches), for experts without biases. Elsewhere the CPU computes every miss.
-        self.gpu_reads = not shape.bias and (
+        # the decode launches), for experts without biases and not MXFP4 (its kernels read slots only).
+        # Elsewhere the CPU computes every miss.
+        self.gpu_reads = not shape.bias and not any(isinstance(fmt, Mxfp4Format) for fmt in slots.formats.values()) and (
             device.type == "cpu" or all(fmt.uses_kernels(device, shape) for fmt in slots.formats.values()))
         self.expert_bytes = {layer: fmt.nbytes(shape) for layer, fmt in slots.formats.items()}
         dtype = next(iter(slots.formats.values())).dtype
@@ -325,7 +322,8 @@ class HybridMisses:
         self._balance_window = [0, 0, 0, 0]       # split calls, those that waited, µs waited, µs post to answer
         self._before_prompt: dict[int, np.ndarray] | None = None   # use counts when the last prompt began
         self.sync_maps()
-        specs = {layer: fmt.spec for layer, fmt in slots.formats.items() if isinstance(fmt, QuantizedFormat)}
+        specs = {layer: fmt.spec for layer, fmt in slots.formats.items()
+                 if isinstance(fmt, (QuantizedFormat, Mxfp4Format))}
         self.worker = StreamWorker(host_stacks, self.mailboxes, top_k, max_tokens, shape.activation, threads, specs)
 
     def _split_tables(self) -> list[list[int]]:

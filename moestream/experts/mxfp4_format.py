@@ -4,18 +4,20 @@ One expert is `gate_up.blocks (2I, H/2)` uint8 (two fp4 codes a byte, quant/mxfp
 `gate_up.scales (2I, H/32)` uint8 (e8m0), gate rows first as every format has them; `down.blocks
 (H, I/2)` and `down.scales (H, I/32)`; and the experts' biases `gate_up_bias (2I,)` and `down_bias
 (H,)` in the compute dtype. The bank, the host tier and snapshots hold these bytes; the dispatch
-dequantizes as it computes (kernels/mxfp4_moe.py).
+dequantizes as it computes (kernels/mxfp4_moe.py), and hybrid misses (`host_dispatch`, the CPU
+worker) read them where they sit in host RAM with the C kernel of kernels/cpu_moe.c.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
 from moestream.errors import CheckpointError, InputError
-from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, TensorSpec, encode_biases
+from moestream.experts.format import Dispatch, ExpertFormat, ExpertShape, HostDispatch, TensorSpec, encode_biases
 from moestream.kernels.moe_reference import Activation
 from moestream.quant.mxfp4 import GROUP, MXFP4, quantize_mxfp4
 
@@ -86,8 +88,25 @@ class Mxfp4Format(ExpertFormat):
             return run(hidden, slots, slot_ids, weights, activation, reduce=reduce)
         return dispatch
 
+    def host_dispatch(self, shape: ExpertShape) -> HostDispatch:
+        """The C kernel (`kernels/cpu_moe.py`: the e2m1 codes and e8m0 scales decoded in registers, the
+        biases and the clamped SwiGLU applied) where it builds and takes the dtype; the reference otherwise."""
+        from moestream.kernels import cpu_moe
+
+        if not cpu_moe.supports(self.dtype, shape.activation) or cpu_moe.load() is None:
+            return super().host_dispatch(shape)
+        return functools.partial(_cpu_kernel, activation=shape.activation)
+
     def describe(self, shape: ExpertShape) -> dict:
         return {**super().describe(shape), "bits": 4, "group": GROUP, "kind": "mxfp4"}
 
     def __repr__(self) -> str:
         return "Mxfp4Format()"
+
+
+def _cpu_kernel(hidden: Tensor, stack: Mapping[str, Tensor], expert_ids: Tensor, weights: Tensor,
+                activation: Activation) -> Tensor:
+    from moestream.kernels import cpu_moe
+
+    return cpu_moe.cpu_moe_quant(hidden, stack, expert_ids, weights, MXFP4, out_dtype=torch.float32,
+                                 activation=activation)

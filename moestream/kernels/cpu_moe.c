@@ -25,6 +25,9 @@
 #include <sys/prctl.h>
 #include <time.h>
 #include <omp.h>
+#if defined(__AVX512F__)   /* AVX-512 without AVX512-BF16 (Skylake-X to Ice Lake) takes the vector paths too */
+#include <immintrin.h>
+#endif
 
 enum { W_BF16 = 0, W_FP32 = 1 };
 enum { ACT_SWIGLU = 0, ACT_SWIGLU_CLAMPED = 1, ACT_GEGLU_TANH = 2 };
@@ -69,7 +72,6 @@ void moe_cpu_set_prefetch(int bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
 #define TT 4   /* tokens per tile: their accumulators stay in registers while one row streams by */
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* bf16 · bf16 with AVX512-BF16: 32 products per instruction, accumulated in fp32. */
 static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
     if (K % 32) return 0;
@@ -182,13 +184,29 @@ int moe_cpu_init(int threads, const int32_t *cpus, int ncpus) {
 
 /* ---- the three phases of a call, over any weight format ---------------------------------------- */
 
+/* How a projection of quantized experts is laid out (kernels/cpu_moe.py: `quant_layout` fills it):
+ * the codes' width and meaning, the scales' dtype, and per projection (0: gate_up, 1: down) the
+ * columns a scale covers and the scale row of each weight row. Group-quantized formats have one
+ * scale row per weight row (sdiv 1). FP8 block scales cover sdiv rows × group columns, gate_up's
+ * grid being the gate's (srows / 2 rows) stacked on the up's, so a block never straddles the two
+ * (`split`: the up rows' first row, I; 0 where the projection is one grid). */
+enum { CODES_TABLE = 0, CODES_FP8 = 1 };       /* code → table[code] (8 bits: the code), or e4m3 bits */
+enum { S_BF16 = 0, S_FP32 = 1, S_E8M0 = 2 };   /* scales: bf16, fp32, or e8m0 bytes (2^(e - 127)) */
+typedef struct {
+    int32_t bits, codes, sdtype;
+    int32_t group[2], rows[2], sdiv[2], split[2], srows[2];
+    float table[16];
+} QuantLayout;
+
 /* Weights of one call: dense rows (bf16 / fp32), or group-quantized rows (kernels/cpu_moe.py). */
 typedef struct {
     int quantized;
-    int dtype;                    /* dense: W_BF16 | W_FP32 */
+    int dtype;                    /* dense: W_BF16 | W_FP32; quantized: the dtype of the experts' biases */
     const void *w[2];             /* dense rows of gate_up (E*2I, H) and down (E*H, I); or packed values */
     const void *scales[2], *qbias[2];
-    int bits, group, sdtype;      /* quantized: bits 8/4/2, values per group, scales 0 = bf16, 1 = fp32 */
+    int bits, group, sdtype;      /* quantized: bits 8/4/2, values per group (the 4-bit bf16 path's), S_* */
+    int fp8;                      /* codes are FP8 e4m3 bits */
+    int qgroup[2], rows[2], sdiv[2], split[2], srows[2];   /* QuantLayout's, per projection */
     float table[16];              /* quantized, 4 and 2 bits: the value of each code (affine: the code) */
     /* Affine 4-bit rows meeting bf16-valued inputs (`fast`): each projection's inputs also as bf16
      * (phase-ordered rows of K) with their per-group sums (rows of K / group), so a row is
@@ -199,38 +217,92 @@ typedef struct {
     float *in_sum[2];
 } Weights;
 
+static void quant_weights(Weights *W, const QuantLayout *q) {
+    W->quantized = 1;
+    W->bits = q->bits;
+    W->group = q->group[0];
+    W->sdtype = q->sdtype;
+    W->fp8 = q->codes == CODES_FP8;
+    for (int i = 0; i < 2; i++) {
+        W->qgroup[i] = q->group[i];
+        W->rows[i] = q->rows[i];
+        W->sdiv[i] = q->sdiv[i] > 0 ? q->sdiv[i] : 1;
+        W->split[i] = q->split[i];
+        W->srows[i] = q->srows[i];
+    }
+    for (int i = 0; i < 16; i++) W->table[i] = q->table[i];
+}
+
 /* Inputs of one projection for T tokens: the hidden rows (phase 1) or the pairs' activations (phase
  * 3). Dense: in the weights' dtype, rows of `K` values. Quantized: fp32 and phase-ordered, value
  * j*v + p of a row at p*(K/v) + j for v = 8/bits values per byte, so each unpacked byte's p-th value
  * meets a contiguous input vector. */
 
 static inline float scale_at(const void *p, int sdtype, size_t i) {
-    return sdtype == 0 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    if (sdtype == S_E8M0) {   /* 2^(e - 127): e = 0 is the subnormal 2^-127, e = 255 reads as inf */
+        const uint32_t e = ((const uint8_t *)p)[i];
+        union { uint32_t u; float f; } v;
+        v.u = e ? e << 23 : 0x00400000u;
+        return v.f;
+    }
+    return sdtype == S_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* An FP8 e4m3fn code's value: its exponent and mantissa bits moved into an fp32's (sign to the top,
+ * the 4 exponent bits to the exponent's low bits, the 3 mantissa bits to the mantissa's top), which
+ * reads as the value times 2^-120; exact for subnormal codes too (denormals are not flushed: no
+ * -ffast-math). Codes 0x7f / 0xff are NaN. */
+static inline float fp8_e4m3(uint8_t c) {
+    union { uint32_t u; float f; } v;
+    const uint32_t mag = c & 0x7fu;
+    v.u = (mag << 20) | ((uint32_t)(c & 0x80u) << 24);
+    return mag == 0x7fu ? NAN : v.f * 0x1p120f;   /* branch-free: the portable loop vectorizes */
+}
+
+/* The scale row of weight row `row` (expert-major over the stacked experts) of projection `which`. */
+static inline size_t scale_row(const Weights *W, int which, size_t row) {
+    const int div = W->sdiv[which];
+    if (div == 1) return row;   /* a scale row per weight row (the whole grid has one per row too) */
+    const size_t n = (size_t)W->rows[which], e = row / n, r = row % n, split = (size_t)W->split[which];
+    const size_t sr = split && r >= split ? (size_t)W->srows[which] / 2 + (r - split) / div : r / div;
+    return e * (size_t)W->srows[which] + sr;
 }
 
 /* One quantized row times one phase-ordered input. */
 static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
-    const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v;
-    const int G = (K + W->group - 1) / W->group;
-    const size_t row_bytes = (size_t)K * bits / 8;
+    const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v, group = W->qgroup[which];
+    const int G = (K + group - 1) / group;
+    const size_t row_bytes = (size_t)K * bits / 8, s_at = scale_row(W, which, row) * G;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * row_bytes;
     const void *sc = W->scales[which], *bi = W->qbias[which];
     float acc = 0.f;
     int g = 0;
 #if defined(__AVX512F__)
-    const int gbytes = W->group * bits / 8;
+    const int gbytes = group * bits / 8;
     if (gbytes % 16 == 0) {   /* whole groups, 16 bytes at a time; a ragged last group goes below */
         __m512 vacc = _mm512_setzero_ps();
         const __m512 table = _mm512_loadu_ps(W->table);
-        const __m512i vmask = _mm512_set1_epi32(mask);
-        for (; g < K / W->group; g++) {
-            const __m512 s = _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g));
-            const __m512 b = _mm512_set1_ps(bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f);
+        const __m512i vmask = _mm512_set1_epi32(mask), low7 = _mm512_set1_epi32(0x7f), sign = _mm512_set1_epi32(0x80);
+        const __m512 two120 = _mm512_set1_ps(0x1p120f), nan = _mm512_set1_ps(NAN);
+        for (; g < K / group; g++) {
+            const float s1 = scale_at(sc, W->sdtype, s_at + g);
+            /* FP8: the codes' bits read as value · 2^-120; 2^120 is folded into the scale where that
+             * stays finite (the same product, rounded once either way) */
+            const int fold = W->fp8 && isfinite(s1 * 0x1p120f);
+            const __m512 s = _mm512_set1_ps(fold ? s1 * 0x1p120f : s1);
+            const __m512 b = _mm512_set1_ps(bi ? scale_at(bi, W->sdtype, s_at + g) : 0.f);
             for (int j = g * gbytes; j < (g + 1) * gbytes; j += 16) {
+                if (prefetch_bytes && (j & 63) == 0) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
                 __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
                 for (int p = 0; p < v; p++) {
                     __m512 w;
-                    if (bits == 8) {
+                    if (W->fp8) {
+                        const __m512i mag = _mm512_and_si512(by, low7);
+                        w = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(mag, 20),
+                                                                _mm512_slli_epi32(_mm512_and_si512(by, sign), 24)));
+                        if (!fold) w = _mm512_mul_ps(w, two120);
+                        w = _mm512_mask_mov_ps(w, _mm512_cmpeq_epi32_mask(mag, low7), nan);
+                    } else if (bits == 8) {
                         w = _mm512_cvtepi32_ps(by);
                     } else {
                         __m512i code = _mm512_and_si512(_mm512_srl_epi32(by, _mm_cvtsi32_si128(p * bits)), vmask);
@@ -244,9 +316,15 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
     }
 #endif
     for (; g < G; g++) {   /* portable form, and a ragged last group */
-        const int s0 = g * W->group, len = K - s0 < W->group ? K - s0 : W->group;
-        const float s = scale_at(sc, W->sdtype, row * G + g), b = bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f;
+        const int s0 = g * group, len = K - s0 < group ? K - s0 : group;
+        const float s = scale_at(sc, W->sdtype, s_at + g), b = bi ? scale_at(bi, W->sdtype, s_at + g) : 0.f;
         float dot = 0.f, sum = 0.f;
+        if (W->fp8) {   /* a byte a value, v = 1 */
+#pragma omp simd reduction(+ : dot)
+            for (int i = s0; i < s0 + len; i++) dot += fp8_e4m3(q[i]) * x[i];
+            acc += s * dot;
+            continue;
+        }
         for (int i = s0; i < s0 + len; i++) {
             int code = (q[(size_t)i * bits / 8] >> ((i % v) * bits)) & mask;
             float xi = x[(size_t)(i % v) * per + i / v];
@@ -475,18 +553,21 @@ void moe_cpu_experts(const void *gate_up, const void *down, const void *gate_up_
                 pair_w, x, scratch, act_buf, out);
 }
 
-/* Group-quantized SwiGLU experts (kernels/cpu_moe.py: which specs): per projection the packed values,
- * the scales and (affine) the biases, stacked over E experts; `x` (T, H) and `act_buf` (n_pairs, I)
- * phase-ordered fp32. */
+/* Quantized experts (kernels/cpu_moe.py: which formats): per projection the packed values, the
+ * scales and (affine) the quantization's biases, stacked over E experts, laid out as `q` says; the
+ * experts' own biases (gpt-oss) in `dtype`, and their activation. `x` (T, H) and `act_buf`
+ * (n_pairs, I) phase-ordered fp32. */
 void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b, const void *dn_q,
-                           const void *dn_s, const void *dn_b, int bits, int group, int sdtype,
-                           const float *table, int round_act, int H, int I, int n_used, const int32_t *experts,
+                           const void *dn_s, const void *dn_b, const QuantLayout *q, const void *gate_up_bias,
+                           const void *down_bias, int dtype, int act, float alpha, float limit,
+                           int round_act, int H, int I, int n_used, const int32_t *experts,
                            const int32_t *pair_off, const int32_t *pair_tok, const float *pair_w, const float *x,
                            float *scratch, float *act_buf, float *out, int fast, uint16_t *x_bf16, float *x_sum,
                            uint16_t *act_bf16, float *act_sum) {
     Weights W = {0};
-    W.quantized = 1;
-    W.fast = fast && round_act;   /* bf16-valued inputs only: their bf16 form is exact */
+    quant_weights(&W, q);
+    W.dtype = dtype;
+    W.fast = fast && round_act && !W.fp8 && affine_codes(W.table);   /* bf16-valued inputs only: exact in bf16 */
     W.in_bf16[0] = x_bf16;
     W.in_sum[0] = x_sum;
     W.in_bf16[1] = act_bf16;
@@ -497,13 +578,8 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
     W.scales[1] = dn_s;
     W.qbias[0] = gu_b;
     W.qbias[1] = dn_b;
-    W.bits = bits;
-    W.group = group;
-    W.sdtype = sdtype;
-    for (int i = 0; i < 16; i++) W.table[i] = table ? table[i] : (float)i;
-    W.fast = W.fast && affine_codes(W.table);
-    run_experts(team, &W, NULL, NULL, H, I, ACT_SWIGLU, 0.f, 0.f, round_act, n_used, experts, pair_off, pair_tok, pair_w,
-                x, scratch, act_buf, out);
+    run_experts(team, &W, gate_up_bias, down_bias, H, I, act, alpha, limit, round_act, n_used, experts, pair_off,
+                pair_tok, pair_w, x, scratch, act_buf, out);
 }
 
 /* ---- the stream worker: a thread team that serves the CPU's share of every decode step's misses --
@@ -535,10 +611,10 @@ typedef struct {
     double *busy_s;                                           /* statistics, added to: compute time */
     int64_t *counts;                                          /* [calls, pairs, experts] */
     /* quantized experts: gate_up / down above are the packed values; per projection scales and
-     * (affine) biases, the value of each code, bits, values per group, scales 0 = bf16, 1 = fp32 */
+     * (affine) biases, and how they are laid out; gate_up_bias / down_bias: the experts' own biases */
     const void *gate_up_scales, *gate_up_qbias, *down_scales, *down_qbias;
-    const float *table;
-    int32_t quantized, bits, group, sdtype;
+    int32_t quantized;
+    QuantLayout q;
 } StreamLayer;
 
 typedef struct {
@@ -683,9 +759,9 @@ static int next_job(StreamWorker *w) {
                 continue;
             }
             if (L->quantized) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
-                const int v = 8 / L->bits, per = w->H / v, G = w->H / L->group;
-                const int fast = w->dtype == W_BF16 && L->bits == 4 && L->group % 64 == 0 && w->H % L->group == 0 &&
-                                 affine_codes(L->table);
+                const int group = L->q.group[0], v = 8 / L->q.bits, per = w->H / v, G = w->H / group;
+                const int fast = w->dtype == W_BF16 && L->q.bits == 4 && L->q.codes == CODES_TABLE && group % 64 == 0 &&
+                                 w->H % group == 0 && affine_codes(L->q.table);
                 for (int t = 0; t < T; t++) {
                     for (int i = 0; i < w->H; i++) {
                         const size_t at = (size_t)t * w->H + (size_t)(i % v) * per + i / v;
@@ -695,7 +771,7 @@ static int next_job(StreamWorker *w) {
                     if (fast)
                         for (int g = 0; g < G; g++) {
                             float s = 0.f;
-                            for (int i = g * L->group; i < (g + 1) * L->group; i++)
+                            for (int i = g * group; i < (g + 1) * group; i++)
                                 s += widen(L->hidden, w->dtype, (size_t)t * w->H + i);
                             w->xsum[(size_t)t * G + g] = s;
                         }
@@ -763,23 +839,19 @@ static void *stream_main(void *arg) {
                 W.w[0] = L->gate_up;
                 W.w[1] = L->down;
                 if (L->quantized) {
-                    W.quantized = 1;
+                    quant_weights(&W, &L->q);
                     W.scales[0] = L->gate_up_scales;
                     W.scales[1] = L->down_scales;
                     W.qbias[0] = L->gate_up_qbias;
                     W.qbias[1] = L->down_qbias;
-                    W.bits = L->bits;
-                    W.group = L->group;
-                    W.sdtype = L->sdtype;
-                    for (int i = 0; i < 16; i++) W.table[i] = L->table[i];
-                    W.fast = w->dtype == W_BF16 && affine_codes(W.table);   /* rows the 4-bit path takes: q4_fast */
+                    W.fast = w->dtype == W_BF16 && !W.fp8 && affine_codes(W.table);   /* rows the 4-bit path takes: q4_fast */
                     W.in_bf16[0] = w->xb;
                     W.in_sum[0] = w->xsum;
                     W.in_bf16[1] = w->actb;
                     W.in_sum[1] = w->actsum;
                 }
                 run_experts_part(tid, nth, spin_barrier, &arrival, &W, L->gate_up_bias, L->down_bias, w->H, w->I,
-                                 L->quantized ? ACT_SWIGLU : w->act, w->alpha, w->limit,
+                                 w->act, w->alpha, w->limit,
                                  L->quantized && w->dtype == W_BF16, w->job_used, w->experts, w->pair_off,
                                  w->pair_tok, w->pair_w, L->quantized ? (const void *)w->xq : L->hidden, w->scratch,
                                  w->act_buf, L->out, L->quantized ? NULL : w->lim);

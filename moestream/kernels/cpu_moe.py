@@ -31,7 +31,11 @@ from torch import Tensor
 
 from moestream.kernels.moe_reference import Activation
 from moestream.quant import QuantSpec
+from moestream.quant.fp8 import Fp8Spec
+from moestream.quant.mxfp4 import FP4_VALUES, Mxfp4Spec
 from moestream.quant.normal import codebook
+
+StoredSpec = QuantSpec | Fp8Spec | Mxfp4Spec   # how quantized experts are stored (format.stored_format)
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -119,7 +123,7 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_set_prefetch(PREFETCH_BYTES)
         lib.moe_cpu_experts.argtypes = [p, p, p, p, i32, i32, i32, i32, f32, f32, i32, p, p, p, p, p, p, p, p]
         lib.moe_cpu_experts.restype = None
-        lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, i32, i32, i32, p, i32, i32, i32, i32,
+        lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, f32, f32, i32, i32, i32, i32,
                                               p, p, p, p, p, p, p, p, i32, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
         lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
@@ -247,11 +251,64 @@ def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weigh
     return out.to(out_dtype or hidden.dtype)
 
 
-def supports_quant(spec: QuantSpec) -> bool:
-    """The quantized specs the kernel reads: affine 8/4/2 bits and NF4, scales in bf16 or fp32 (3-bit
-    packs straddle bytes; those, and fp16 scales, keep the plain-torch reference)."""
+def supports_quant(spec: StoredSpec) -> bool:
+    """The quantized formats the kernel reads as stored: affine 8/4/2 bits and NF4 with scales in bf16
+    or fp32; FP8 e4m3 with block, per-channel or per-tensor scales (bf16 or fp32); MXFP4 (e2m1 codes,
+    e8m0 scales per 32 values). 3-bit packs straddle bytes: those, and fp16 scales, keep the
+    plain-torch reference."""
+    if isinstance(spec, Mxfp4Spec):
+        return True
+    if isinstance(spec, Fp8Spec):
+        return spec.scale_dtype in (torch.bfloat16, torch.float32)
     return (spec.bits in (8, 4, 2) and (spec.kind == "int" or spec.bits == 4)
             and spec.scale_dtype in (torch.bfloat16, torch.float32))
+
+
+class QuantLayout(ctypes.Structure):
+    """How a layer's quantized experts are laid out, as the kernel reads them (`QuantLayout` in
+    cpu_moe.c): code width and meaning, scale dtype, and per projection (gate_up, down) the columns a
+    scale covers, the rows of one expert, the rows a scale row covers, where gate_up's second grid
+    starts (FP8: the up rows) and the scale rows of one expert."""
+
+    _fields_ = [("bits", ctypes.c_int32), ("codes", ctypes.c_int32), ("sdtype", ctypes.c_int32),
+                *((name, ctypes.c_int32 * 2) for name in ("group", "rows", "sdiv", "split", "srows")),
+                ("table", ctypes.c_float * 16)]
+
+
+def quant_layout(spec: StoredSpec, hidden: int, intermediate: int) -> QuantLayout:
+    """The kernel's view of experts of `spec` with these widths (the specs `supports_quant` names)."""
+    H, I = hidden, intermediate
+    rows = (2 * I, H)
+    if isinstance(spec, Fp8Spec):   # e4m3 bytes, float block grids; gate_up: the gate's grid, then the up's
+        (gn, gk), (dn, dk) = spec.block(I, H), spec.block(H, I)
+        sdtype = 0 if spec.scale_dtype == torch.bfloat16 else 1
+        return QuantLayout(8, 1, sdtype, (gk, dk), rows, (gn, dn), (I, 0),
+                           (2 * spec.scale_shape(I, H)[0], spec.scale_shape(H, I)[0]), (ctypes.c_float * 16)())
+    table = (ctypes.c_float * 16)(*code_table(spec).tolist())
+    if isinstance(spec, Mxfp4Spec):   # e2m1 codes (the table), one e8m0 scale per 32 values
+        return QuantLayout(4, 0, 2, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
+    sdtype = 0 if spec.scale_dtype == torch.bfloat16 else 1
+    return QuantLayout(spec.bits, 0, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
+
+
+def _quant_stack(stack: Mapping[str, Tensor], spec: StoredSpec) -> dict[str, Tensor | None]:
+    """A quantized stack's tensors by role: `<proj>` (packed values: `.qweight`, or MXFP4's `.blocks`),
+    `<proj>.scales`, `<proj>.qbias` (the affine quantization's offsets) and `<proj>_bias` (the experts'
+    own biases)."""
+    out: dict[str, Tensor | None] = {}
+    for proj in ("gate_up", "down"):
+        out[proj] = stack[f"{proj}.blocks" if isinstance(spec, Mxfp4Spec) else f"{proj}.qweight"]
+        out[f"{proj}.scales"] = stack[f"{proj}.scales"]
+        out[f"{proj}.qbias"] = stack.get(f"{proj}.biases")
+        out[f"{proj}_bias"] = stack.get(f"{proj}_bias")
+    return out
+
+
+def _quant_dtypes(stack: Mapping[str, Tensor], spec: StoredSpec, bias_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype each tensor of a quantized stack must have."""
+    scale = torch.uint8 if isinstance(spec, Mxfp4Spec) else spec.scale_dtype
+    return {n: torch.uint8 if n.endswith((".qweight", ".blocks")) else bias_dtype if n.endswith("_bias") else scale
+            for n in stack}
 
 
 def _phase_ordered(x: Tensor, bits: int) -> Tensor:
@@ -261,23 +318,26 @@ def _phase_ordered(x: Tensor, bits: int) -> Tensor:
     return x.float().reshape(n, K // v, v).transpose(1, 2).contiguous()
 
 
-def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor, spec: QuantSpec,
-                  out_dtype: torch.dtype | None = None) -> Tensor:
-    """`quant_moe_reference` on the CPU through the C kernel, for the specs `supports_quant` names: the
-    packed values are unpacked in registers and multiplied in fp32 (the weights are not rounded to the
-    hidden dtype first, the activation is, as the reference's down product takes it)."""
+def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor, spec: StoredSpec,
+                  out_dtype: torch.dtype | None = None, activation: str | Activation = "swiglu") -> Tensor:
+    """The reference of the format (`quant_moe_reference`, `mxfp4_moe_reference` with the experts' biases
+    and `activation`) on the CPU through the C kernel, for the specs `supports_quant` names: the stored
+    values are decoded in registers and multiplied in fp32 (the weights are not rounded to the hidden
+    dtype first, the activation is, as the reference's down product takes it). Experts' biases
+    (`gate_up_bias`, `down_bias`) must be in the hidden rows' dtype, bf16 or fp32."""
     lib = _ready()
-    _check_once(slots, {n: torch.uint8 for n in slots if n.endswith(".qweight")}
-                | {n: spec.scale_dtype for n in slots if not n.endswith(".qweight")})
-    q = slots["gate_up.qweight"]
+    act = Activation.of(activation)
+    _check_once(slots, _quant_dtypes(slots, spec, hidden.dtype))
+    parts = _quant_stack(slots, spec)
+    q = parts["gate_up"]
     S, two_i = q.shape[:2]
-    I, H = two_i // 2, slots["down.qweight"].shape[1]
+    I, H = two_i // 2, parts["down"].shape[1]
     out = torch.zeros(slot_ids.shape[0], H, dtype=torch.float32)
     grouped = _pairs(slot_ids, weights, S)
     if grouped is not None:
         experts, pair_off, pair_tok, pair_w = grouped
-        table = code_table(spec)
-        x = _phase_ordered(hidden, spec.bits)
+        layout = quant_layout(spec, H, I)
+        x = _phase_ordered(hidden, layout.bits)
         scratch = torch.empty(len(pair_tok), two_i, dtype=torch.float32)
         act_buf = torch.empty(len(pair_tok), I, dtype=torch.float32)
         fast = _q4_bf16(spec, hidden, H, I)
@@ -287,20 +347,24 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
             act_sum = torch.empty(len(pair_tok), I // spec.group, dtype=torch.float32)
         else:
             x_bf16 = x_sum = act_bf16 = act_sum = None
+        biased = parts["gate_up_bias"] is not None or parts["down_bias"] is not None
+        if biased and hidden.dtype not in DTYPES:
+            raise ValueError(f"the CPU expert kernel reads experts' biases in bf16 or fp32, got {hidden.dtype}")
         lib.moe_cpu_experts_quant(
-            _ptr(q), _ptr(slots["gate_up.scales"]), _ptr(slots.get("gate_up.biases")), _ptr(slots["down.qweight"]),
-            _ptr(slots["down.scales"]), _ptr(slots.get("down.biases")), spec.bits, spec.group,
-            0 if spec.scale_dtype == torch.bfloat16 else 1, table.data_ptr(), int(hidden.dtype == torch.bfloat16),
-            H, I, len(experts), experts.ctypes.data, pair_off.ctypes.data, pair_tok.ctypes.data, pair_w.ctypes.data,
-            x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(), out.data_ptr(), int(fast), _ptr(x_bf16),
-            _ptr(x_sum), _ptr(act_bf16), _ptr(act_sum))
+            _ptr(q), _ptr(parts["gate_up.scales"]), _ptr(parts["gate_up.qbias"]), _ptr(parts["down"]),
+            _ptr(parts["down.scales"]), _ptr(parts["down.qbias"]), ctypes.byref(layout), _ptr(parts["gate_up_bias"]),
+            _ptr(parts["down_bias"]), DTYPES.get(hidden.dtype, 1), ACTIVATION_CODES[act.name], act.alpha, act.limit,
+            int(hidden.dtype == torch.bfloat16), H, I, len(experts), experts.ctypes.data, pair_off.ctypes.data,
+            pair_tok.ctypes.data, pair_w.ctypes.data, x.data_ptr(), scratch.data_ptr(), act_buf.data_ptr(),
+            out.data_ptr(), int(fast), _ptr(x_bf16), _ptr(x_sum), _ptr(act_bf16), _ptr(act_sum))
     return out.to(out_dtype or hidden.dtype)
 
 
 def _q4_bf16(spec: QuantSpec, hidden: Tensor, H: int, I: int) -> bool:
     """Whether the kernel's affine 4-bit path with bf16 dot products takes this call: bf16 hidden
     rows (their values, and the rounded activations, are exact in bf16) and whole groups of 64n."""
-    return (spec.kind == "int" and spec.bits == 4 and hidden.dtype == torch.bfloat16 and spec.group % 64 == 0
+    return (isinstance(spec, QuantSpec) and spec.kind == "int" and spec.bits == 4 and hidden.dtype == torch.bfloat16
+            and spec.group % 64 == 0
             and H % spec.group == 0 and I % spec.group == 0)
 
 
@@ -311,14 +375,19 @@ class _StreamLayer(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "gate_up", "down", "gate_up_bias", "down_bias", "post", "ids", "weights", "hidden", "result", "out",
-        "busy_s", "counts", "gate_up_scales", "gate_up_qbias", "down_scales", "down_qbias", "table")),
-        *((name, ctypes.c_int32) for name in ("quantized", "bits", "group", "sdtype"))]
+        "busy_s", "counts", "gate_up_scales", "gate_up_qbias", "down_scales", "down_qbias")),
+        ("quantized", ctypes.c_int32), ("q", QuantLayout)]
 
 
-def code_table(spec: QuantSpec) -> Tensor:
-    """The value of each code of a quantized spec, as the kernel reads it (16 floats)."""
+def code_table(spec: StoredSpec) -> Tensor:
+    """The value of each code of a quantized spec, as the kernel reads it (16 floats; FP8 codes are
+    decoded from their bits, not a table: zeros)."""
     table = torch.zeros(16)
-    if spec.kind == "nf":
+    if isinstance(spec, Mxfp4Spec):
+        table[:] = torch.tensor(FP4_VALUES)
+    elif isinstance(spec, Fp8Spec):
+        pass
+    elif spec.kind == "nf":
         table[:1 << spec.bits] = codebook(spec.bits)
     else:
         table[:min(16, 1 << spec.bits)] = torch.arange(min(16, 1 << spec.bits), dtype=torch.float32)
@@ -356,10 +425,11 @@ class StreamWorker:
 
     def __init__(self, stacks: Mapping[int, Mapping[str, Tensor]], mailboxes: Mapping[int, Mailbox], top_k: int,
                  max_tokens: int, activation: str | Activation = "swiglu", threads: int | None = None,
-                 specs: Mapping[int, QuantSpec | None] | None = None):
+                 specs: Mapping[int, StoredSpec | None] | None = None):
         """`stacks`: every expert of each layer in host RAM, dense (`gate_up`, `down`, optional
-        biases) or, where `specs` gives the layer a quantization spec, packed (`<proj>.qweight`,
-        `.scales`, `.biases`: plain SwiGLU experts, the specs `supports_quant` names)."""
+        biases) or, where `specs` gives the layer a stored spec, as that format keeps them
+        (`<proj>.qweight` / MXFP4's `.blocks`, `.scales`, affine `.biases`, and the experts' own
+        `gate_up_bias` / `down_bias` in the hidden rows' dtype: the specs `supports_quant` names)."""
         lib = _ready()
         act = Activation.of(activation)
         specs = specs or {}
@@ -367,7 +437,7 @@ class StreamWorker:
         hidden_dtype = next(iter(mailboxes.values())).hidden.dtype
         if hidden_dtype not in DTYPES:
             raise ValueError(f"the CPU expert kernel takes bf16 or fp32 hidden rows, got {hidden_dtype}")
-        tables = {}
+        layouts = {}
         structs = (_StreamLayer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             stack, box, spec = stacks[layer], mailboxes[layer], specs.get(layer)
@@ -378,26 +448,25 @@ class StreamWorker:
                                      f"{', '.join(ACTIVATION_CODES)}; got {gate_up.dtype} and {act.name}")
                 _check_once(stack, {name: gate_up.dtype for name in stack})
                 E, two_i, H = gate_up.shape
-                quant = dict(quantized=0, bits=0, group=0, sdtype=0)
+                quant = dict(quantized=0)
+                parts = {"gate_up_bias": stack.get("gate_up_bias"), "down_bias": stack.get("down_bias")}
             else:
-                if not supports_quant(spec) or act.name != "swiglu":
+                if not supports_quant(spec) or act.name not in ACTIVATION_CODES:
                     raise ValueError(f"the CPU expert kernel does not read {spec.name} experts with {act.name}")
-                _check_once(stack, {n: torch.uint8 for n in stack if n.endswith(".qweight")}
-                            | {n: spec.scale_dtype for n in stack if not n.endswith(".qweight")})
-                gate_up, down = stack["gate_up.qweight"], stack["down.qweight"]
+                _check_once(stack, _quant_dtypes(stack, spec, hidden_dtype))
+                parts = _quant_stack(stack, spec)
+                gate_up, down = parts["gate_up"], parts["down"]
                 E, two_i, H = gate_up.shape[0], gate_up.shape[1], down.shape[1]
-                tables[layer] = code_table(spec)
-                quant = dict(quantized=1, bits=spec.bits, group=spec.group,
-                             sdtype=0 if spec.scale_dtype == torch.bfloat16 else 1,
-                             gate_up_scales=_ptr(stack["gate_up.scales"]), gate_up_qbias=_ptr(stack.get("gate_up.biases")),
-                             down_scales=_ptr(stack["down.scales"]), down_qbias=_ptr(stack.get("down.biases")),
-                             table=_ptr(tables[layer]))
+                layouts[layer] = quant_layout(spec, H, two_i // 2)
+                quant = dict(quantized=1, q=layouts[layer],
+                             gate_up_scales=_ptr(parts["gate_up.scales"]), gate_up_qbias=_ptr(parts["gate_up.qbias"]),
+                             down_scales=_ptr(parts["down.scales"]), down_qbias=_ptr(parts["down.qbias"]))
             structs[i] = _StreamLayer(
-                gate_up=_ptr(gate_up), down=_ptr(down), gate_up_bias=_ptr(stack.get("gate_up_bias")),
-                down_bias=_ptr(stack.get("down_bias")), post=_ptr(box.post),
+                gate_up=_ptr(gate_up), down=_ptr(down), gate_up_bias=_ptr(parts["gate_up_bias"]),
+                down_bias=_ptr(parts["down_bias"]), post=_ptr(box.post),
                 ids=_ptr(box.ids), weights=_ptr(box.weights), hidden=_ptr(box.hidden), result=_ptr(box.result),
                 out=_ptr(box.rows), busy_s=_ptr(box.busy_s), counts=_ptr(box.counts), **quant)
-        self._keep = (stacks, mailboxes, tables)
+        self._keep = (stacks, mailboxes, layouts)
         last = (ctypes.c_int32 * len(self.layers))(*[int(mailboxes[layer].post[0]) for layer in self.layers])
         cpus = usable_cpus()
         workers = cpus[1:] or cpus

@@ -8,11 +8,21 @@ import torch
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
 from moestream.kernels.quant_moe_reference import QuantHostReads, quant_moe_reference
 from moestream.quant import parse_quant, quantize
+from moestream.quant.fp8 import Fp8Spec, parse_fp8
 
-FORMATS = ("int4-g32", "int8-g32", "nf4-g32")
+FORMATS = ("int4-g32", "int8-g32", "nf4-g32", "fp8-b12x12")   # FP8: ragged blocks (64 rows, 96 columns of 12)
 
 
 def _stacks(spec, E: int, H: int, I: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    if isinstance(spec, Fp8Spec):   # e4m3 bytes and block grids as `Fp8Format` holds them
+        from moestream.experts.format import ExpertShape, Fp8Format
+
+        fmt, shape = Fp8Format(spec, torch.float32), ExpertShape(H, I)
+        stacks = fmt.empty(shape, E)
+        for e in range(E):
+            gate, up = (torch.randn(I, H, generator=g) / H ** 0.5 for _ in range(2))
+            fmt.encode(gate, up, torch.randn(H, I, generator=g) / I ** 0.5, {n: t[e] for n, t in stacks.items()})
+        return stacks
     out: dict[str, list[torch.Tensor]] = {}
     for _ in range(E):
         for proj, (n, k) in (("gate_up", (2 * I, H)), ("down", (H, I))):
@@ -35,7 +45,7 @@ def _placed(spec, E: int, H: int, I: int, g: torch.Generator, device: str, resid
 def check_quant_host_reads(device: str, dtype: torch.dtype, fmt: str) -> None:
     """A host expert gives the bits of the same expert held in a slot; the split leaves the CPU's
     pairs out; the reference's host form agrees."""
-    spec = parse_quant(fmt)
+    spec = parse_fp8(fmt) or parse_quant(fmt)
     H, I, S, E, k = 96, 64, 4, 12, 6
     g = torch.Generator().manual_seed(11)
     resident = [3, 7, 1, 10]                                    # slot s holds expert resident[s]

@@ -263,3 +263,161 @@ def test_the_prefetch_distance_changes_no_result(dtype):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     torch.testing.assert_close(outs[0], moe_reference(x.float(), stack["gate_up"].float(), stack["down"].float(), ids, w,
                                                       "swiglu"), rtol=2e-2, atol=2e-2)
+
+
+# ---- experts read as FP8 and MXFP4 checkpoints store them -----------------------------------------
+
+FP8_CASES = {   # format, H, I
+    "b12x12": ("fp8-b12x12", 96, 40),         # ragged: the gate's last block 4 rows of 12, down's last 4 columns
+    "b16x16": ("fp8-b16x16", 128, 64),        # whole 16-byte groups (the vector path, where the CPU has one)
+    "b128x128": ("fp8-b128x128", 256, 128),   # DeepSeek-V3's blocks, two along the hidden size
+    "channel": ("fp8-channel", 96, 40),
+    "tensor": ("fp8-tensor", 128, 64),
+}
+
+
+def _fp8_experts(S, H, I, spec, seed=0, codes=None):
+    """S random experts as `Fp8Format` holds them: e4m3 bytes (every code but the two NaNs, subnormals
+    included, or those of `codes`) and float32 scales on the format's grids."""
+    from moestream.experts.format import ExpertShape, Fp8Format
+
+    g = torch.Generator().manual_seed(seed)
+    slots = {}
+    for t in Fp8Format(spec, torch.float32).tensors(ExpertShape(H, I)):
+        if t.name.endswith(".qweight"):
+            if codes is None:
+                q = torch.randint(0, 254, (S, *t.shape), generator=g)
+                q = torch.where(q >= 0x7F, q + 1, q)   # 0x7f and 0xff are NaN
+            else:
+                q = codes[torch.randint(0, len(codes), (S, *t.shape), generator=g)]
+            slots[t.name] = q.to(torch.uint8)
+        else:   # a value's magnitude reaches 448: scales that keep the rows' sums near 1
+            k = H if t.name.startswith("gate_up") else I
+            slots[t.name] = torch.rand(S, *t.shape, generator=g) / (100 * k ** 0.5) + 1e-4
+    return slots
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_experts_equal_the_reference(case):
+    """FP8 experts as stored (e4m3 bytes decoded from their bits in registers, each block's scale read
+    from the grid, gate_up's two grids apart) give `quant_moe_reference`'s dequantize-then-multiply."""
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+    from moestream.quant.fp8 import parse_fp8
+
+    name, H, I = FP8_CASES[case]
+    spec = parse_fp8(name)
+    assert cpu_moe.supports_quant(spec)
+    slots = _fp8_experts(5, H, I, spec)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, H, generator=g)
+    ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
+    w = torch.rand(4, 3, generator=g)
+    ref = quant_moe_reference(x, slots, ids, w, spec)
+    torch.testing.assert_close(cpu_moe.cpu_moe_quant(x, slots, ids, w, spec), ref, rtol=1e-5, atol=1e-5)
+    xb = x.to(torch.bfloat16)   # bf16 rows: the activation rounded to bf16, the weights not (the reference rounds them)
+    out = cpu_moe.cpu_moe_quant(xb, slots, ids, w, spec, out_dtype=torch.float32)
+    ref = quant_moe_reference(xb, slots, ids, w, spec).float()
+    assert (out - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_fp8_subnormal_and_nan_codes_read_as_e4m3_defines_them():
+    """Subnormal codes (exponent bits 0) keep their value (denormals are not flushed), and the NaN
+    codes make the rows they reach NaN, as the reference's float8_e4m3fn conversion does."""
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+    from moestream.quant.fp8 import Fp8Spec
+
+    spec, H, I = Fp8Spec(16, 16), 64, 32
+    subnormal = torch.tensor([*range(0x01, 0x08), *range(0x81, 0x88)])
+    slots = _fp8_experts(3, H, I, spec, seed=4, codes=subnormal)
+    for name in ("gate_up.scales", "down.scales"):
+        slots[name] = torch.full_like(slots[name], 64.0)   # subnormal values are at most 2^-6 · 7/8
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    w = torch.rand(2, 2, generator=torch.Generator().manual_seed(6))
+    ref = quant_moe_reference(x, slots, ids, w, spec)
+    out = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec)
+    assert ref.abs().max() > 0.1 and (out - ref).abs().max() <= 1e-4 * ref.abs().max()   # flushed: all zeros
+    slots["down.qweight"][2, 5, 3] = 0xFF   # expert 2's output row 5: NaN
+    out = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec)
+    assert out[1, 5].isnan() and not out[1, :5].isnan().any() and not out[0].isnan().any()
+
+
+def _mxfp4_experts(S, H, I, seed=0):
+    """S random experts as `Mxfp4Format` holds them: random fp4 code bytes, e8m0 scales near 2^-3,
+    and the experts' biases."""
+    from moestream.experts.format import ExpertShape
+    from moestream.experts.mxfp4_format import Mxfp4Format
+
+    g = torch.Generator().manual_seed(seed)
+    slots = {}
+    for t in Mxfp4Format(torch.float32).tensors(ExpertShape(H, I, bias=True)):
+        if t.name.endswith(".blocks"):
+            slots[t.name] = torch.randint(0, 256, (S, *t.shape), generator=g, dtype=torch.uint8)
+        elif t.name.endswith(".scales"):
+            slots[t.name] = torch.randint(119, 125, (S, *t.shape), generator=g, dtype=torch.uint8)
+        else:
+            slots[t.name] = torch.randn(S, *t.shape, generator=g)
+    return slots
+
+
+@pytest.mark.parametrize("activation", ["swiglu", Activation("swiglu_clamped", 1.702, 7.0)], ids=str)
+@pytest.mark.parametrize("H, I", [(64, 32), (96, 160)])
+def test_mxfp4_experts_equal_the_reference(activation, H, I):
+    """MXFP4 experts as stored (e2m1 codes through the code table, low nibble first, one e8m0 scale per
+    32 values, the experts' biases and gpt-oss's clamped SwiGLU) give `mxfp4_moe_reference`."""
+    from moestream.kernels.mxfp4_moe import mxfp4_moe_reference
+    from moestream.quant.mxfp4 import MXFP4
+
+    assert cpu_moe.supports_quant(MXFP4)
+    slots = _mxfp4_experts(6, H, I)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.randint(-1, 6, (5, 4), generator=g, dtype=torch.int32)
+    w = torch.rand(5, 4, generator=g)
+    ref = mxfp4_moe_reference(x, slots, ids, w, activation)
+    out = cpu_moe.cpu_moe_quant(x, slots, ids, w, MXFP4, activation=activation)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8-b12x12", "fp8-tensor", "mxfp4"])
+def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt, dtype):
+    """The worker serves posts from FP8 and MXFP4 host stacks (each layer's layout handed over in its
+    `QuantLayout`; MXFP4 with the experts' biases, in the hidden rows' dtype, and the clamped SwiGLU)
+    as the direct call does; in bf16 that is the reference to bf16's rounding."""
+    from moestream.kernels.mxfp4_moe import mxfp4_moe_reference
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+    from moestream.quant.fp8 import parse_fp8
+    from moestream.quant.mxfp4 import MXFP4
+
+    E, H, I, k, T = 6, 96, 64, 3, 2
+    if fmt == "mxfp4":
+        spec, stack, act = MXFP4, _mxfp4_experts(E, H, I, seed=8), Activation("swiglu_clamped", 1.702, 7.0)
+        stack = {n: t.to(dtype) if t.is_floating_point() else t for n, t in stack.items()}
+        reference = lambda x, ids, w: mxfp4_moe_reference(x, stack, ids, w, act)   # noqa: E731
+    else:
+        spec, act = parse_fp8(fmt), Activation("swiglu")
+        stack = _fp8_experts(E, H, I, spec, seed=8)
+        reference = lambda x, ids, w: quant_moe_reference(x, stack, ids, w, spec)   # noqa: E731
+    box = cpu_moe.Mailbox(k, H, max_tokens=T, dtype=dtype, pin=False)
+    worker = cpu_moe.StreamWorker({0: stack}, {0: box}, top_k=k, max_tokens=T, activation=act, threads=2,
+                                  specs={0: spec})
+    g = torch.Generator().manual_seed(9)
+    try:
+        for seq in (1, 2):
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+            x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
+            box.ids[:T * k].copy_(ids.view(-1))
+            box.weights[:T * k].copy_(w.view(-1))
+            box.hidden[:T * H].copy_(x.view(-1))
+            box.post[1], box.post[2], box.post[3] = T, -1, 0
+            cpu_moe.publish(box.post, seq)
+            assert cpu_moe.wait_answer(box.result, seq, timeout_s=20.0), f"post {seq} was not answered"
+            assert int(box.result[1]) == T * k
+            rows = box.rows[:T * H].view(T, H)
+            want = cpu_moe.cpu_moe_quant(x, stack, ids, w, spec, out_dtype=torch.float32, activation=act)
+            torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-6)
+            ref = reference(x, ids, w).float()
+            assert (rows - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * ref.abs().max()
+    finally:
+        worker.close()

@@ -90,7 +90,7 @@ def test_greedy_tokens_match_and_a_bounded_bank_equals_resident(mxfp4_gpt_oss):
     bounded = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
     assert bounded.bank.capacity == 3
     assert bounded.generate(prompts, max_tokens=12, ignore_eos=True) == expected
-    # misses computed where they sit in host RAM (the reference over the host tier's MXFP4 stacks)
+    # misses computed where they sit in host RAM (the C kernel over the host tier's MXFP4 stacks)
     host = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0)
     assert host.generate(prompts, max_tokens=12, ignore_eos=True) == expected
 
@@ -192,27 +192,45 @@ def test_cli_convert_without_experts_names_the_mxfp4_checkpoint(mxfp4_gpt_oss, t
     assert not (tmp_path / "out").exists()
 
 
-def test_hybrid_misses_refused_for_mxfp4_experts_and_auto_says_why(mxfp4_gpt_oss, capsys):
-    """The CPU worker has no MXFP4 kernel: the hybrid policy is refused by name, auto falls back to
-    fetch with the reason `--stats` prints, and `check` names the format."""
+def test_hybrid_misses_of_mxfp4_experts_give_the_resident_tokens(mxfp4_gpt_oss, capsys):
+    """The hybrid policy's CPU worker reads MXFP4 experts as the pinned tier holds them (e2m1 codes, e8m0
+    scales, the biases, the clamped SwiGLU): a small bank gives the resident tokens with every miss
+    computed on the CPU (its counters say so), `auto` finds nothing against it where it runs, and
+    `check` names the format."""
     from moestream import cli
     from moestream.engine.build import hybrid_refusal
 
     folder = mxfp4_gpt_oss[0]
-    with pytest.raises(InputError, match=r"does not read MXFP4 experts yet; use --miss-policy fetch"):
-        moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="hybrid", host_tier="pinned")
-    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
-    assert engine.bank.miss_policy == "fetch" and engine.bank.policy_note.startswith("miss policy: fetch (auto: ")
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 12)]
+    resident = moestream.load(folder, device="cpu", dtype="float32")
+    want = resident.generate(prompts, max_tokens=10, ignore_eos=True)
+    ids = torch.randint(2, 160, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    want_logp = resident.teacher_forced(ids[:8], ids[8:])   # the tiny model's greedy tokens repeat: scores tell more
+    engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="hybrid",
+                            host_tier="pinned", discovery=False)
+    try:
+        assert engine.bank.miss_policy == "hybrid" and not engine.bank.hybrid_misses.gpu_reads
+        torch.testing.assert_close(engine.teacher_forced(ids[:8], ids[8:]), want_logp, rtol=1e-4, atol=1e-4)
+        stats = engine.stats()   # the scores came with misses, all computed by the CPU worker
+        assert stats["cpu_served"] == stats["misses"] > 0 and stats["cpu_bytes"] > 0, stats
+        assert engine.generate(prompts, max_tokens=10, ignore_eos=True) == want            # a batch of two
+        assert [engine.generate(p, max_tokens=10, ignore_eos=True) for p in prompts] == want   # alone
+    finally:
+        engine.close()
+    # the fetch policy's --cpu-misses computes its share with the same kernel (`host_dispatch`)
+    fetch = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0,
+                           discovery=False)
+    torch.testing.assert_close(fetch.teacher_forced(ids[:8], ids[8:]), want_logp, rtol=1e-4, atol=1e-4)
+    assert fetch.stats()["cpu_served"] > 0
 
-    class OnGpu:   # the plan as a GPU's would be, with the pinned tier: only the format stands in the way
+    class OnGpu:   # the plan as a GPU's would be, with the pinned tier
         memory, device = engine.plan.memory, torch.device("cuda")
 
     class Tier:
         layers = {0: {}}
 
-    why = hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats,
-                         Tier, sharded=False)
-    assert why == "CPU worker does not read MXFP4 experts yet"
+    assert hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats,
+                          Tier, sharded=False) is None
     assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
     assert "MXFP4, kept as stored" in capsys.readouterr().out
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import moestream
 from moestream import cli
-from moestream.errors import CheckpointError, InputError
+from moestream.errors import CheckpointError
 from moestream.engine.weights import parameter_bytes
 from moestream.experts.format import Fp8Format
 from moestream.model.quant_linear import QuantLinear
@@ -148,31 +148,52 @@ def test_damaged_fp8_checkpoint_refused_in_one_line(fp8_checkpoints, tmp_path, c
     assert all(f in err for f in fragments)
 
 
-def test_hybrid_misses_refused_for_fp8_experts_and_auto_says_why(fp8_checkpoints, capsys):
-    """The CPU worker does not read FP8 experts: the hybrid policy is refused by name, and where
-    auto falls back to fetch for them, the reason is the one `--stats` prints."""
+@pytest.mark.parametrize("case", ["qwen3_moe-block", "qwen3_moe-channel", "mixtral-tensor"])
+def test_hybrid_misses_of_fp8_experts_give_the_resident_tokens(fp8_checkpoints, case):
+    """The hybrid policy's CPU worker reads FP8 experts as the pinned tier holds them (e4m3 bytes and
+    scale grids: ragged blocks, per channel, per tensor): a small bank gives the resident tokens, the
+    CPU computing misses (its counters say so) beside the in-place reads."""
+    folder = fp8_checkpoints[case][0]
+    prompt, ids = IDS[0, :9].tolist(), IDS[1].tolist()
+    resident = moestream.load(folder, device="cpu", dtype="float32")
+    want, want_logp = resident.generate(prompt, max_tokens=12, ignore_eos=True), resident.teacher_forced(ids[:6], ids[6:])
+    for share in ("auto", 1.0):
+        engine = moestream.load(folder, device="cpu", dtype="float32", capacity=2, miss_policy="hybrid",
+                                host_tier="pinned", cpu_misses=share, discovery=False)
+        try:
+            assert engine.bank.miss_policy == "hybrid" and not engine.plan.memory.fully_resident
+            torch.testing.assert_close(engine.teacher_forced(ids[:6], ids[6:]), want_logp, rtol=1e-4, atol=1e-4)
+            stats = engine.stats()   # the scores came with misses, some computed by the CPU worker
+            assert stats["cpu_served"] > 0 and stats["cpu_bytes"] > 0, stats
+            assert engine.generate(prompt, max_tokens=12, ignore_eos=True) == want, share
+        finally:
+            engine.close()
+    # the fetch policy's --cpu-misses computes its share with the same kernel (`host_dispatch`)
+    fetch = moestream.load(folder, device="cpu", dtype="float32", capacity=2, host_tier="pinned", cpu_misses=1.0,
+                           discovery=False)
+    torch.testing.assert_close(fetch.teacher_forced(ids[:6], ids[6:]), want_logp, rtol=1e-4, atol=1e-4)
+    assert fetch.stats()["cpu_served"] > 0
+
+
+def test_auto_takes_hybrid_for_fp8_experts_where_it_runs(fp8_checkpoints):
+    """Nothing about FP8 experts stands in the hybrid policy's way any more: where the plan runs on a
+    GPU with the pinned tier, `auto` finds no reason against it."""
     from moestream.engine.build import hybrid_refusal
     from moestream.experts.format import ExpertShape
     from moestream.experts.hybrid import check_hybrid
 
     folder = fp8_checkpoints["qwen3_moe-block"][0]
-    with pytest.raises(InputError, match=r"does not read FP8 experts \(fp8-b12x12\) yet; use --miss-policy fetch"):
-        check_hybrid({0: Fp8Format(Fp8Spec(12, 12), torch.float32)}, ExpertShape(32, 16), host_stacks={})
-    with pytest.raises(InputError, match="FP8 experts"):
-        moestream.load(folder, device="cpu", dtype="float32", capacity=3, miss_policy="hybrid", host_tier="pinned")
+    check_hybrid({0: Fp8Format(Fp8Spec(12, 12), torch.float32)}, ExpertShape(32, 16), host_stacks={})
     engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3)
-    assert engine.bank.miss_policy == "fetch" and engine.bank.policy_note.startswith("miss policy: fetch (auto: ")
 
-    class OnGpu:   # the plan as a GPU's would be, with the pinned tier: only the format stands in the way
+    class OnGpu:   # the plan as a GPU's would be, with the pinned tier
         memory, device = engine.plan.memory, torch.device("cuda")
 
     class Tier:
         layers = {0: {}}
 
-    why = hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats, Tier, sharded=False)
-    assert why == "CPU worker does not read FP8 experts (fp8-b12x12) yet"
-    assert cli.main(["check", str(folder), "--device", "cpu"]) == 0
-    assert "fp8-b12x12, kept as stored" in capsys.readouterr().out
+    assert hybrid_refusal(OnGpu, moestream.EngineConfig(model=str(folder)), engine.bank.store, engine.bank.formats,
+                          Tier, sharded=False) is None
 
 
 def test_fp8_bank_prepacks_and_warm_starts_with_its_bytes(fp8_checkpoints, tmp_path):
