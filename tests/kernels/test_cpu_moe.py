@@ -123,23 +123,30 @@ def _spec(name):
     return parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64",
-                                  "int4-g32:fp32", "int8-g128:fp32", "int2-g32:fp32"])
-@pytest.mark.parametrize("H, I", [(128, 64), (96, 40)])   # whole groups, and a ragged last group
-def test_quantized_fp32_equals_the_reference(name, H, I):
-    """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
-    loads, the portable one elsewhere) give the reference's dequantize-then-multiply result."""
+def _assert_fp32_equals_the_reference(slots, spec, H: int):
+    """Four fp32 tokens (unrouted slots among their ids) through the kernel and through the reference's
+    dequantize-then-multiply; returns the inputs for further checks."""
     from moestream.kernels.quant_moe_reference import quant_moe_reference
 
-    spec = _spec(name)
-    assert cpu_moe.supports_quant(spec)
-    slots = _quantized_experts(5, H, I, spec)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, H, generator=g)
     ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
     w = torch.rand(4, 3, generator=g)
     ref = quant_moe_reference(x, slots, ids, w, spec)
     torch.testing.assert_close(cpu_moe.cpu_moe_quant(x, slots, ids, w, spec), ref, rtol=1e-5, atol=1e-5)
+    return x, ids, w
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64",
+                                  "int4-g32:fp32", "int8-g128:fp32", "int2-g32:fp32"])
+@pytest.mark.parametrize("H, I", [(128, 64), (96, 40)])   # whole groups, and a ragged last group
+def test_quantized_fp32_equals_the_reference(name, H, I):
+    """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
+    loads, the portable one elsewhere) give the reference's dequantize-then-multiply result."""
+
+    spec = _spec(name)
+    assert cpu_moe.supports_quant(spec)
+    _assert_fp32_equals_the_reference(_quantized_experts(5, H, I, spec), spec, H)
 
 
 def test_quantized_specs_the_kernel_does_not_read_are_named():
@@ -308,12 +315,7 @@ def test_fp8_experts_equal_the_reference(case):
     spec = parse_fp8(name)
     assert cpu_moe.supports_quant(spec)
     slots = _fp8_experts(5, H, I, spec)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, H, generator=g)
-    ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
-    w = torch.rand(4, 3, generator=g)
-    ref = quant_moe_reference(x, slots, ids, w, spec)
-    torch.testing.assert_close(cpu_moe.cpu_moe_quant(x, slots, ids, w, spec), ref, rtol=1e-5, atol=1e-5)
+    x, ids, w = _assert_fp32_equals_the_reference(slots, spec, H)
     xb = x.to(torch.bfloat16)   # bf16 rows: the activation rounded to bf16, the weights not (the reference rounds them)
     out = cpu_moe.cpu_moe_quant(xb, slots, ids, w, spec, out_dtype=torch.float32)
     ref = quant_moe_reference(xb, slots, ids, w, spec).float()
