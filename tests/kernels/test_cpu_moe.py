@@ -143,7 +143,6 @@ def _assert_fp32_equals_the_reference(slots, spec, H: int):
 def test_quantized_fp32_equals_the_reference(name, H, I):
     """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
     loads, the portable one elsewhere) give the reference's dequantize-then-multiply result."""
-
     spec = _spec(name)
     assert cpu_moe.supports_quant(spec)
     _assert_fp32_equals_the_reference(_quantized_experts(5, H, I, spec), spec, H)
