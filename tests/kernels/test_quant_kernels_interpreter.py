@@ -83,7 +83,7 @@ def test_quant_kernels_under_triton_interpreter(formats) -> None:
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_quant_host_reads_under_triton_interpreter() -> None:
-    """Every format in fp32, 4-bit in fp16 (the interpreter is slow; the GPU test takes them all)."""
+    """Every format in fp32 (the interpreter is slow; the GPU test takes them all, in every dtype)."""
     checks = Path(__file__).with_name("quant_host_checks.py")
     result = run_under_interpreter(f"""
         import sys, torch
@@ -93,7 +93,6 @@ def test_quant_host_reads_under_triton_interpreter() -> None:
         for fmt in FORMATS:
             if not fmt.startswith("fp8"):   # its own test below, which runs beside this one
                 check_quant_host_reads("cpu", torch.float32, fmt)
-        check_quant_host_reads("cpu", torch.float16, "int4-g32")
         print("interpreter ok")
     """)
     assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stderr[-4000:]
