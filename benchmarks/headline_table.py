@@ -242,8 +242,6 @@ def prepare(args, runner: Runner) -> dict:
                 made["errors"][fmt.name] = f"checkpoint not written: {err}"
                 continue
         made["ckpt"][fmt.name] = out
-    if "bf16" not in made["ckpt"] and bf16.exists():
-        made["ckpt"]["bf16"] = bf16
     for fmt in [f for f in args.formats if f.source == "convert"]:
         out = w / f"ckpt-{fmt.key}"
         if "bf16" not in made["ckpt"]:
@@ -398,8 +396,7 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str,
               results: Results | None = None) -> dict[str, Run]:
     """`llama-bench -o json` per GGUF type at --n-cpu-moe 0 (resident) and at the 25% bank's layers."""
     runs: dict[str, Run] = {}
-    qtypes = sorted({f.peer for f in args.formats}) if hasattr(args, "formats") else sorted(ggufs)
-    for qtype in qtypes:
+    for qtype in sorted({f.peer for f in args.formats} if hasattr(args, "formats") else ggufs):
         for kind, n_cpu_moe in (("resident", 0), ("bank", args.n_cpu_moe)):
             key = f"llama-{qtype}-{kind}"
             gguf = ggufs.get(qtype)

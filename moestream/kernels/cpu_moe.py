@@ -281,13 +281,13 @@ def quant_layout(spec: StoredSpec, hidden: int, intermediate: int) -> QuantLayou
     rows = (2 * I, H)
     if isinstance(spec, Fp8Spec):   # e4m3 bytes, float block grids; gate_up: the gate's grid, then the up's
         (gn, gk), (dn, dk) = spec.block(I, H), spec.block(H, I)
-        sdtype = 0 if spec.scale_dtype == torch.bfloat16 else 1
+        sdtype = DTYPES[spec.scale_dtype]
         return QuantLayout(8, 1, sdtype, (gk, dk), rows, (gn, dn), (I, 0),
                            (2 * spec.scale_shape(I, H)[0], spec.scale_shape(H, I)[0]), (ctypes.c_float * 16)())
     table = (ctypes.c_float * 16)(*code_table(spec).tolist())
     if isinstance(spec, Mxfp4Spec):   # e2m1 codes (the table), one e8m0 scale per 32 values
         return QuantLayout(4, 0, 2, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
-    sdtype = 0 if spec.scale_dtype == torch.bfloat16 else 1
+    sdtype = DTYPES[spec.scale_dtype]
     return QuantLayout(spec.bits, 0, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
 
 
