@@ -267,10 +267,10 @@ def main() -> None:
         ensure_checkpoint(args.ckpt, args.shape, args.layers, device="cpu" if args.tiny else "cuda", tiny=args.tiny)
     config = json.loads((args.ckpt / "config.json").read_text())
     vocab = config["vocab_size"]
+    experts = next((config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if config.get(k)), "?")
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {
-        "shape": f"{args.ckpt.name}: {config.get('num_hidden_layers')} layers, "
-                 f"{config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts")} experts",
+        "shape": f"{args.ckpt.name}: {config.get('num_hidden_layers')} layers, {experts} experts",
         "routing": args.routing if args.routing != "trace" else f"trace {args.trace}",
         "machine": machine(),
         "turn_shape": {"first_tokens": args.first_tokens, "new_tokens": args.new_tokens, "gen_tokens": args.gen_tokens,
