@@ -93,7 +93,7 @@ def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: i
     """One conversation of `turns` turns; each turn's prompt = the last prompt + its reply + new tokens."""
     rng = random.Random(seed)
     prompt = [rng.randrange(1, vocab) for _ in range(args.first_tokens)]
-    rows, random_replies = [], 0
+    rows, random_replies, reply = [], 0, []
     t_start = time.perf_counter()
     for turn in range(turns):
         if turn:
@@ -165,7 +165,7 @@ def run_llama(args, vocab: int) -> dict:
         port = st.free_port()
         cmd = st.llama_command(args, port, n * context_tokens(args), n)   # -c is shared by the n slots
         commands.append(shlex.join(cmd))
-        runs.append(st._with_llama(cmd, port, lambda url: measured(send_llama, url, n, args, vocab)))
+        runs.append(st._with_llama(cmd, port, lambda url, n=n: measured(send_llama, url, n, args, vocab)))
         log("llama-server", n, "sessions:", json.dumps(summary(runs[-1])))
     return {"runs": runs, "commands": commands, "n_cpu_moe": args.peer_n_cpu_moe}
 

@@ -132,8 +132,8 @@ def test_completions_return_the_generated_token_ids_on_request(server, demo_engi
     ids = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "return_token_ids": True, "stream": True}) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ids += sum((c.get("token_ids") or [] for c in json.loads(line[6:])["choices"]), [])
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                ids += choice.get("token_ids") or []
     assert ids == whole["token_ids"]
     bad = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": "yes"})
     assert bad.status_code == 400 and "return_token_ids" in bad.json()["error"]["message"]
