@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -68,15 +69,18 @@ def wait_healthy(url: str, timeout: float = 1200) -> None:
 
 # ---- one streamed request: the arrival time of each token -------------------------------------
 
-def stream_ours(url: str, prompt: list[int], tokens: int) -> list[float]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    return _stream(f"{url}/v1/completions", body, lambda d: d.get("choices") and d["choices"][0].get("finish_reason") is None)
+def stream_ours(url: str, prompt: list[int], tokens: int, extra: dict | None = None, on_event=None) -> list[float]:
+    """`extra`: more request fields; `on_event`: called with every streamed JSON object."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            **(extra or {})}
+    return _stream(f"{url}/v1/completions", body, lambda d: d.get("choices") and d["choices"][0].get("finish_reason") is None,
+                   on_event)
 
 
-def stream_llama(url: str, prompt: list[int], tokens: int) -> list[float]:
+def stream_llama(url: str, prompt: list[int], tokens: int, extra: dict | None = None, on_event=None) -> list[float]:
     body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "cache_prompt": True}
-    return _stream(f"{url}/completion", body, lambda d: not d.get("stop"))
+            "cache_prompt": True, **(extra or {})}
+    return _stream(f"{url}/completion", body, lambda d: not d.get("stop"), on_event)
 
 
 _CLIENT: httpx.Client | None = None
@@ -91,15 +95,18 @@ def _client() -> httpx.Client:
     return _CLIENT
 
 
-def _stream(endpoint: str, body: dict, is_token) -> list[float]:
+def _stream(endpoint: str, body: dict, is_token, on_event=None) -> list[float]:
     arrivals = []
     with _client().stream("POST", endpoint, json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
-            if is_token(json.loads(line[5:])):
+            data = json.loads(line[5:])
+            if is_token(data):
                 arrivals.append(time.perf_counter())
+            if on_event is not None:
+                on_event(data)
     return arrivals
 
 
@@ -168,9 +175,11 @@ def serve_ours(args, started: list | None = None) -> None:
     server.run()
 
 
-def run_ours(args, ckpt: Path) -> dict:
+@contextmanager
+def our_server(args, script: Path):
     """Our server in a process of its own (as `moestream serve` runs, and as llama-server does: the
-    clients' threads never share its interpreter), driven over HTTP."""
+    clients' threads never share its interpreter): `script` run again with this run's arguments and
+    `--serve-port` (its main then calls `serve_ours`); yields its URL once healthy."""
     port = free_port()
     if args.server_thread:   # smoke runs: no second interpreter to start; the clients share the server's
         started: list = []
@@ -180,24 +189,11 @@ def run_ours(args, ckpt: Path) -> dict:
         proc = None
     else:
         child = [a for a in sys.argv[1:] if a != "--peer-only"] + ["--serve-port", str(port), "--no-write"]
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *child])
+        proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), *child])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url)
-        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-        rows = []
-        for n in args.streams:
-            rows.append(measured_streams(stream_ours, url, n, args, vocab))
-            log("moestream", rows[-1])
-        turn = None
-        if args.prefix_tokens:
-            turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab)
-            log("moestream second turn", turn)
-        stats = httpx.get(f"{url}/v1/cache/stats", timeout=60).json()
-        prefix = stats.get("prefix_cache") or {}
-        return {"streams": rows, "second_turn": turn, "bank": stats["bank"]["hit_rate"],
-                "kv_layout": "paged" if "blocks" in prefix else "rows", "prefix_cache": prefix,
-                "routing": args.routing, "capacity": args.capacity}
+        yield url
     finally:
         if proc is not None:
             proc.terminate()
@@ -208,25 +204,53 @@ def run_ours(args, ckpt: Path) -> dict:
             thread.join(60)
 
 
+def server_stats(url: str) -> dict:
+    """The bank's hit rate and the prefix cache's state, from `/v1/cache/stats`."""
+    stats = httpx.get(f"{url}/v1/cache/stats", timeout=60).json()
+    prefix = stats.get("prefix_cache") or {}
+    return {"bank": stats["bank"]["hit_rate"], "kv_layout": "paged" if "blocks" in prefix else "rows",
+            "prefix_cache": prefix}
+
+
+def run_ours(args, ckpt: Path) -> dict:
+    """Our server (`our_server`), driven over HTTP."""
+    with our_server(args, Path(__file__)) as url:
+        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+        rows = []
+        for n in args.streams:
+            rows.append(measured_streams(stream_ours, url, n, args, vocab))
+            log("moestream", rows[-1])
+        turn = None
+        if args.prefix_tokens:
+            turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab)
+            log("moestream second turn", turn)
+        return {"streams": rows, "second_turn": turn, **server_stats(url), "routing": args.routing,
+                "capacity": args.capacity}
+
+
 def run_llama(args, vocab: int) -> dict:
     rows = []
     for n in args.streams:
         port = free_port()
         ctx = n * (args.prompt_tokens + args.gen_tokens + 64)
-        cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(ctx), "-np", str(n),
-               "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
+        cmd = llama_command(args, port, ctx, n)
         rows.append(_with_llama(cmd, port, lambda url: measured_streams(stream_llama, url, n, args, vocab)))
         log("llama-server", rows[-1])
     turn = None
     if args.prefix_tokens:
         port = free_port()
-        cmd = [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c",
-               str(2 * (args.prefix_tokens + args.new_tokens) + 64), "-np", "1", "--host", "127.0.0.1", "--port",
-               str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
+        cmd = llama_command(args, port, 2 * (args.prefix_tokens + args.new_tokens) + 64, 1)
         turn = _with_llama(cmd, port, lambda url: second_turn(stream_llama, url, args.prefix_tokens, args.new_tokens,
                                                               vocab))
         log("llama-server second turn", turn)
     return {"streams": rows, "second_turn": turn, "n_cpu_moe": args.peer_n_cpu_moe}
+
+
+def llama_command(args, port: int, ctx: int, slots: int) -> list[str]:
+    """llama-server on the GGUF: all layers offloaded, `--n-cpu-moe` layers' experts kept on the CPU,
+    `slots` parallel slots sharing a context of `ctx` positions."""
+    return [args.llama_server, "-m", str(args.gguf), "-ngl", "99", "-fa", "on", "-c", str(ctx), "-np", str(slots),
+            "--host", "127.0.0.1", "--port", str(port), "--n-cpu-moe", str(args.peer_n_cpu_moe)]
 
 
 def _with_llama(cmd: list[str], port: int, work):

@@ -39,6 +39,7 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)   # the generated tokens kept (EOS and stop tokens are not)
 
 
 class Generation:
@@ -59,6 +60,7 @@ class Generation:
         self.outcome = Outcome(prompt_tokens=len(ids))
         self.keepalive_s = keepalive_s
         self.admitted = False
+        self.return_token_ids = False   # the API answer carries `token_ids` (the client asked, for exact follow-ups)
 
     @property
     def ttft(self) -> float | None:
@@ -112,6 +114,7 @@ class Generation:
                     quiet_since = loop.time()
                     yield e
             out.completion_tokens, out.cached_tokens = seq.sampled, seq.cached_tokens
+            out.token_ids = list(seq.tokens)
         finally:
             if not seq.finished:
                 self.cancel()

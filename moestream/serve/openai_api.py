@@ -114,13 +114,19 @@ def start_completion(state: ServerState, body: dict) -> tuple[Generation, bool, 
     ids = state.check_prompt(ids)
     stream = bool(get(body, "stream", bool, False))
     options = get(body, "stream_options", dict) or {}
-    return state.start(ids, params, chat=False), stream, bool(options.get("include_usage"))
+    # vLLM's extension: the generated token ids, so a client can extend the conversation with exactly
+    # the tokens the model produced (text does not always re-encode to them)
+    token_ids = bool(get(body, "return_token_ids", bool, False))
+    gen = state.start(ids, params, chat=False)
+    gen.return_token_ids = token_ids
+    return gen, stream, bool(options.get("include_usage"))
 
 
 async def completion_response(state: ServerState, gen: Generation, include_usage: bool = False) -> dict:
     out = await gen.run()
     return {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.reason}],
+            "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.reason,
+                         **({"token_ids": out.token_ids} if gen.return_token_ids else {})}],
             "usage": _usage(out)}
 
 
@@ -131,7 +137,10 @@ async def completion_stream(state: ServerState, gen: Generation, include_usage: 
             yield SSE_KEEPALIVE
         elif isinstance(e, TextDelta):
             yield sse({**head, "choices": [{"index": 0, "text": e.text, "logprobs": None, "finish_reason": None}]})
-    yield sse({**head, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": gen.outcome.reason}]})
+    last = {"index": 0, "text": "", "logprobs": None, "finish_reason": gen.outcome.reason}
+    if gen.return_token_ids:   # all of them on the last chunk (the earlier ones carry none)
+        last["token_ids"] = gen.outcome.token_ids
+    yield sse({**head, "choices": [last]})
     if include_usage:
         yield sse({**head, "choices": [], "usage": _usage(gen.outcome)})
     yield sse("[DONE]")

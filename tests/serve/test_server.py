@@ -122,6 +122,23 @@ def test_completions_text_and_token_ids(oai, demo_engine):
     assert demo_engine.generate("The fox", max_tokens=8) == r.choices[0].text   # the engine's own answer
 
 
+def test_completions_return_the_generated_token_ids_on_request(server, demo_engine):
+    body = {"model": "m", "prompt": [5, 6, 7] + list(range(100, 130)), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert "token_ids" not in plain["choices"][0]
+    whole = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
+    assert len(whole["token_ids"]) == 6 and demo_engine.tokenizer.decode(whole["token_ids"]) == whole["text"]
+    ids = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "return_token_ids": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                ids += choice.get("token_ids") or []
+    assert ids == whole["token_ids"]
+    bad = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": "yes"})
+    assert bad.status_code == 400 and "return_token_ids" in bad.json()["error"]["message"]
+
+
 def test_a_second_turn_reuses_the_first_and_equals_a_cold_run(oai, demo_engine):
     first = [5, 6, 7] + list(range(100, 160))
     one = oai.completions.create(model="m", prompt=first, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
