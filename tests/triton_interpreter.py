@@ -7,6 +7,10 @@ around two interpreter bugs, leaving the kernels' meaning unchanged:
 - The interpreter keeps some int1 results (`a & b` of two masks, one a scalar) as int32 arrays, and
   from Triton 3.8 its masked loads and stores refuse a mask that is not a bool array; the preamble
   hands them the same mask as bools (the compiled kernels have a real int1 there).
+And one for time: the interpreter patches `triton.language` again at every call of a `@triton.jit`
+helper (with `inspect.getmembers`, about half of a kernel check's time), although the launch around it
+has already patched the same modules, with the same functions; a helper's call now patches only
+modules its launch has not.
 """
 
 from __future__ import annotations
@@ -55,6 +59,33 @@ _PREAMBLE = textwrap.dedent("""
     for _name in ("create_masked_load", "create_masked_store", "create_atomic_rmw", "create_atomic_load",
                   "create_atomic_store"):
         _bool_masks(_name)
+
+    import triton.language as _tl
+    def _lang_ids(fn):
+        return frozenset(id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in (_tl, _tl.core))
+    _launch_langs = [frozenset()]
+    _patch_lang = _interpreter._patch_lang
+    def _patch_lang_for_launch(fn):
+        scope = _patch_lang(fn)
+        _launch_langs.append(_launch_langs[-1] | _lang_ids(fn))
+        restore = scope.restore
+        def _restore():
+            _launch_langs.pop()
+            restore()
+        scope.restore = _restore
+        return scope
+    _interpreter._patch_lang = _patch_lang_for_launch
+    def _device_call(self, *args, **kwargs):
+        langs = _lang_ids(self.fn)
+        if not langs <= _launch_langs[-1]:
+            _patch_lang(self.fn)             # (upstream never restores a helper's patch either)
+            _launch_langs[-1] = _launch_langs[-1] | langs
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise _interpreter.InterpreterError(repr(e)) from e
+    _interpreter.InterpretedFunction.__call__ = _device_call
 """)
 
 
