@@ -78,11 +78,10 @@ def main() -> int:
     w.add_expert_used_count(K)
     w.add_expert_feed_forward_length(I)
     w.add_file_type(QTYPES[a.qtype])
-    # A token list with one merge: without merges, transformers (our GGUF tokenizer) rebuilds them from
-    # the whole vocabulary, which takes over 10 minutes at 151,936 tokens; real GGUFs list theirs.
-    w.add_tokenizer_model("llama")
+    # A byte-level BPE vocabulary with one merge, as Qwen3's GGUFs hold theirs (read by both engines).
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
     w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab"] + [f"<t{i}>" for i in range(6, V)])
-    w.add_token_scores([0.0] * V)
     w.add_token_types([2, 3, 3] + [1] * (V - 3))
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)

@@ -244,6 +244,62 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(hf_models, tmp_path,
     assert cli.main(["run", str(path), "-p", "AB", "--max-tokens", "3", "--device", "cpu", "--chat"]) == 0
 
 
+def _bpe_gguf(path, pre: str, add_bos: bool = False):
+    """A tokenizer-only GGUF: GPT-2's 256 byte characters, merges into "Ġt", "he", "Ġthe", "12", "123",
+    one control token and one user-defined token (an added token that is not special)."""
+    from gguf_checkpoints import _bytes_to_unicode
+
+    chars = _bytes_to_unicode()
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3"]
+    tokens = chars + [m.replace(" ", "") for m in merges] + ["<|im_start|>", "<tool_call>"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 4])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 2)
+    w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+TEXTS = ["the theme", "  the\n\nthe 12345 x", "<|im_start|>the<tool_call>12", "Ünïcödé — the 1 2 3", "it's THE end\t"]
+
+
+def test_a_bpe_vocabulary_tokenizes_as_transformers_gguf_support_does(tmp_path):
+    from moestream.checkpoint.gguf_file import GGUFCheckpoint
+    from moestream.checkpoint.gguf_tokenizer import load_gguf_tokenizer
+
+    tokens = _bpe_gguf(tmp_path / "tok.gguf", "qwen2")
+    ours = load_gguf_tokenizer(GGUFCheckpoint(tmp_path / "tok.gguf"))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf")
+    for text in TEXTS:
+        ids = ours(text).input_ids
+        assert ids == ref(text).input_ids, text
+        assert ours.decode(ids) == text
+    assert ours("the").input_ids == [tokens.index("t"), tokens.index("he")]   # "Ġthe" only after a space
+    assert ours(" the").input_ids == [tokens.index("Ġthe")]
+    assert ours("<|im_start|>").input_ids == [len(tokens) - 2] and ours("<tool_call>").input_ids == [len(tokens) - 1]
+    assert "<|im_start|>" in ours.all_special_tokens and "<tool_call>" not in ours.all_special_tokens
+
+
+def test_a_llama3_vocabulary_splits_digits_by_three_and_adds_its_bos(tmp_path):
+    from moestream.checkpoint.gguf_file import GGUFCheckpoint
+    from moestream.checkpoint.gguf_tokenizer import load_gguf_tokenizer
+
+    tokens = _bpe_gguf(tmp_path / "tok.gguf", "llama-bpe", add_bos=True)
+    ours = load_gguf_tokenizer(GGUFCheckpoint(tmp_path / "tok.gguf"))
+    bos = len(tokens) - 2
+    assert ours("12345").input_ids == [bos, tokens.index("123"), tokens.index("4"), tokens.index("5")]
+    qwen = load_gguf_tokenizer(GGUFCheckpoint(_bpe_gguf(tmp_path / "q.gguf", "qwen2") and tmp_path / "q.gguf"))
+    assert qwen("12345").input_ids == [tokens.index(c) for c in "12345"]   # Qwen's digits go one by one
+
+
 def test_a_split_set_reads_as_one_file(hf_models, tmp_path):
     single, split = tmp_path / "one.gguf", tmp_path / "parts" / "model.gguf"
     split.parent.mkdir()
