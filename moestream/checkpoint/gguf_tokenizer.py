@@ -29,8 +29,8 @@ _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _DEEPSEEK3 = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+              (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"))
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2,), "stablelm2": (_QWEN2,), "qwen35": (_QWEN35,),
     "llama-bpe": (_LLAMA3,), "llama3": (_LLAMA3,), "smaug-bpe": (_LLAMA3,), "glm4": (_LLAMA3,),
@@ -60,7 +60,15 @@ def byte_level_bpe(meta: dict, splits: tuple[str, ...]):
     """A byte-level BPE tokenizer from GGUF metadata: the vocabulary in id order, the merges in rank
     order, `splits` isolated one after the other before the byte-level mapping, control tokens as
     special added tokens and user-defined ones as plain added tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tokens = list(meta["tokenizer.ggml.tokens"])
