@@ -7,6 +7,10 @@ around two interpreter bugs, leaving the kernels' meaning unchanged:
 - The interpreter keeps some int1 results (`a & b` of two masks, one a scalar) as int32 arrays, and
   from Triton 3.8 its masked loads and stores refuse a mask that is not a bool array; the preamble
   hands them the same mask as bools (the compiled kernels have a real int1 there).
+- Triton 3.6's interpreter holds bfloat16 as its uint16 bits: `tl.dot` multiplies those bits as
+  integers, and a cast from fp32 truncates where the compiled kernel rounds to nearest even. The
+  preamble hands `tl.dot` the exact fp32 values of bf16 operands and rounds the casts to nearest
+  even, so bf16 kernels compute under the interpreter what they compute compiled.
 And one for time: the interpreter patches `triton.language` again at every call of a `@triton.jit`
 helper (with `inspect.getmembers`, about half of a kernel check's time), although the launch around it
 has already patched the same modules, with the same functions; a helper's call now patches only
@@ -60,7 +64,25 @@ _PREAMBLE = textwrap.dedent("""
                   "create_atomic_store"):
         _bool_masks(_name)
 
+    import numpy as _np
     import triton.language as _tl
+
+    def _bf16_as_fp32(x):
+        if x.dtype.scalar != _tl.bfloat16:
+            return x
+        return _interpreter.TensorHandle((x.data.astype(_np.uint32) << 16).view(_np.float32), _tl.float32)
+    _create_dot = _interpreter.InterpreterBuilder.create_dot
+    _interpreter.InterpreterBuilder.create_dot = lambda self, a, b, *rest: _create_dot(
+        self, _bf16_as_fp32(a), _bf16_as_fp32(b), *rest)
+    _cast_impl = _interpreter.InterpreterBuilder.cast_impl
+    def _cast_rounding_bf16(self, src, dst_type):
+        if src.dtype.scalar != _tl.float32 or dst_type.scalar != _tl.bfloat16:
+            return _cast_impl(self, src, dst_type)
+        bits = _np.asarray(src.data, dtype=_np.float32).view(_np.uint32).astype(_np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(_np.uint16)
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        return _interpreter.TensorHandle(_np.where(nan, _np.uint16(0x7FC0), rounded), _tl.bfloat16)
+    _interpreter.InterpreterBuilder.cast_impl = _cast_rounding_bf16   # create_fp_trunc calls it too
     def _lang_ids(fn):
         return frozenset(id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in (_tl, _tl.core))
     _launch_langs = [frozenset()]

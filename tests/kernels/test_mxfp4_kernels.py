@@ -1,5 +1,6 @@
-"""The MXFP4 one-pair kernels against the reference: under Triton's interpreter on the CPU, compiled
-on a GPU (kernels/fused_moe_mxfp4_triton.py, spec kernels/mxfp4_moe.py)."""
+"""The MXFP4 kernels (one pair per program, grouped) against the reference: under Triton's interpreter
+on the CPU and compiled on a GPU, in fp32 and in bf16 (the dtype a GPU engine runs them in)
+(kernels/fused_moe_mxfp4_triton.py, spec kernels/mxfp4_moe.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ CHECKS = Path(__file__).with_name("mxfp4_checks.py")
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_mxfp4_kernels_under_triton_interpreter():
-    check_all_under_interpreter(CHECKS, dtypes="torch.float32, torch.float16")
+    check_all_under_interpreter(CHECKS, dtypes="torch.float32, torch.bfloat16")
 
 
 @pytest.mark.skipif(not kernels.fused_moe_available(), reason="needs a CUDA GPU and Triton")
