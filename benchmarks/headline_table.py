@@ -257,8 +257,23 @@ def prepare(args, runner: Runner) -> dict:
         made["ckpt"][fmt.name] = out
     # the shape every other file follows (GGUFs, the trace): the first random checkpoint written
     made["shape"] = next((made["ckpt"][f.name] for f in args.formats if f.source == "random" and f.name in made["ckpt"]), None)
+    if made["shape"] is None and not any(f.source == "random" for f in args.formats):
+        made["shape"] = _shape_only(args, w)   # GGUF formats alone: the GGUFs need only the shape's config
     made["trace"] = args.trace if args.trace else (_trace(made["shape"], w) if made["shape"] else None)
     return made
+
+
+def _shape_only(args, work: Path) -> Path:
+    """A folder holding only the config.json of the shape (`make_random_checkpoint.build_config`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "scripts/make_random_checkpoint.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # (its dataclasses look it up)
+    spec.loader.exec_module(module)
+    out = work / "shape"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "config.json", module.build_config(args.shape, args.layers, tiny=args.tiny))
+    return out
 
 
 def _trace(ckpt: Path, work: Path) -> Path:

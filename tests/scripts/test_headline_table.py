@@ -26,6 +26,18 @@ def _table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in ln.strip("|").split("|")] for ln in lines]
 
 
+def test_a_gguf_format_alone_gets_its_gguf_from_the_shape(tmp_path):
+    """No random checkpoint is asked for: the GGUF is still written (from the shape's config) and read."""
+    out = tmp_path / "table"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--tiny", "--cpu", "--formats", "gguf-q8_0",
+                          "--no-served"], capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = json.loads((out / "headline_table.json").read_text())
+    resident = table["runs"]["ours-gguf-q8_0-resident"]
+    assert resident["error"] is None and resident["result"]["decode_tok_s"] > 0, resident
+    assert not list((out / "work").glob("ckpt-*"))   # no checkpoint written for it
+
+
 def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
     out = tmp_path / "table"
     run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--tiny", "--cpu"],
