@@ -4,8 +4,9 @@ names → ours, each tensor's bytes by offset.
 A GGUF is one file (or a split set `name-00001-of-0000N.gguf`) holding key/value metadata (the
 architecture's sizes under `{arch}.*`, the tokenizer under `tokenizer.*`) and tensors named
 llama.cpp's way (`blk.N.attn_q.weight`, `blk.N.ffn_gate_exps.weight` stacked (E, I, H), ...),
-each in a ggml type (F32/F16/BF16 or a block quantization: quant/ggml.py). `gguf.GGUFReader`
-parses the header and memory-maps the data, so opening a file reads no weight.
+each in a ggml type (F32/F16/BF16 or a block quantization: quant/ggml.py). Only the header is
+parsed (gguf_header.py, which reads a large vocabulary far faster than `gguf.GGUFReader`); tensors
+are found by offset, so opening a file reads no weight.
 
 What llama.cpp's converter changed is undone here: the families it converts as `llama` (Mixtral)
 have the rows of q and k permuted for its rotary layout (`_unpermute`); the Qwen and OLMoE
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moestream.checkpoint.gguf_header import read_header
 from moestream.errors import CheckpointError, UnsupportedArchError
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
@@ -73,26 +75,6 @@ class GGUFTensor:
             return f"type {self.qtype}"
 
 
-def _open(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path, "r")
-    except PermissionError:
-        raise CheckpointError(f"cannot read {path} (permission denied); make it readable.") from None
-    except Exception as exc:   # gguf raises ValueError, IndexError, struct errors on damaged or truncated files
-        raise CheckpointError(f"{path} is not a readable GGUF file ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:100] if str(exc) else 'truncated or damaged'}); "
-                              "re-download it.") from None
-
-
-def _value(field) -> Any:
-    try:
-        return field.contents()
-    except Exception:   # an unreadable value reads as absent
-        return None
-
-
 class GGUFCheckpoint:
     """Every tensor and the metadata of a GGUF checkpoint (one file or a split set)."""
 
@@ -102,20 +84,17 @@ class GGUFCheckpoint:
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensor] = {}
         for i, file in enumerate(self.files):
-            reader = _open(file)
-            size = file.stat().st_size
+            header = read_header(file)
             if i == 0:
-                self.metadata = {key: _value(field) for key, field in reader.fields.items()
-                                 if not key.startswith("GGUF.")}
-            for t in reader.tensors:
-                shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-                if t.data_offset + t.n_bytes > size:
+                self.metadata = {key: value for key, value in header.metadata.items() if not key.startswith("GGUF.")}
+            for t in header.tensors:
+                if t.data_offset + t.n_bytes > header.file_size:
                     raise CheckpointError(f"{file} is truncated (tensor {t.name!r} lies past its end); re-download it.")
                 if t.name in self.tensors:
                     raise CheckpointError(f"tensor {t.name!r} is in two parts of the split GGUF {path.name}; the set "
                                           "is damaged, re-download it.")
-                self.tensors[t.name] = GGUFTensor(t.name, file, int(t.data_offset), int(t.n_bytes),
-                                                  int(t.tensor_type), shape)
+                self.tensors[t.name] = GGUFTensor(t.name, file, t.data_offset, t.n_bytes, t.ggml_type,
+                                                  tuple(reversed(t.dims)))
         self.architecture = str(self.metadata.get("general.architecture") or "")
         if self.architecture not in ARCHITECTURES:
             raise UnsupportedArchError(f"{path.name} is a GGUF of architecture {self.architecture or 'none'!r}, "
