@@ -13,8 +13,8 @@ recorded trace on every rank; `--routing model` keeps the random model's own.
 
 Batch 1 is `moestream bench`'s measurement (a 512-token prompt, then `--gen-tokens` decoded, decode
 tok/s after the first token). Batch B decodes B random prompts of `--batch-prompt-tokens` together:
-aggregate tok/s over the decode steps, from two runs that differ only in their token count (so
-prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
+aggregate tok/s over the decode steps, the median of three differences of two runs that differ
+only in their token count, both past every prompt's prefill (so prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
 (B, hidden) tensor in the compute dtype, B = 1 and 16, replayed as a CUDA graph of one step's worth
 on two processes, one a GPU: the floor the all-reduces add to a step. `--overlap` (one row per mode)
 compares decode launched one step ahead of the host (`auto`: on where the ranks replay whole steps)
@@ -40,15 +40,18 @@ from benchmarks.common import log, write_result  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
 
 
-def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, seed: int = 0) -> float:
-    """Aggregate decode tok/s of `batch` prompts decoded together: (run of 1 + gen tokens) minus (run
-    of 1 token), same prompts, so prefill and the step's fixed work outside decode cancel."""
+def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, seed: int = 0,
+                       lead: int = 8, repetitions: int = 3) -> float:
+    """Aggregate decode tok/s of `batch` prompts decoded together: the median over `repetitions` of
+    (run of `lead` + `gen_tokens` tokens) minus (run of `lead` tokens), same prompts. Both runs have
+    finished every prompt's (chunked) prefill and `lead` decode steps before the runs differ, so the
+    difference is `gen_tokens` whole batched decode steps and nothing else."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, engine.config.vocab_size, (prompt_tokens,), generator=gen).tolist()
                for _ in range(batch)]
-    engine.generate(prompts, max_tokens=gen_tokens + 1, ignore_eos=True)   # warm: graphs for this batch
-    times = {}
-    for n in (1, gen_tokens + 1):
+    engine.generate(prompts, max_tokens=lead + gen_tokens, ignore_eos=True)   # warm: graphs for this batch
+
+    def timed(n: int) -> float:
         engine.runner.reset_routing()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
@@ -56,8 +59,10 @@ def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, 
         engine.generate(prompts, max_tokens=n, ignore_eos=True)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-        times[n] = time.perf_counter() - start
-    return batch * gen_tokens / (times[gen_tokens + 1] - times[1])
+        return time.perf_counter() - start
+
+    spans = sorted(timed(lead + gen_tokens) - timed(lead) for _ in range(repetitions))
+    return batch * gen_tokens / spans[len(spans) // 2]
 
 
 def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
