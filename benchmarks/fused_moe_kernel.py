@@ -24,7 +24,9 @@ decode path at T=1. At T=1 the "token" rows are the one-token path, which `fused
 
 `--format int4` (any quantization name, or an FP8 one: fp8-b128x128, fp8-channel) times the dequantizing kernel (`fused_moe_quant`) beside
 the bf16 one, `cold`, per T: GB/s counts the packed bytes, scales and biases of the experts touched;
-at T=1 also the decode path (`decode_path_us`) beside the one-token path auto takes. With
+at T=1 also the decode path (`decode_path_us`) beside the one-token path auto takes; for the grouped path's
+sizes also every slot dequantized into bf16 first, then the bf16 grouped GEMMs (`dequant_path_us`), and that
+dequantizing alone (`dequantize_alone_us`). With
 `--tune-token` it first sweeps the quantized one-token tiles (refreshes `QUANT_TOKEN_CONFIG`); with
 `--tune`, the grouped path's tiles at each T of the grouped path (refreshes `_QUANT_CONFIG_TABLE`).
 
@@ -279,6 +281,9 @@ def quant_rows(args) -> None:
     from moestream.quant import parse_quant, quantize
     from moestream.quant.fp8 import parse_fp8
 
+    from moestream.kernels.dequant_slots_triton import dequantize_operand
+    from moestream.kernels.fused_moe_quant_triton import quant_operand
+
     spec = parse_fp8(args.format) or parse_quant(args.format)
     H, I, S, k = args.hidden, args.intermediate, args.slots, args.top_k
     bank = make_bank(H, I, S)
@@ -319,6 +324,12 @@ def quant_rows(args) -> None:
         rows.append({"T": T, "format": spec.name, "bf16_us": bf * 1e3, "quant_us": q * 1e3,
                      "quant_GB_per_s": used * q_expert / q / 1e6, "bf16_GB_per_s": used * 3 * H * I * 2 / bf / 1e6,
                      "rel_diff_vs_bf16": err})
+        if T * k > 64:   # every slot dequantized once, then the bf16 grouped GEMMs (and the dequantizing alone)
+            dq = time_cold_graph_ms(lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec, path="dequant"), cold)
+            ops = [quant_operand(qbank, "gate_up", spec), quant_operand(qbank, "down", spec)]
+            alone = time_cold_graph_ms(lambda r: (dequantize_operand(ops[0], H, r[0].dtype, True),
+                                                  dequantize_operand(ops[1], I, r[0].dtype, False)), cold)
+            rows[-1].update(dequant_path_us=dq * 1e3, dequantize_alone_us=alone * 1e3)
         if T == 1:   # the path T = 1 took before the one-token kernels, where the format has them
             dq = time_cold_graph_ms(lambda r: fused_moe_quant(r[0], qbank, r[1], r[2], spec, path="decode"), cold)
             rows[-1].update(decode_path_us=dq * 1e3, decode_path_GB_per_s=used * q_expert / dq / 1e6)

@@ -28,6 +28,7 @@ from moestream.experts.format import (ExpertFormat, ExpertShape, Fp8Format, Quan
                                       stored_format)
 from moestream.experts.gguf_store import expert_formats as gguf_expert_formats
 from moestream.experts.mxfp4_format import Mxfp4Format
+from moestream.kernels.long_prompts import dequant_min_tokens, dequant_scratch_bytes
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
 from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
@@ -195,6 +196,17 @@ def paged_blocks(config: ModelConfig, spec: ArchSpec, dtype: torch.dtype, block_
     return blocks + 1
 
 
+def dequant_workspace_bytes(config: ModelConfig, dtype: torch.dtype, formats: dict[int, ExpertFormat],
+                            tokens: int) -> int:
+    """What a chunk of `tokens` adds when it takes the quantized experts' long prompts' path
+    (`kernels/long_prompts.py`): a dequantized copy of a layer's slots, counted as every expert of the
+    layer (the most slots a call can see); 0 where chunks stay shorter than that path's threshold."""
+    specs = [fmt.spec for fmt in formats.values() if isinstance(fmt, QuantizedFormat)]
+    if not specs or tokens < min(dequant_min_tokens(spec) for spec in specs):
+        return 0
+    return dequant_scratch_bytes(config.num_experts, config.hidden_size, config.moe_intermediate, dtype)
+
+
 def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | None = None, capacity: int | None = None,
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = 512,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
@@ -226,10 +238,11 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                           f"in that range{' (or --miss-policy hybrid, which takes any capacity from 1)' if least == k else ''}.")
     formats = expert_formats or {layer: dense_format(dtype) for layer, moe in enumerate(config.moe_layers) if moe}
     shape = ExpertShape.of(config)   # with the experts' biases (GPT-OSS) and activation
+    long_prompt = dequant_workspace_bytes(config, dtype, formats, max(prefill_chunk, batch))
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=kv_bytes, prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch, kv_blocks=kv_blocks,
                 kv_block_size=kv_block_size if kv_blocks else 0,
-                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context)
+                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context) + long_prompt
                 + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k,

@@ -28,9 +28,11 @@ from moestream.quant.fp8 import Fp8Spec
 from moestream.quant.normal import codebook
 
 from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
+from .dequant_slots_triton import dequantize_operand
 from .fused_moe_decode import HostOperand, QuantOperand
 from .fused_moe_token import TokenConfig, host_offset
 from .fused_moe_token_quant import takes_token_path, token_moe_quant
+from .long_prompts import dequant_min_tokens
 from .quant_moe_reference import QuantHostReads
 
 __all__ = ["fused_moe_quant", "quant_operand"]
@@ -94,7 +96,8 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
                     reduce: bool = True, host: QuantHostReads | None = None, slot_map: Tensor | None = None) -> Tensor:
     """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). One token
     takes the one-token path (fused_moe_token_quant.py) where its format has one, else the decode
-    path; larger calls the decode or grouped path. With `slot_map`, `slot_ids` are expert ids, looked
+    path; larger calls the decode or grouped path, and long ones (`long_prompts.dequant_min_tokens`)
+    the dequant path: every slot dequantized once, then the plain grouped GEMMs. With `slot_map`, `slot_ids` are expert ids, looked
     up in that expert → slot table (in the kernels on the one-token path). With `host`, slot ids
     S + e read expert e of its pinned stacks in place (calls of a few tokens), less the pairs its
     `cpu_take` leaves to the CPU."""
@@ -106,6 +109,16 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
     if slot_map is not None and slot_map.device != hidden.device:
         raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
+    if path == "dequant" or (path == "auto" and config is None and host is None and T >= dequant_min_tokens(spec)):
+        if host is not None:
+            raise ValueError("experts read from host stacks take the decode path, not the dequant path")
+        if slot_map is not None:
+            slot_ids = slot_map[slot_ids.long()]
+        H = hidden.shape[1]
+        plain_up = dequantize_operand(gate_up, H, hidden.dtype, gated=True)
+        plain_down = dequantize_operand(down, two_i // 2, hidden.dtype, gated=False)
+        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, two_i // 2,
+                         reduce=reduce)
     one_token = takes_token_path(spec, hidden.shape[1], two_i // 2)
     path = resolve_path(path, config, T, k, one_token=one_token)
     if path == "token":

@@ -79,7 +79,7 @@ def _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, strid
 
 
 @triton.jit
-def _quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
+def quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
                 UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr,
                 GROUP: tl.constexpr, FP8: tl.constexpr):
     """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn;
@@ -96,7 +96,7 @@ def _quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num
 
 
 @triton.jit
-def _plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr,
+def dequant_plane(word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr, OUT_DTYPE: tl.constexpr,
            FP8: tl.constexpr):
     """Value j of every unit, dequantized: q·scale + bias (NF: codebook[q]·scale; FP8: value·scale),
     fp32 math, one rounding."""
@@ -182,19 +182,19 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
             unit = kk * U + offs_u
             u_mask = unit * VPB < K
             g0 = kk * R
-            word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+            word, scale, bias = quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
                                             num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
             if GATED:
-                word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+                word_up, scale_up, bias_up = quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
                                                          u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U,
                                                          BLOCK_N, NF, GROUP, FP8)
             for j in tl.static_range(VPB):
                 a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
                             mask=row_mask[:, None] & u_mask[None, :], other=0.0)
-                w = _plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype, FP8)
+                w = dequant_plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype, FP8)
                 acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
                 if GATED:
-                    w_up = _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype, FP8)
+                    w_up = dequant_plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype, FP8)
                     acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     return acc, acc_up
 
@@ -223,17 +223,17 @@ def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak
         unit = kk * U + offs_u
         u_mask = unit * VPB < K
         g0 = kk * R
-        word, scale, bias = _quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
+        word, scale, bias = quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
                                         num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
         if GATED:
-            word_up, scale_up, bias_up = _quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
+            word_up, scale_up, bias_up = quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
                                                      u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N,
                                                      NF, GROUP, FP8)
         for j in tl.static_range(VPB):
             a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
-            acc += _plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
+            acc += dequant_plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
             if GATED:
-                acc_up += _plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
+                acc_up += dequant_plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
     return tl.sum(acc, axis=0), tl.sum(acc_up, axis=0)
 
 

@@ -61,6 +61,29 @@ def test_the_plan_counts_quantized_slots_and_fits_more_experts(tiny_quant):
     assert plan_memory(config, torch.float32, budget=budget, max_context=256, expert_formats=formats).capacity > 4
 
 
+def test_the_plan_holds_a_layer_dequantized_only_for_chunks_that_take_the_long_prompts_path(tiny_quant):
+    """Chunks from the threshold on dequantize a layer's slots at once (kernels/long_prompts.py): the
+    plan holds that copy (every expert of a layer, in the compute dtype) then, and only then."""
+    from moestream.kernels.long_prompts import BYTE_MIN_TOKENS, PACKED_MIN_TOKENS
+    from moestream.quant.fp8 import parse_fp8
+    from moestream.experts.format import Fp8Format
+
+    config = _load(tiny_quant, capacity=2).config
+    copy = config.num_experts * 3 * config.hidden_size * config.moe_intermediate * 4   # fp32
+    layers = [i for i, moe in enumerate(config.moe_layers) if moe]
+
+    def workspace(fmt, chunk):
+        formats = {layer: fmt for layer in layers} if fmt is not None else None
+        return plan_memory(config, torch.float32, capacity=4, max_context=256, prefill_chunk=chunk,
+                           expert_formats=formats).workspace_bytes
+
+    int4, fp8 = QuantizedFormat(parse_quant("int4"), torch.float32), Fp8Format(parse_fp8("fp8-b16x16"), torch.float32)
+    for fmt, first in ((int4, PACKED_MIN_TOKENS), (fp8, BYTE_MIN_TOKENS)):
+        assert workspace(fmt, first - 1) == workspace(None, first - 1)
+        assert workspace(fmt, first) == workspace(None, first) + copy
+    assert workspace(int4, BYTE_MIN_TOKENS) - workspace(fp8, BYTE_MIN_TOKENS) == 0
+
+
 def test_per_layer_formats(tiny_quant):
     engine = _load(tiny_quant, experts="int4", layer_formats={-1: "int8"}, capacity=3)
     assert engine.bank.formats[0].name == "int4-g64" and engine.bank.formats[2].name == "int8-g64"

@@ -19,7 +19,9 @@ from moestream.kernels.fused_moe_decode import fp8_hardware_conversion
 from moestream.kernels.moe_tiles import _e4m3_value
 from moestream.experts.format import ExpertShape, Fp8Format
 from moestream.kernels import quant_linear_reference, quant_moe_reference
-from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+from moestream.kernels.dequant_slots_triton import dequantize_operand
+from moestream.kernels.fused_moe_quant_triton import fused_moe_quant, quant_operand
+from moestream.kernels.quant_moe_reference import dequantize_slots as ref_dequantize_slots
 from moestream.kernels.quant_linear_triton import quant_linear
 from moestream.quant.fp8 import Fp8Spec, quantize_fp8
 
@@ -57,8 +59,13 @@ for spec in SPECS:
         w = [torch.randn(n, k, generator=g) * 0.05 * (1 + torch.rand(n, 1, generator=g) * 4)
              for n, k in ((I, H), (I, H), (H, I))]
         fmt.encode(*w, {name: t[s] for name, t in slots.items()})
+    # every slot dequantized at once (the long prompts' path) equals the reference's values exactly
+    for proj, width, gated, want in zip(("gate_up", "down"), (H, I), (True, False),
+                                        ref_dequantize_slots(slots, None, spec, torch.float32)):
+        got = dequantize_operand(quant_operand(slots, proj, spec), width, torch.float32, gated)
+        assert torch.equal(got, want), (spec.name, proj, float((got - want).abs().max()))
     for T, dtype, paths in ((1, torch.float32, ("decode",)), (3, torch.float16, ("decode", "grouped")),
-                            (6, torch.float32, ("decode", "grouped"))):
+                            (6, torch.float32, ("decode", "grouped", "dequant"))):
         hidden = torch.randn(T, H, generator=g).to(dtype)
         ids = torch.randint(-1, S + 1, (T, K), generator=g)
         ids[0, 0] = S                                        # out of range counts as unrouted

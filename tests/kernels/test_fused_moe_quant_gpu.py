@@ -55,7 +55,7 @@ def test_fused_moe_quant_matches_the_reference(name, T):
     assert rel(out, ref) < 1e-2, name
 
 
-@pytest.mark.parametrize("path", ["decode", "grouped"])
+@pytest.mark.parametrize("path", ["decode", "grouped", "dequant"])
 def test_both_paths_and_an_fp32_case(path):
     from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
 
@@ -105,3 +105,20 @@ def test_quant_host_reads_on_the_gpu():
     from quant_host_checks import check_all
 
     check_all("cuda", (torch.float32, torch.bfloat16, torch.float16))
+
+
+@pytest.mark.parametrize("name,T,path", [("int8", 512, "dequant"), ("int4", 512, "dequant"), ("int3", 512, "dequant"),
+                                         ("nf4", 512, "dequant"), ("int4", 1024, "auto"), ("int8", 3072, "auto")])
+def test_a_long_prompt_through_dequantized_slots(name, T, path):
+    """The long prompts' path: every slot dequantized into bf16 once, then the plain grouped GEMMs
+    (asked for, or taken by a call from its format's threshold on: kernels/long_prompts.py)."""
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+
+    spec = parse_quant(name)
+    slots = quant_bank(spec, seed=11)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hidden = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(-1, S + 1, (T, K), device="cuda", generator=g)
+    weights = torch.rand(T, K, device="cuda", generator=g)
+    out = fused_moe_quant(hidden, slots, ids, weights, spec, path=path)
+    assert rel(out, quant_moe_reference(hidden, slots, ids, weights, spec)) < 1e-2, name

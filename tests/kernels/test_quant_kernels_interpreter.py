@@ -19,7 +19,9 @@ from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
 _SCRIPT = """
 import torch
 from moestream.kernels import quant_linear_reference, quant_moe_reference
-from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+from moestream.kernels.dequant_slots_triton import dequantize_operand
+from moestream.kernels.fused_moe_quant_triton import fused_moe_quant, quant_operand
+from moestream.kernels.quant_moe_reference import dequantize_slots as ref_dequantize_slots
 from moestream.kernels.quant_linear_triton import quant_linear
 from moestream.quant import parse_quant, quantize
 
@@ -45,6 +47,11 @@ H, I, S, K = 96, 48, 5, 3
 for name in FORMATS:
     spec = parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
     slots = bank(spec, H, I, S, g)
+    # every slot dequantized at once (the long prompts' path) equals the reference's values exactly
+    for proj, width, gated, want in zip(("gate_up", "down"), (H, I), (True, False),
+                                        ref_dequantize_slots(slots, None, spec, torch.float32)):
+        got = dequantize_operand(quant_operand(slots, proj, spec), width, torch.float32, gated)
+        assert torch.equal(got, want), (name, proj, float((got - want).abs().max()))
     for T, dtype in ((1, torch.float32), (3, torch.float16), (6, torch.float32)):
         hidden = torch.randn(T, H, generator=g).to(dtype)
         ids = torch.randint(-1, S + 1, (T, K), generator=g)
@@ -53,7 +60,7 @@ for name in FORMATS:
         weights[(ids < 0) | (ids >= S)] = float("nan")     # never multiplied
         ref = quant_moe_reference(hidden, slots, ids, torch.nan_to_num(weights), spec)
         tol = 1e-5 if dtype == torch.float32 else 3e-3
-        for path in ("decode", "grouped"):
+        for path in ("decode", "grouped", "dequant") if T == 6 else ("decode", "grouped"):
             out = fused_moe_quant(hidden, slots, ids, weights, spec, path=path)
             assert out.dtype == dtype and not out.isnan().any(), (name, T, path)
             err = rel(out, ref)
