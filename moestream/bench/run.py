@@ -7,6 +7,7 @@ counters are split at the first token, so decode figures exclude the prompt's st
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import asdict, dataclass
 
 import torch
@@ -71,9 +72,14 @@ class BenchResult:
 
 def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float = 0.0, seed: int = 0,
               warmup_tokens: int = 4, temperature: float = 0.0,
-              routing: UniformRouting | TraceRouting | None = None) -> BenchResult:
+              routing: UniformRouting | TraceRouting | None = None, prompt_repeats: int = 3) -> BenchResult:
     """`routing`: the benchmark routing swapped in with `use_routing` (None: the model's own); a
     replayed trace restarts at its first token for the timed run.
+
+    The time to first token is the median over `prompt_repeats` fresh prompts of the same length (no
+    prefix shared, so none is cached) and the timed run's own: one prompt alone varies several-fold
+    from run to run on a GPU (4.6 to 53 ms for the same 512-token prefill, measured), as llama-bench's
+    repetitions show for its own figures.
 
     temperature > 0 samples (seeded): random-weight models then decode diverse tokens instead of
     repeating one, so their routing stays near-uniform (greedy decoding of random weights tends to
@@ -84,6 +90,11 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
     warm = torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
     # same prompt length: prefill kernels compile outside the timing; decode graphs captured ahead
     engine.generate(warm, max_tokens=warmup_tokens, ignore_eos=True)
+    ttfts = []
+    for _ in range(prompt_repeats):   # prompts alone: their first token only
+        engine.generate(torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist(), max_tokens=1,
+                        ignore_eos=True)
+        ttfts.append(engine.last_metrics.ttft_s)
     before_graphs = torch.cuda.memory_allocated(engine.device) if engine.device.type == "cuda" else 0
     engine.runner.prepare(1, prompt_tokens + gen_tokens, prompt_tokens)
     graph_bytes = (torch.cuda.memory_allocated(engine.device) - before_graphs) if engine.device.type == "cuda" else 0
@@ -99,6 +110,7 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
             engine.bank.sync_stats()
             first_stats = copy.deepcopy(engine.bank.stats)
     m = engine.last_metrics
+    ttft = statistics.median(ttfts + [m.ttft_s])
     engine.bank.sync_stats()
     total = engine.bank.stats.total()
     at_first = first_stats.total()
@@ -110,8 +122,8 @@ def run_bench(engine: Engine, prompt_tokens: int, gen_tokens: int, load_s: float
         device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""), capacity=engine.bank.capacity,
         num_experts=engine.config.num_experts, miss_policy=engine.bank.miss_policy,
         host_tier=engine.bank.tier.name if engine.bank.tier is not None else "none",
-        prompt_tokens=prompt_tokens, gen_tokens=m.generated_tokens, temperature=temperature, load_s=load_s, ttft_s=m.ttft_s,
-        prefill_tok_s=prompt_tokens / m.ttft_s if m.ttft_s else 0.0, decode_tok_s=m.decode_tok_s,
+        prompt_tokens=prompt_tokens, gen_tokens=m.generated_tokens, temperature=temperature, load_s=load_s, ttft_s=ttft,
+        prefill_tok_s=prompt_tokens / ttft if ttft else 0.0, decode_tok_s=m.decode_tok_s,
         decode_hit_rate=(total.hits - at_first.hits) / decode_pairs if decode_pairs else 1.0,
         decode_bytes_per_token=(total.bytes_copied - at_first.bytes_copied) / decode_steps,
         decode_cpu_bytes_per_token=(total.cpu_bytes - at_first.cpu_bytes) / decode_steps,

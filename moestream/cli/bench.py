@@ -13,6 +13,8 @@ def add_parser(sub) -> None:
     add_load_args(bench)
     bench.add_argument("--prompt-tokens", type=integer(1), default=512, help="random prompt tokens (default 512)")
     bench.add_argument("--gen-tokens", type=integer(1), default=128, help="tokens to decode (default 128)")
+    bench.add_argument("--prompt-repeats", type=integer(0), default=3,
+                       help="fresh prompts timed besides the decode run's; the time to first token is the median (default 3)")
     bench.add_argument("--seed", type=integer(0, 2**63 - 1), default=0, help="seed of the prompt and the sampling (default 0)")
     bench.add_argument("--temperature", type=number(0), default=0.0,
                        help="sample the decoded tokens (seeded; default 0: greedy); use 1.0 on random-weight checkpoints for "
@@ -47,7 +49,7 @@ def run(args) -> int:
         routing = (UniformRouting(engine.config.top_k, engine.device) if trace is None else TraceRouting.for_engine(trace, engine))
         use_routing(engine, routing)
     result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s, seed=args.seed,
-                       temperature=args.temperature, routing=routing)
+                       temperature=args.temperature, routing=routing, prompt_repeats=args.prompt_repeats)
     if args.json != "-":
         print(result.table())
         if args.stats:
