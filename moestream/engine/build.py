@@ -236,8 +236,9 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1, gather: Callable[[in
             cfg = rank_config(cfg, 0)
             engine = _build(cfg, 0, world, group, group.gather_budgets)
             graph_safe = group.wait_ready(checkpoint_digest(engine.plan.folder))
-            # Graphs (NCCL only) capture the all-reduces: every rank must replay the same whole steps.
-            engine.runner.set_cuda_graphs(engine.runner.cuda_graphs and graph_safe and engine.bank.graph_safe)
+            # Graphs (NCCL only) capture the all-reduces: whole steps where a rank's bank reads nothing
+            # back, else segments split at each router; either way every rank reduces in the same order.
+            engine.runner.set_cuda_graphs(engine.runner.cuda_graphs and graph_safe)
         except BaseException:
             group.close()
             raise
@@ -310,12 +311,13 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
     memory = plan.memory
     paged = PagedLayout(memory.kv_blocks, memory.kv_block_size) if memory.paged else None
     runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
-                          cfg.runtime.cuda_graphs, segmented=not sharded, paged=paged)
+                          cfg.runtime.cuda_graphs, paged=paged)
     if group is not None:
         runner.group = group
     if sharded:
         runner.after_replay = experts.collectives.graph_replayed
         runner.before_decode = share_tokens   # every decode step's tokens come from rank 0 on the device
+        runner.bank_ids = experts.bank_ids    # a bounded bank's segments make this rank's share resident
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     blocks = None
     if paged is not None:   # the blocks hold the prefix cache too

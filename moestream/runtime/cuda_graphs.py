@@ -132,9 +132,17 @@ class SegmentedDecode:
     """
 
     def __init__(self, model: MoECausalLM, bank: ExpertBank, rotary, cache: ModelCache, batch: int,
-                 dtype: torch.dtype, use_graphs: bool = True):
+                 dtype: torch.dtype, use_graphs: bool = True,
+                 before_step: Callable[[torch.Tensor], None] | None = None,
+                 bank_ids: Callable[[int, np.ndarray], np.ndarray] | None = None):
+        """`before_step`: as `DecodeGraphs`' (run on the token buffer first, inside segment 0).
+        `bank_ids(layer, ids)`: the routed expert ids as the bank numbers them, -1 for experts another
+        rank holds (an expert-parallel rank's share: `ShardedExperts.bank_ids`); None: the same ids."""
         self.model, self.bank, self.rotary, self.cache, self.dtype = model, bank, rotary, cache, dtype
         self.use_graphs = use_graphs
+        if bank_ids is not None and bank.hybrid:
+            raise ValueError("an expert-parallel rank's bank decodes with the fetch policy, not the hybrid one")
+        self.before_step, self.bank_ids = before_step, bank_ids
         self.prefetch = bank.prefetch_enabled
         self.layers = list(model.model.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoEBlock)]
@@ -152,6 +160,8 @@ class SegmentedDecode:
 
     def _segment(self, i: int, kv_len: int, prev: _Carry | None) -> _Carry:
         if i == 0:
+            if self.before_step is not None:
+                self.before_step(self.tokens)
             ctx = decode_context(self.rotary, self.cache, self.positions, kv_len, self.dtype)
             x, delta, start = self.model.model.embed_tokens(self.tokens), None, 0
         else:
@@ -191,6 +201,12 @@ class SegmentedDecode:
         actual = host[:n].numpy().astype(np.int64)
         predicted = host[n:p].numpy().astype(np.int64) if carry.predicted is not None else None
         wait = "device" if self.cache.device.type == "cuda" else "host"
+        if self.bank_ids is not None:   # this rank's experts only, as its bank numbers them
+            actual = self.bank_ids(self.moe_layers[i], actual)
+            actual = actual[actual >= 0]
+            if predicted is not None:
+                predicted = self.bank_ids(self.moe_layers[i + 1], predicted)
+                predicted = predicted[predicted >= 0]
         if self.cpu_rows is None:
             bank.ensure_resident(self.moe_layers[i], actual, wait=wait)
         else:

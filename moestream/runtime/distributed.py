@@ -10,9 +10,10 @@ model call that rank 0 makes (prefill a chunk into a row, decode a batch, a full
 row grown or moved) is published in the store first, every follower makes the same call, and the
 MoE layers' all-reduces keep the ranks in step inside it. Tensors stay on the ranks; only ids,
 positions and sizes travel through the store, and, at start-up, each rank's memory budget (so
-unequal cards get unequal shares of the experts) and whether its bank can replay whole decode
-steps as CUDA graphs (over NCCL the graphs capture the all-reduces; the group uses them only if
-every rank can).
+unequal cards get unequal shares of the experts) and whether it can capture its decode steps as
+CUDA graphs (over NCCL the graphs capture the all-reduces: whole steps where the rank's bank reads
+nothing back, a bounded bank's steps as segments split at each router, whose reads of the routing
+make that rank's share of the routed experts resident; the group uses graphs only if every rank can).
 
 A decode call carries only what the host knows ahead (batch size, positions, attended length): its
 token ids are broadcast from rank 0 on the device as the step's first collective (`share_tokens`,
@@ -193,8 +194,9 @@ class RankGroup:
 
     def wait_ready(self, digest: str | None = None) -> bool:
         """Every follower has built its engine (or one failed: its error, raised here) from the same
-        checkpoint as rank 0 (`digest`). Returns whether every follower's bank can replay a whole
-        decode step as a CUDA graph (the group captures graphs only if all of them can)."""
+        checkpoint as rank 0 (`digest`). Returns whether every follower can capture its decode steps
+        as CUDA graphs (NCCL on CUDA: whole steps, or a bounded bank's segments; the group captures
+        graphs only if all of them can)."""
         if digest is not None:
             self.store.set("checkpoint", digest)
         graph_safe = True
@@ -379,7 +381,7 @@ def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, 
     except BaseException as exc:
         store.set(f"state/{rank}", f"{type(exc).__name__}: {exc}")
         return
-    store.set(f"state/{rank}", "ready+graphs" if engine.bank.graph_safe else "ready")
+    store.set(f"state/{rank}", "ready+graphs" if engine.runner.cuda_graphs else "ready")
     runner, device, call = engine.runner, engine.device, 0
     inbox = torch.zeros(0, dtype=torch.long, device=device)   # decode steps' tokens, received from rank 0
     with torch.inference_mode():

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moestream.experts.bank import ExpertBank
@@ -42,8 +43,8 @@ class ModelRunner:
                  max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True,
                  paged: PagedLayout | None = None):
         """`segmented`: decode with a fetch bank may run as segments split at each router (the bank
-        sees the routing between segments); off where the bank is behind another protocol (expert
-        parallel, or a model whose MoE layers do not split at their routers), then decode runs eagerly.
+        sees the routing between segments; an expert-parallel rank's through `bank_ids`); off for a
+        model whose MoE layers do not split at their routers, which then decodes eagerly.
         `paged`: keep keys and values in a block pool (rows are block-table rows) instead of one
         full-context row per sequence."""
         self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
@@ -59,6 +60,9 @@ class ModelRunner:
         # step, eager or captured: an expert-parallel group broadcasts rank 0's tokens to every rank
         # there, on the device, so rank 0 never reads a step's tokens back to hand them on.
         self.before_decode: Callable[[torch.Tensor], None] | None = None
+        # An expert-parallel rank's segmented decode hands its bank the routed ids as the bank numbers
+        # its share of the experts (-1: another rank's); None: the bank holds every expert's id.
+        self.bank_ids: Callable[[int, np.ndarray], np.ndarray] | None = None
         self.cache: ModelCache | None = None
         self.scratch_row: int | None = None   # the cache's last row, where padded decode rows write
         self._rotary = None
@@ -198,6 +202,8 @@ class ModelRunner:
         self.bank.after_step(B)
         if self.after_replay is not None and isinstance(runner, DecodeGraphs):
             self.after_replay(runner.batch)
+        elif self.after_replay is not None and runner.use_graphs:   # segments replayed every reduce once
+            self.after_replay(B)
         return logits
 
     def padded_batch(self, batch: int) -> int:
@@ -221,9 +227,10 @@ class ModelRunner:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             runner = DecodeGraphs(self.model, self.rotary_table(), self.cache, key, self.dtype, self.scratch_row,
                                   pool=self._graph_pool, before_step=self.before_decode)
-        elif self.segmented and self.before_decode is None and self.bank.can_segment(batch):
+        elif self.segmented and self.bank.can_segment(batch):
             runner = SegmentedDecode(self.model, self.bank, self.rotary_table(), self.cache, batch, self.dtype,
-                                     use_graphs=self.cuda_graphs)
+                                     use_graphs=self.cuda_graphs, before_step=self.before_decode,
+                                     bank_ids=self.bank_ids)
         else:
             return None
         self._graphs[key] = runner

@@ -95,6 +95,24 @@ def test_three_ranks_with_a_bounded_bank_per_rank_stay_exact(tiny_qwen3):
         assert stats["hits"] + stats["misses"] == sum(r["hits"] + r["misses"] for r in stats["ranks"])
 
 
+def test_bounded_ranks_decode_in_segments_that_fetch_only_their_own_experts(tiny_qwen3):
+    """One sequence on two ranks with a bank of top-k slots each: decode runs as segments split at each
+    router (eager on the CPU; captured over NCCL), each rank making resident only the routed experts it
+    holds, as its bank numbers them; the tokens stay the one-process engine's."""
+    from moestream.runtime.cuda_graphs import SegmentedDecode
+
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    want = single.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
+    top_k, layers = single.config.top_k, sum(single.config.moe_layers)
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=top_k,
+                        rank_timeout_s=60) as engine:
+        assert engine.generate(PROMPTS[0], max_tokens=12, ignore_eos=True) == want
+        assert isinstance(engine.runner._graphs.get(1), SegmentedDecode)
+        stats = engine.stats()
+        assert all(r["misses"] > 0 for r in stats["ranks"])
+        assert stats["hits"] + stats["misses"] == stats["tokens"] * top_k * layers   # each pair by its owner once
+
+
 def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
     engine = moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=10)
     try:

@@ -68,11 +68,12 @@ def test_overlapped_ranks_sharing_one_gpu_over_gloo_give_one_process_tokens(tiny
 @pytest.mark.parametrize("bounded", [False, True], ids=["resident", "bounded"])
 def test_nccl_all_reduce_runs_inside_the_decode_graphs(tiny_qwen3, single, bounded):
     """Fully resident ranks replay whole decode steps, all-reduces included; a bounded bank reads
-    its routing back, so every rank decodes eagerly (the group decides together)."""
+    its routing back between segments split at each router, which replay as graphs with their
+    all-reduces (each rank making its own share of the routed experts resident)."""
     top_k, want_logits, want_tokens = single
     with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32",
                         capacity=top_k if bounded else None, rank_timeout_s=120) as engine:
-        assert engine.runner.cuda_graphs == (not bounded)
+        assert engine.runner.cuda_graphs
         assert engine.overlapping == (not bounded)   # auto: whole-step graphs, the tokens broadcast inside
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
         assert engine.generate(PROMPTS[1], max_tokens=16, ignore_eos=True) == \
@@ -82,7 +83,7 @@ def test_nccl_all_reduce_runs_inside_the_decode_graphs(tiny_qwen3, single, bound
         for r in stats["ranks"]:
             c = r["collective"]
             assert c["seconds"] > 0                              # prefill's reduces, timed by CUDA events
-            assert (c["graph_calls"] > 0) == (not bounded)       # decode's, replayed inside the graphs
+            assert c["graph_calls"] > 0                          # decode's, replayed inside the graphs
 
 
 @two_gpus
