@@ -159,7 +159,7 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
                       prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads,
-                      policy_note=note)
+                      policy_note=note, layer_experts=plan.config.num_experts)
 
 
 def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> bool:

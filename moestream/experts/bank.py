@@ -43,7 +43,7 @@ class ExpertBank:
                  tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
                  pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16,
                  cpu_misses: float | str | None = None, cpu_threads: int | None = None,
-                 policy_note: str | None = None):
+                 policy_note: str | None = None, layer_experts: int | None = None):
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
@@ -60,7 +60,10 @@ class ExpertBank:
         self.policy: ResidencyPolicy = POLICIES[residency](self.num_experts)
         self.stats = BankStats()
         self.tier = tier
-        by_name = {fmt.name: fmt.dispatch(device, store.shape) for fmt in formats.values()}
+        # Kernel tiles sized for the whole layer's rows per expert (a rank of a group: the model's
+        # layer, `layer_experts`), whichever slots a call reads: the bank's, or a staging buffer's.
+        by_name = {fmt.name: fmt.dispatch(device, store.shape, layer_experts=layer_experts or self.num_experts)
+                   for fmt in formats.values()}
         self._dispatch = {layer: by_name[fmt.name] for layer, fmt in formats.items()}
         # A dispatch that reads back from the device (the plain-torch reference on CUDA, where Triton is
         # missing) cannot be captured in a CUDA graph: decode then runs eagerly.

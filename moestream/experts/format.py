@@ -123,9 +123,12 @@ class ExpertFormat(ABC):
         experts with biases, the gate (I,), up (I,) and down (H,) biases), into `out`."""
 
     @abstractmethod
-    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None,
+                 layer_experts: int | None = None) -> Dispatch:
         """The MoE dispatch over this format's slots on `device` (fused kernel or reference), for
-        experts of `shape` (its biases and activation; None: plain SwiGLU)."""
+        experts of `shape` (its biases and activation; None: plain SwiGLU). `layer_experts`: the
+        slots hold some of a layer of that many experts (a bank): the kernels size their tiles for
+        the layer's rows per expert, as a call over the whole layer would."""
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         """Whether `dispatch` on `device` is the Triton kernels (else the plain-torch reference)."""
@@ -209,11 +212,14 @@ class DenseFormat(ExpertFormat):
             return False
         return device.type == "cuda" and kernels.fused_moe_available()
 
-    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None,
+                 layer_experts: int | None = None) -> Dispatch:
         from moestream import kernels
 
         activation = shape.activation if shape is not None else Activation()
-        run = kernels.fused_moe if self.uses_kernels(device, shape) else kernels.moe_reference
+        fused = self.uses_kernels(device, shape)
+        run = (functools.partial(kernels.fused_moe, layer_experts=layer_experts) if fused
+               else kernels.moe_reference)
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
@@ -287,12 +293,13 @@ class QuantizedFormat(ExpertFormat):
             for part, t in quantize(weight, self.spec).parts().items():
                 out[f"{proj}.{part}"].copy_(t)
 
-    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None,
+                 layer_experts: int | None = None) -> Dispatch:
         from moestream import kernels
 
         spec = self.spec
         if self.uses_kernels(device, shape):   # the kernels read the slot map themselves (one token)
-            return functools.partial(kernels.fused_moe_quant, spec=spec)
+            return functools.partial(kernels.fused_moe_quant, spec=spec, layer_experts=layer_experts)
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:

@@ -72,7 +72,9 @@ class Mxfp4Format(ExpertFormat):
         reads the routing to find the slots it dequantizes."""
         return device.type == "cuda" and not self.uses_kernels(device, shape)
 
-    def dispatch(self, device: torch.device, shape: ExpertShape | None = None) -> Dispatch:
+    def dispatch(self, device: torch.device, shape: ExpertShape | None = None,
+                 layer_experts: int | None = None) -> Dispatch:
+        """(`layer_experts` unused: the MXFP4 grouped kernels size their blocks by the call's pairs.)"""
         from moestream.kernels import mxfp4_moe
 
         activation = shape.activation if shape is not None else Activation()

@@ -38,17 +38,19 @@ def _triton_module(name: str):
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor,
               weights: Tensor, activation="swiglu", gate_up_bias: Tensor | None = None,
               down_bias: Tensor | None = None, reduce: bool = True, slot_map: Tensor | None = None,
-              host=None) -> Tensor:
+              host=None, layer_experts: int | None = None) -> Tensor:
     """Fused MoE dispatch over bank slots (Triton, CUDA); same contract as `moe_reference`
     (optional expert biases, an `Activation` with parameters, `reduce`), plus `slot_map`: with it,
     `slot_ids` are expert ids, looked up in that expert → slot table inside the kernels; and `host`
-    (a `HostReads`): pinned stacks of every expert, which slot S + e reads in place (one token).
+    (a `HostReads`): pinned stacks of every expert, which slot S + e reads in place (one token);
+    `layer_experts`: the slots are some of a layer of that many experts (tiles sized for that layer).
 
     Loads Triton on first call; raises ImportError when it is not installed.
     """
     return _triton_module("fused_moe").fused_moe_with_config(hidden, gate_up, down, slot_ids, weights, activation,
                                                              gate_up_bias=gate_up_bias, down_bias=down_bias,
-                                                             reduce=reduce, slot_map=slot_map, host=host)
+                                                             reduce=reduce, slot_map=slot_map, host=host,
+                                                             layer_experts=layer_experts)
 
 
 def sum_pairs(per_pair: Tensor, dtype, fused: bool) -> Tensor:
@@ -83,11 +85,13 @@ def fused_moe_available() -> bool:
 
 
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True,
-                    host=None, slot_map: Tensor | None = None) -> Tensor:
+                    host=None, slot_map: Tensor | None = None, layer_experts: int | None = None) -> Tensor:
     """Fused MoE dispatch over quantized bank slots (Triton, CUDA); same contract as `quant_moe_reference`
-    (`host`: a `QuantHostReads`, read in place by calls of a few tokens), plus `slot_map` as `fused_moe`'s."""
+    (`host`: a `QuantHostReads`, read in place by calls of a few tokens), plus `slot_map` and
+    `layer_experts` as `fused_moe`'s."""
     return _triton_module("fused_moe_quant").fused_moe_quant(hidden, slots, slot_ids, weights, spec, reduce=reduce,
-                                                             host=host, slot_map=slot_map)
+                                                             host=host, slot_map=slot_map,
+                                                             layer_experts=layer_experts)
 
 
 @functools.lru_cache(maxsize=None)

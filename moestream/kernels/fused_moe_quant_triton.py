@@ -93,14 +93,15 @@ def host_operand(host: QuantHostReads, slots: Mapping[str, Tensor], proj: str, s
 def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                     spec: QuantSpec | Fp8Spec, config: MoeConfig | DecodeConfig | TokenConfig | None = None,
                     path: str = "auto",
-                    reduce: bool = True, host: QuantHostReads | None = None, slot_map: Tensor | None = None) -> Tensor:
+                    reduce: bool = True, host: QuantHostReads | None = None, slot_map: Tensor | None = None,
+                    layer_experts: int | None = None) -> Tensor:
     """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). One token
     takes the one-token path (fused_moe_token_quant.py) where its format has one, else the decode
     path; larger calls the decode or grouped path, and long ones (`long_prompts.dequant_min_tokens`)
     the dequant path: every slot dequantized once, then the plain grouped GEMMs. With `slot_map`, `slot_ids` are expert ids, looked
     up in that expert → slot table (in the kernels on the one-token path). With `host`, slot ids
     S + e read expert e of its pinned stacks in place (calls of a few tokens), less the pairs its
-    `cpu_take` leaves to the CPU."""
+    `cpu_take` leaves to the CPU. `layer_experts`: see `fused_moe_triton.run_paths`."""
     gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
     S, two_i, _ = gate_up.qweight.shape
     T, k = slot_ids.shape
@@ -118,7 +119,7 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
         plain_up = dequantize_operand(gate_up, H, hidden.dtype, gated=True)
         plain_down = dequantize_operand(down, two_i // 2, hidden.dtype, gated=False)
         return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, two_i // 2,
-                         reduce=reduce)
+                         reduce=reduce, layer_experts=layer_experts)
     one_token = takes_token_path(spec, hidden.shape[1], two_i // 2)
     path = resolve_path(path, config, T, k, one_token=one_token)
     if path == "token":
@@ -135,4 +136,4 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))
         slot_ids = split_slots(slot_ids, S, host.cpu_take)   # run_paths refuses a path other than decode
     return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
-                     quant=(gate_up, down), reduce=reduce, host=operands)
+                     quant=(gate_up, down), reduce=reduce, host=operands, layer_experts=layer_experts)

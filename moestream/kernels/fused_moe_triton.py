@@ -303,8 +303,10 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                           config: MoeConfig | DecodeConfig | TokenConfig | None = None,
                           path: str = "auto", gate_up_bias: Tensor | None = None,
                           down_bias: Tensor | None = None, reduce: bool = True,
-                          slot_map: Tensor | None = None, host: HostReads | None = None) -> Tensor:
+                          slot_map: Tensor | None = None, host: HostReads | None = None,
+                          layer_experts: int | None = None) -> Tensor:
     """`fused_moe` with an explicit path and block sizes; for tuning, benchmarks and tests.
+    `layer_experts`: see `run_paths`.
 
     Args:
         path: "auto" (`choose_path`, or the path `config`'s type names), "token" (T = 1 only),
@@ -342,7 +344,7 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
-                     biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce)
+                     biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce, layer_experts=layer_experts)
 
 
 def resolve_path(path: str, config, num_tokens: int, top_k: int, one_token: bool = True) -> str:
@@ -368,12 +370,17 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
               activation_code: int, config, path: str, num_slots: int, intermediate: int,
               quant: tuple[QuantOperand, QuantOperand] | None = None,
               biases: tuple[Tensor, Tensor] | None = None, alpha: float = 1.0, limit: float = 0.0,
-              reduce: bool = True, host: tuple[HostOperand, HostOperand] | None = None) -> Tensor:
+              reduce: bool = True, host: tuple[HostOperand, HostOperand] | None = None,
+              layer_experts: int | None = None) -> Tensor:
     """Allocate, run the decode or grouped GEMMs (plain or quantized bank), sum over k. `biases`:
     per-slot (gate_up_bias (S, 2I), down_bias (S, H)) rows added in the epilogues, or None;
     `alpha` / `limit`: the activation's parameters (read by the clamped SwiGLU only). `reduce`
     False: the (T, k, H) fp32 rows of every pair instead (zero where unrouted), for `sum_pairs`.
-    `host`: the decode path reads slot ids S + e from host stacks in place (`HostOperand`)."""
+    `host`: the decode path reads slot ids S + e from host stacks in place (`HostOperand`).
+    `layer_experts`: the slots are some of a layer of that many experts (a bank's, or its staging
+    buffer's): the grouped tiles are sized for that layer's rows per expert, T·k / layer_experts,
+    the tiles a call over the whole layer takes (so each pair's bits are the same in either), not
+    for T·k over these slots, most of whose pairs are routed elsewhere."""
     if host is not None and path != "decode":
         raise ValueError(f"experts read from host stacks take the decode path, not the {path} path")
     T, k = slot_ids.shape
@@ -397,7 +404,7 @@ def run_paths(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, w
         else:
             _grouped_gemms(hidden, gate_up, down, slot_ids, weights, activated, per_pair,
                            activation_code, config, quant=quant, intermediate=intermediate,
-                           biases=biases, alpha=alpha, limit=limit)
+                           biases=biases, alpha=alpha, limit=limit, layer_experts=layer_experts)
         if not reduce:
             return per_pair.view(T, k, H)
         _launch_sum_over_k(per_pair, slot_ids, out, num_slots + (host[0].num if host else 0))
@@ -420,14 +427,14 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
                    weights: Tensor, activated: Tensor, per_pair: Tensor, activation_code: int,
                    config: MoeConfig | None, quant: tuple[QuantOperand, QuantOperand] | None = None,
                    intermediate: int | None = None, biases: tuple[Tensor, Tensor] | None = None,
-                   alpha: float = 1.0, limit: float = 0.0) -> None:
+                   alpha: float = 1.0, limit: float = 0.0, layer_experts: int | None = None) -> None:
     """Align + the two grouped GEMM launches; rows of unrouted pairs are left unwritten."""
     T, k = slot_ids.shape
     S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
     H = hidden.shape[1]
     I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     num_pairs = T * k
-    cfg = config if config is not None else select_config(T, k, S, quantized=quant is not None)
+    cfg = config if config is not None else select_config(T, k, layer_experts or S, quantized=quant is not None)
     elt = hidden.element_size()
     gate_up_cfg = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
     down_cfg = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)

@@ -332,6 +332,34 @@ def test_kernels_under_triton_interpreter() -> None:
     assert "interpreter ok" in result.stdout
 
 
+@pytest.mark.skipif(**INTERPRETER_SKIP)
+def test_calls_over_some_of_a_layers_experts_give_the_whole_layers_bits_under_triton_interpreter() -> None:
+    """A bank computes a prompt's pairs over its slots and staging buffers, each call seeing some of the
+    layer's experts (the other pairs -1): told the layer's expert count, each call takes the tiles a
+    call over the whole layer takes, so every pair row has the bits of full residency (rows per slot
+    alone would pick other tiles here: half the experts, twice the rows)."""
+    result = run_under_interpreter("""
+        import torch
+        from moestream.kernels.fused_moe_triton import fused_moe_with_config, select_config
+        g = torch.Generator().manual_seed(0)
+        E, H, I, k, T = 8, 128, 128, 2, 48
+        gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+        hidden = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g)
+        assert select_config(T, k, E) != select_config(T, k, E // 2)
+        full = fused_moe_with_config(hidden, gate_up, down, ids, w, reduce=False, path="grouped")
+        parts = []
+        for lo in (0, E // 2):
+            local = torch.where((ids >= lo) & (ids < lo + E // 2), ids - lo, -1)
+            parts.append(fused_moe_with_config(hidden, gate_up[lo:lo + E // 2], down[lo:lo + E // 2], local, w,
+                                               reduce=False, path="grouped", layer_experts=E))
+        assert torch.equal(parts[0] + parts[1], full)
+        print("interpreter ok")
+    """)
+    assert result.returncode == 0 and "interpreter ok" in result.stdout, result.stdout + result.stderr[-3000:]
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_cpu_tensors_are_refused_and_package_name_stays_the_function() -> None:
     import moestream.kernels as kernels
