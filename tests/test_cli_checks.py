@@ -159,6 +159,28 @@ def test_a_cpu_plan_has_no_cuda_slack(tiny_qwen3, capsys):
     assert workspace.split(None, 1)[1] == format_bytes(plan.memory.workspace_bytes)
 
 
+def test_the_prefill_chunk_reaches_the_plan_and_the_engine(tiny_qwen3, capsys):
+    """--prefill-chunk sizes the plan's activations (check) and the prompt's forwards (run)."""
+    from moestream.engine import EngineConfig, RuntimeConfig
+    from moestream.engine.plan import plan_load
+    from moestream.sizes import format_bytes
+
+    def workspace(*flags):
+        assert cli_main(["check", str(tiny_qwen3), "--device", "cpu", "--dtype", "float32", *flags]) == 0
+        return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("workspace")).split(None, 1)[1]
+
+    plan = plan_load(EngineConfig(str(tiny_qwen3), RuntimeConfig(device="cpu", dtype="float32", prefill_chunk=2048)))
+    assert workspace("--prefill-chunk", "2048") == format_bytes(plan.memory.workspace_bytes) != workspace()
+    from moestream.cli.common import engine_config, load_engine
+    from moestream.cli.main import build_parser
+
+    args = build_parser().parse_args(["run", str(tiny_qwen3), "--device", "cpu", "--prefill-chunk", "4", "-p", "x"])
+    assert engine_config(args).runtime.prefill_chunk == 4
+    engine, _ = load_engine(args)
+    engine.generate(list(range(5, 14)), max_tokens=2, ignore_eos=True)
+    assert engine.counters.prefill_chunks == 3   # 9 prompt tokens, 4 a forward
+
+
 def test_a_capacity_above_the_expert_count_says_at_most(tiny_qwen3, capsys):
     assert cli_main(["check", str(tiny_qwen3), "--device", "cpu", "--capacity", "1000"]) == 1
     err = capsys.readouterr().err

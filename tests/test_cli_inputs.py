@@ -45,6 +45,7 @@ NUMERIC = [
     ("profile", "--max-tokens", "-1"), ("profile", "--chunk-tokens", "0"), ("profile", "--max-prompts", "0"),
     ("check", "--max-context", "-5"), ("check", "--capacity", "0"),
     ("run", "--kv-block-size", "0"), ("check", "--kv-block-size", "2048"),
+    ("run", "--prefill-chunk", "0"), ("bench", "--prefill-chunk", "-512"), ("check", "--prefill-chunk", "x"),
 ]
 
 

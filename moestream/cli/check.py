@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from moestream.cli.common import engine_config
-from moestream.cli.flags import add_budget_args, add_devices_args, add_kv_args, add_quant_args, integer
+from moestream.cli.flags import (add_budget_args, add_devices_args, add_kv_args, add_prefill_chunk_arg,
+                                 add_quant_args, integer)
 
 
 def add_parser(sub) -> None:
@@ -16,6 +17,7 @@ def add_parser(sub) -> None:
     check.add_argument("--dtype", default="auto",
                        help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     check.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
+    add_prefill_chunk_arg(check)
     add_kv_args(check)
     add_budget_args(check)
     add_quant_args(check)

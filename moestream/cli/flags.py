@@ -65,12 +65,21 @@ def _range(low, high, low_open: bool = False, high_open: bool = False) -> str:
     return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
 
+def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-chunk", type=integer(1), default=512, metavar="TOKENS",
+                   help="prompt tokens per forward (default 512): the memory plan holds their activations; with a "
+                        "bounded bank each forward streams the experts it lacks once, and quantized experts take the "
+                        "dequantized path from 1,024 tokens (4-bit) or 3,072 (8-bit), so long prompts run faster in "
+                        "larger chunks where memory allows")
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="checkpoint folder or hub id (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default: auto)")
     add_devices_args(p)
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--max-context", type=integer(2), default=None, help="KV cache length (default: the model's maximum)")
+    add_prefill_chunk_arg(p)
     p.add_argument("--overlap", default="auto", choices=["auto", "on", "off"],
                    help="launch each decode step before the host reads the last one's tokens, so the host's work "
                         "between steps runs while the device computes: auto (default) where a decode step reads "
