@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (e.g. 32 of 128 = the 25%% budget)")
     ap.add_argument("--prefix-cache-memory", default="8GiB", help="our server's prefix cache")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
+    ap.add_argument("--prefill-chunk", type=int, default=512,
+                    help="our server's prompt tokens a forward (a long first turn at a bank: larger is faster)")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
                     help="expert choice of our engine (llama.cpp's speed does not depend on routing)")
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))

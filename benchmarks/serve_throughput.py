@@ -165,7 +165,8 @@ def serve_ours(args, started: list | None = None) -> None:
     max_batch = max(args.streams, default=1)
     engine = moestream.load(str(args.ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
-                            prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout)
+                            prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout,
+                            prefill_chunk=getattr(args, "prefill_chunk", 512))
     apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
@@ -277,6 +278,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=8192 + 512)
     ap.add_argument("--prefix-cache-memory", default="4GiB")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="our server's prompt tokens a forward")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)
