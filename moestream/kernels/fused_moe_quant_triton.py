@@ -3,14 +3,16 @@
 The same two paths, launches and epilogues as the plain kernel (fused_moe_triton.py): the kernels are
 shared, and every B tile is dequantized in registers as it is loaded (`moe_tiles.load_b_tile`:
 packed bytes → values → q·scale + bias or codebook[q]·scale, in fp32, rounded once to the hidden
-dtype, exactly what the reference's dequantize-then-cast produces). No dequantized expert is ever
-written to memory, so a miss copies and a hit reads only the packed bytes, scales and biases.
+dtype, exactly what the reference's dequantize-then-cast produces). Below the long calls' threshold no
+dequantized expert is written to memory, so a miss copies and a hit reads only the packed bytes,
+scales and biases.
 One token takes its own launches instead (fused_moe_token_quant.py: the packed words unpacked by
 value planes, the slot map and the CPU's split read in the kernels) where its format has them.
 FP8 e4m3 slots (`moestream.quant.fp8`, the FP8 checkpoints' bytes and block scales) take the same
 decode and grouped kernels, each byte turned into fp32 and multiplied by its block's scale as the
 tile is loaded (`moe_tiles._fp8_tile`); one token takes the decode path (its GEMV, no padded dot).
-No host sync: safe inside CUDA graphs.
+Long calls (`long_prompts.py`'s thresholds) dequantize every slot once instead (dequant_slots_triton.py)
+and run the plain grouped GEMMs. No host sync: safe inside CUDA graphs.
 """
 
 from __future__ import annotations
