@@ -145,8 +145,10 @@ class ShardedExperts:
 
     def __init__(self, bank, placement: Placement, group=None):
         self.bank, self.placement, self.group = bank, placement, group
-        self.local = {layer: placement.to_local(layer, bank.device) for layer in bank.layers}
-        self._host_tables: dict[int, np.ndarray] = {}
+        # global id → local id (-1: another rank's), on the host for segmented decode's read-back
+        # routing and on the device for the dispatch
+        self.host_local = {layer: placement.to_local(layer, torch.device("cpu")).numpy() for layer in bank.layers}
+        self.local = {layer: torch.from_numpy(table).to(bank.device) for layer, table in self.host_local.items()}
         # A fully resident bank counts no lookups itself: count this rank's pairs on the device
         # (no sync) and fold them into its statistics when they are read.
         self.owned = ({layer: torch.zeros((), dtype=torch.int64, device=bank.device) for layer in bank.layers}
@@ -161,10 +163,7 @@ class ShardedExperts:
     def bank_ids(self, layer: int, expert_ids: np.ndarray) -> np.ndarray:
         """Routed ids read back on the host as this rank's bank numbers them (-1: another rank's
         expert): what a segmented decode step hands the bank to make resident."""
-        table = self._host_tables.get(layer)
-        if table is None:
-            table = self._host_tables[layer] = self.local[layer].cpu().numpy()
-        return table[np.asarray(expert_ids, dtype=np.int64)]
+        return self.host_local[layer][np.asarray(expert_ids, dtype=np.int64)]
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         return self._sum(layer, self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))

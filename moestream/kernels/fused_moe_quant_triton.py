@@ -100,10 +100,10 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     """Routed-expert FFN over quantized slots; contract of `quant_moe_reference` (SwiGLU). One token
     takes the one-token path (fused_moe_token_quant.py) where its format has one, else the decode
     path; larger calls the decode or grouped path, and long ones (`long_prompts.dequant_min_tokens`)
-    the dequant path: every slot dequantized once, then the plain grouped GEMMs. With `slot_map`, `slot_ids` are expert ids, looked
-    up in that expert → slot table (in the kernels on the one-token path). With `host`, slot ids
-    S + e read expert e of its pinned stacks in place (calls of a few tokens), less the pairs its
-    `cpu_take` leaves to the CPU. `layer_experts`: see `fused_moe_triton.run_paths`."""
+    the dequant path: every slot dequantized once, then the plain grouped GEMMs. With `slot_map`,
+    `slot_ids` are expert ids, looked up in that expert → slot table (in the kernels on the
+    one-token path). With `host`, slot ids S + e read expert e of its pinned stacks in place (calls
+    of a few tokens), less the pairs its `cpu_take` leaves to the CPU. `layer_experts`: see `fused_moe_triton.run_paths`."""
     gate_up, down = quant_operand(slots, "gate_up", spec), quant_operand(slots, "down", spec)
     S, two_i, _ = gate_up.qweight.shape
     T, k = slot_ids.shape
@@ -112,30 +112,30 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
             raise ValueError(f"a bank tensor is on {t.device} but hidden is on {hidden.device}")
     if slot_map is not None and slot_map.device != hidden.device:
         raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
-    if path == "dequant" or (path == "auto" and config is None and host is None and T >= dequant_min_tokens(spec)):
-        if host is not None:
-            raise ValueError("experts read from host stacks take the decode path, not the dequant path")
-        if slot_map is not None:
-            slot_ids = slot_map[slot_ids.long()]
-        H = hidden.shape[1]
-        plain_up = dequantize_operand(gate_up, H, hidden.dtype, gated=True)
-        plain_down = dequantize_operand(down, two_i // 2, hidden.dtype, gated=False)
-        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, two_i // 2,
-                         reduce=reduce, layer_experts=layer_experts)
-    one_token = takes_token_path(spec, hidden.shape[1], two_i // 2)
-    path = resolve_path(path, config, T, k, one_token=one_token)
-    if path == "token":
-        reads = None
-        if host is not None:
-            reads = ((quant_operand(host.stacks, "gate_up", spec), quant_operand(host.stacks, "down", spec)),
-                     host.cpu_take)
-        return token_moe_quant(hidden, gate_up, down, slot_ids, weights, two_i // 2, slot_map=slot_map,
-                               reduce=reduce, config=config, host=reads)
+    long = path == "dequant" or (path == "auto" and config is None and host is None
+                                 and T >= dequant_min_tokens(spec))
+    if long and host is not None:
+        raise ValueError("experts read from host stacks take the decode path, not the dequant path")
+    I = two_i // 2
+    if not long:
+        path = resolve_path(path, config, T, k, one_token=takes_token_path(spec, hidden.shape[1], I))
+        if path == "token":
+            reads = None
+            if host is not None:
+                reads = ((quant_operand(host.stacks, "gate_up", spec), quant_operand(host.stacks, "down", spec)),
+                         host.cpu_take)
+            return token_moe_quant(hidden, gate_up, down, slot_ids, weights, I, slot_map=slot_map,
+                                   reduce=reduce, config=config, host=reads)
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
+    if long:   # every slot dequantized once, then the plain grouped GEMMs
+        plain_up = dequantize_operand(gate_up, hidden.shape[1], hidden.dtype, gated=True)
+        plain_down = dequantize_operand(down, I, hidden.dtype, gated=False)
+        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, I,
+                         reduce=reduce, layer_experts=layer_experts)
     operands = None
     if host is not None:
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))
         slot_ids = split_slots(slot_ids, S, host.cpu_take)   # run_paths refuses a path other than decode
-    return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, two_i // 2,
+    return run_paths(hidden, gate_up.qweight, down.qweight, slot_ids, weights, 0, config, path, S, I,
                      quant=(gate_up, down), reduce=reduce, host=operands, layer_experts=layer_experts)
