@@ -16,7 +16,8 @@ tok/s after the first token). Batch B decodes B random prompts of `--batch-promp
 aggregate tok/s over the decode steps, the median of three differences of two runs that differ
 only in their token count, both past every prompt's prefill (so prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
 (B, hidden) tensor in the compute dtype, B = 1 and 16, replayed as a CUDA graph of one step's worth
-on two processes, one a GPU: the floor the all-reduces add to a step. `--overlap` (one row per mode)
+on two processes, one a GPU: the floor the all-reduces add to a step; beside NCCL's, the same reduces
+through symmetric memory's one-shot kernel (each rank reads its peer's partial over NVLink). `--overlap` (one row per mode)
 compares decode launched one step ahead of the host (`auto`: on where the ranks replay whole steps)
 with steps waited for one by one (`off`), on the same GPUs in one run.
 """
@@ -106,32 +107,58 @@ def release(engine) -> None:
     log(f"after release: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated on {torch.cuda.current_device()}")
 
 
+def _timed_graph(build, reps: int = 200) -> float:
+    """Seconds per replay of a CUDA graph of one step's reduces (`build` queues them)."""
+    build()   # warm outside the capture (NCCL and symmetric memory set up lazily)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        build()
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
 def _allreduce_rank(rank: int, world: int, port: int, hidden: int, layers: int, batches: list[int], out: str) -> None:
+    """One step's all-reduces as a graph, two ways: NCCL's `all_reduce`, and symmetric memory's
+    one-shot (each rank reads every peer's buffer over NVLink and sums, one kernel, no NCCL
+    protocol), when this torch and these GPUs give it."""
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {}
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    results: dict[str, float | str] = {}
     for batch in batches:
         x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
-        for _ in range(3):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for _ in range(layers):
-                dist.all_reduce(x)
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        reps = 200
-        start = time.perf_counter()
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-        results[batch] = (time.perf_counter() - start) / reps
-        del graph
+        results[f"b{batch}_nccl"] = _timed_graph(lambda: [dist.all_reduce(x) for _ in range(layers)])
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        rows = max(batches)
+        buffer = symm_mem.empty((rows, hidden), dtype=torch.bfloat16, device="cuda")
+        symm_mem.rendezvous(buffer, group.group_name)
+        for batch in batches:
+            x = torch.randn(batch, hidden, dtype=torch.bfloat16, device="cuda")
+            want = x.clone()
+            dist.all_reduce(want)
+            got = torch.empty_like(x)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:batch], x, "sum", group.group_name, got)
+            torch.cuda.synchronize()
+            results[f"b{batch}_symm_exact"] = bool(torch.equal(got, want))
+            results[f"b{batch}_symm_one_shot"] = _timed_graph(
+                lambda: [torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer[:batch], x, "sum", group.group_name, got)
+                         for _ in range(layers)])
+    except Exception as exc:   # an older torch, no NVLink peer access: the NCCL figures stand alone
+        results["symm_error"] = f"{type(exc).__name__}: {exc}"[:400]
     torch.cuda.synchronize()
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -148,7 +175,8 @@ def allreduce_floor(hidden: int, layers: int, batches: list[int], world: int = 2
     out = f"/tmp/allreduce_{os.getpid()}.json"
     mp.spawn(_allreduce_rank, args=(world, port, hidden, layers, batches, out), nprocs=world)
     per_step = json.loads(Path(out).read_text())
-    return {f"b{b}_allreduce_ms_per_step": per_step[str(b)] * 1e3 for b in batches}
+    return {f"{key}_allreduce_ms_per_step" if isinstance(value, float) else key:
+            value * 1e3 if isinstance(value, float) else value for key, value in per_step.items()}
 
 
 def main() -> None:

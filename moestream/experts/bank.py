@@ -152,10 +152,13 @@ class ExpertBank:
             self.hybrid_misses.land(wait=True)   # the fetch policy's installs see only whole slots
         return self.fetcher.forward(layer, hidden, expert_ids, weights)
 
-    def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        """Device-only dispatch through the current slot map: the caller guarantees residency."""
+    def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor,
+                 slot_map: Tensor | None = None) -> Tensor:
+        """Device-only dispatch through the current slot map (or `slot_map`, a table of the same slots
+        for other ids: an expert-parallel rank's global ids): the caller guarantees residency."""
         ls = self.slots[layer]
-        return self._dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=ls.slot_map)
+        return self._dispatch[layer](hidden, ls.tensors, expert_ids, weights,
+                                     slot_map=ls.slot_map if slot_map is None else slot_map)
 
     # ---- the runtime's hooks ------------------------------------------------------------
     @property

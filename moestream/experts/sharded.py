@@ -7,7 +7,8 @@ share in proportion to the bank memory its budget leaves (`expert_counts`), so e
 the same fraction of its experts resident. A rank's bank, host tier and residency policy see only its own experts, in a
 local id space (local id i = the rank's i-th expert): `ShardStore` presents the checkpoint that way.
 `ShardedExperts` is the model's `RoutedExperts` on every rank: routed ids become local ids, or -1
-for another rank's expert (the bank skips those pairs), the rank's bank computes its partial sum,
+for another rank's expert (the bank skips those pairs; a fully resident rank hands its kernels one
+table from global id straight to slot instead), the rank's bank computes its partial sum,
 and one all-reduce per MoE layer adds the ranks' partials (counted and timed by
 `CollectiveStats`). Routing itself is computed identically
 on every rank (the router is replicated), so no ids need to travel.
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moestream import kernels
 from moestream.experts.collective import CollectiveStats
 from moestream.experts.format import ExpertFormat
 
@@ -149,8 +151,12 @@ class ShardedExperts:
         # routing and on the device for the dispatch
         self.host_local = {layer: placement.to_local(layer, torch.device("cpu")).numpy() for layer in bank.layers}
         self.local = {layer: torch.from_numpy(table).to(bank.device) for layer, table in self.host_local.items()}
-        # A fully resident bank counts no lookups itself: count this rank's pairs on the device
-        # (no sync) and fold them into its statistics when they are read.
+        # A fully resident bank never moves an expert: its slot table composed with the global → local
+        # one maps routed ids straight to slots (-1: another rank's) inside the MoE kernels, with no
+        # per-layer translation. Its lookups are this rank's pairs, counted on the device (one launch
+        # a layer, no sync) and folded into its statistics when they are read.
+        self.slot_maps = ({layer: _composed(self.local[layer], bank.slots[layer].slot_map) for layer in bank.layers}
+                          if bank.fully_resident else None)
         self.owned = ({layer: torch.zeros((), dtype=torch.int64, device=bank.device) for layer in bank.layers}
                       if bank.fully_resident else None)
         if self.owned is not None:
@@ -166,16 +172,19 @@ class ShardedExperts:
         return self.host_local[layer][np.asarray(expert_ids, dtype=np.int64)]
 
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        if self.slot_maps is not None:
+            return self.dispatch(layer, hidden, expert_ids, weights)
         return self._sum(layer, self.bank.forward(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def dispatch(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        if self.slot_maps is not None:   # global ids, looked up in the composed table by the kernels
+            kernels.count_mapped(expert_ids, self.slot_maps[layer], self.owned[layer])
+            return self._sum(layer, self.bank.dispatch(layer, hidden, expert_ids, weights,
+                                                       slot_map=self.slot_maps[layer]))
         return self._sum(layer, self.bank.dispatch(layer, hidden, self._to_local(layer, expert_ids), weights))
 
     def _to_local(self, layer: int, expert_ids: Tensor) -> Tensor:
-        local = self.local[layer][expert_ids]
-        if self.owned is not None:
-            self.owned[layer] += (local >= 0).sum()
-        return local
+        return self.local[layer][expert_ids]
 
     def _fold_hits(self) -> None:
         for layer, count in self.owned.items():
@@ -189,3 +198,11 @@ class ShardedExperts:
 
     def _all_reduce(self, tensor: Tensor) -> None:
         dist.all_reduce(tensor, group=self.group)
+
+
+def _composed(local: Tensor, slot_map: Tensor) -> Tensor:
+    """(E_global + 1,) int32: global id → slot of this rank's bank, -1 for another rank's expert (and
+    in the last entry, as every slot table has)."""
+    table = torch.full((local.numel() + 1,), -1, dtype=torch.int32, device=slot_map.device)
+    table[:-1] = slot_map[local]   # local -1 reads the slot table's last entry, -1
+    return table

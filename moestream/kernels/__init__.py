@@ -130,6 +130,15 @@ def fused_ops(enabled: bool):
     return _fused_ops_on.set(enabled)
 
 
+def count_mapped(ids: Tensor, table: Tensor, counter: Tensor) -> None:
+    """counter (a 0-d int64 on ids' device) += how many of `ids` map to an entry >= 0 of `table`: one
+    launch where the fused ops run (inside a decode graph), the torch ops otherwise."""
+    if fused_ops_enabled(ids):
+        _triton_module("count_mapped").count_mapped(ids, table, counter)
+    else:
+        counter += (table[ids.long()] >= 0).sum()
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, scale: int,
              residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """RMSNorm of x (of residual + x when given) in one launch: (normed, residual + x or None).

@@ -6,7 +6,8 @@ memory plan and the runtime never assume one KV layout. Kinds today:
 
   KVCache   GQA keys and values, preallocated (rows, max_len, kv_heads, head_dim); slot j of row b
             holds position j of the sequence in row b, so sequences of different lengths share a
-            batch and a row is written in place.
+            batch and a row is written in place. Read as a paged pool whose blocks are whole rows
+            (`RowBlocks`), a CUDA decode step attends from it with the paged kernels too.
   RecurrentCache  linear attention (Gated DeltaNet): per row the last conv inputs and the state
             matrices, a fixed size whatever the context; kept twice, by parity of the tokens
             consumed, so that a step never overwrites the state it reads.
@@ -70,6 +71,16 @@ class LayerCache(ABC):
         """Write the first `length` positions of a snapshot into row `row`."""
 
 
+class RowBlocks:
+    """A rows cache's block table: block r is row r, whole (block size = the row's length), so the
+    paged decode kernels (rotary and write in one launch, flash-decoding from the row in place) serve
+    a `KVCache` exactly as they serve a `PagedKVCache`, instead of SDPA over a masked, padded copy."""
+
+    def __init__(self, rows: int, max_len: int, device: torch.device):
+        self.block_size = max_len
+        self.table = torch.arange(rows, dtype=torch.int32, device=device)[:, None]
+
+
 class KVCache(LayerCache):
     kind = "kv"
 
@@ -77,6 +88,7 @@ class KVCache(LayerCache):
                  device: torch.device):
         self.k = torch.zeros(rows, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.tables = RowBlocks(rows, max_len, device)
 
     @staticmethod
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -364,15 +376,16 @@ def attended_keys_values(ctx, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor,
     return cache.read(ctx.cache_rows, ctx.kv_len)
 
 
-def _paged_decode_cache(ctx, layer: int, q: Tensor) -> PagedKVCache | None:
-    """This layer's paged cache when the step is a CUDA decode step that attends from its blocks."""
+def _paged_decode_cache(ctx, layer: int, q: Tensor) -> PagedKVCache | KVCache | None:
+    """This layer's full-KV cache when the step is a CUDA decode step that attends from its blocks (a
+    rows cache's blocks are its rows, `RowBlocks`)."""
     cache = ctx.cache[layer] if ctx.cache is not None else None
-    if isinstance(cache, PagedKVCache) and ctx.seq_lens is not None and kernels.fused_ops_enabled(q):
+    if isinstance(cache, (PagedKVCache, KVCache)) and ctx.seq_lens is not None and kernels.fused_ops_enabled(q):
         return cache
     return None
 
 
-def _paged_decode(ctx, cache: PagedKVCache, q: Tensor, scale: float | None) -> Tensor:
+def _paged_decode(ctx, cache: PagedKVCache | KVCache, q: Tensor, scale: float | None) -> Tensor:
     out = kernels.paged_decode_attention(q[:, :, 0], cache.k, cache.v, cache.tables.table[ctx.cache_rows],
                                          ctx.seq_lens, ctx.kv_len, scale)
     return out[:, :, None]
@@ -387,12 +400,12 @@ def _one_fused_kind(q_norm, k_norm) -> bool:
 
 def full_attention(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
     """Softmax attention (B, heads, L, D) of queries q (B, heads, L, D) over every earlier position,
-    this step's keys and values (B, L, kv_heads, D) written first. A paged cache's decode step on
-    CUDA attends straight from its blocks, each row to its own length; otherwise SDPA over
+    this step's keys and values (B, L, kv_heads, D) written first. A full-KV cache's (paged or
+    rows) decode step on CUDA attends straight from its blocks, each row to its own length; otherwise SDPA over
     `attended_keys_values` with the step's mask."""
     cache = _paged_decode_cache(ctx, layer, q)
-    if cache is not None:
-        cache.write(ctx.write_rows, ctx.positions, k, v)
+    if cache is not None:   # one launch writes k and v, into blocks or rows alike
+        kernels.paged_kv_write(k, v, cache.k, cache.v, cache.tables.table, ctx.write_rows, ctx.positions)
         return _paged_decode(ctx, cache, q, scale)
     k, v = attended_keys_values(ctx, layer, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.attn_bias, scale=scale,
@@ -401,7 +414,7 @@ def full_attention(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: floa
 
 def rotate_and_attend(ctx, layer: int, q: Tensor, k: Tensor, v: Tensor, q_norm, k_norm) -> Tensor:
     """Per-head q/k norm (`q_norm`/`k_norm`, or None) and rotary of q (B, L, heads, D) and k
-    (B, L, kv_heads, D), then `full_attention`; returns (B, heads, L, D). On a paged cache's CUDA
+    (B, L, kv_heads, D), then `full_attention`; returns (B, heads, L, D). On a full-KV cache's CUDA
     decode step the norms, the rotary and the write of k and v into their blocks are one launch."""
     cache = _paged_decode_cache(ctx, layer, q)
     if cache is not None and _one_fused_kind(q_norm, k_norm):

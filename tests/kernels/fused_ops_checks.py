@@ -153,6 +153,24 @@ def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
         check_uniform_router(device, dtype)
         check_moe_pairs(device, dtype)
         check_gemv(device, dtype)
+    check_count_mapped(device)
+
+
+def check_count_mapped(device: str) -> None:
+    """The count of routed ids a table maps to a slot (an expert-parallel rank's own pairs) adds to
+    the counter what the torch ops count, over one block and several, for int32 and int64 ids."""
+    from moestream.kernels.count_mapped_triton import count_mapped
+
+    g = torch.Generator().manual_seed(7)
+    table = torch.full((129,), -1, dtype=torch.int32)
+    table[torch.randperm(128, generator=g)[:50]] = torch.arange(50, dtype=torch.int32)
+    table = table.to(device)
+    for T, k, dtype in ((1, 8, torch.int64), (16, 8, torch.int32), (700, 4, torch.int64)):
+        ids = torch.randint(0, 128, (T, k), generator=g).to(device, dtype)
+        counter = torch.tensor(5, dtype=torch.int64, device=device)
+        count_mapped(ids, table, counter)
+        want = 5 + int((table[ids.long()] >= 0).sum())
+        assert int(counter) == want, (T, k, int(counter), want)
 
 
 def check_gemv(device: str, dtype: torch.dtype) -> None:

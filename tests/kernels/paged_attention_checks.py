@@ -7,6 +7,7 @@ import torch
 
 from moestream.kernels.paged_attention_reference import paged_decode_attention_reference, paged_kv_write_reference
 from moestream.kernels.paged_attention_triton import paged_decode_attention, paged_kv_write
+from moestream.model.cache import KVCache
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -59,7 +60,39 @@ def check_decode(device: str, dtype: torch.dtype, sizes=((3, 8, 2, 64, 16, 150),
         assert (wider.float() - got.float()).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
 
 
+def check_rows_cache(device: str, dtype: torch.dtype) -> None:
+    """A rows `KVCache` read as blocks (`RowBlocks`: block r is row r, as long as the row, here 37
+    positions, no power of two): the step's keys land at (row, position) as plain indexing puts them,
+    and decode attends each row over its own length as softmax attention over those rows does."""
+    g = torch.Generator().manual_seed(2)
+    rows, max_len, heads, kv_heads, D = 4, 37, 8, 2, 64
+    cache = KVCache(rows, max_len, kv_heads, D, dtype, torch.device(device))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    want_k, want_v = cache.k.clone(), cache.v.clone()
+    B = 3
+    lens = torch.tensor([1, 20, max_len])
+    row_ids = torch.tensor([[2], [0], [3]], device=device)                      # batch row b writes cache row row_ids[b]
+    positions = (lens - 1)[:, None].to(device)
+    k = torch.randn(B, 1, kv_heads, D, generator=g).to(device, dtype)
+    v = torch.randn(B, 1, kv_heads, D, generator=g).to(device, dtype)
+    paged_kv_write(k, v, cache.k, cache.v, cache.tables.table, row_ids, positions)
+    want_k[row_ids, positions], want_v[row_ids, positions] = k, v
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v), f"rows write {dtype}"
+    q = torch.randn(B, heads, D, generator=g).to(device, dtype)
+    got = paged_decode_attention(q, cache.k, cache.v, cache.tables.table[row_ids[:, 0]], lens.to(device), max_len)
+    for b in range(B):
+        n, r = int(lens[b]), int(row_ids[b, 0])
+        keys = cache.k[r, :n].float().repeat_interleave(heads // kv_heads, dim=1)   # (n, heads, D)
+        values = cache.v[r, :n].float().repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), keys) / D ** 0.5, dim=-1)
+        want = torch.einsum("hn,nhd->hd", weights, values)
+        err = (got[b].float() - want).abs().max().item() / want.abs().max().item()
+        assert err < TOLERANCE[dtype], f"rows decode {dtype} row {r} of {n} positions: {err}"
+
+
 def check_all(device: str, dtypes) -> None:
     for dtype in dtypes:
         check_write(device, dtype)
         check_decode(device, dtype)
+        check_rows_cache(device, dtype)
