@@ -31,7 +31,7 @@ from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.kernels.long_prompts import dequant_min_tokens, dequant_scratch_bytes
 from moestream.checkpoint.packed import PackedLayout
 from moestream.engine.weights import parameter_bytes
-from moestream.model.decoder import MoECausalLM, block_bytes, cache_bytes, pageable
+from moestream.model.decoder import MoECausalLM, attention_workspace_bytes, block_bytes, cache_bytes, pageable
 from moestream.model.quant_linear import quantize_modules
 from moestream.quant import QuantSpec
 from moestream.quant.fp8 import Fp8Spec, fp8_quantization
@@ -62,19 +62,18 @@ def dense_weight_bytes(config: ModelConfig, dtype: torch.dtype, precision: Preci
     return parameter_bytes(model, dtype)
 
 
-def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int) -> int:
-    """Peak activations: a prefill chunk through one layer (the largest live set) plus the logits."""
+def workspace_bytes(config: ModelConfig, dtype: torch.dtype, batch: int, prefill_chunk: int, max_context: int,
+                    spec: ArchSpec | None = None) -> int:
+    """Peak activations: a prefill chunk through one layer (the largest live set) plus the logits. Its
+    attention holds the chunk's mask and bias over the whole context and whatever scores its mixers
+    keep (`attention_workspace_bytes`: none where SDPA attends)."""
     e = dtype_size(dtype)
     T = max(prefill_chunk, batch)
     H, I, k = config.hidden_size, config.moe_intermediate, config.top_k
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden = 6 * T * H * e + T * (q + 2 * kv) * e * 2
     moe = T * k * (2 * I * 4 + I * e + H * 4) + T * k * 16   # gate_up fp32, activation, fp32 partials, indices
-    attention = T * config.num_heads * min(max_context, T + 1) * 4 if T > 1 else 0
-    mla = config.latent_attention
-    if mla is not None:   # the expanded form up-projects every attended position to per-head K and V
-        per_position = config.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * e
-        attention += max(batch, 1) * max_context * per_position
+    attention = attention_workspace_bytes(config, spec or ARCHS[config.arch], T, max_context, dtype)
     logits = batch * config.vocab_size * 4 * 3
     return hidden + max(moe, attention) + logits
 
@@ -242,7 +241,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     base = dict(budget=budget_bytes, dense_bytes=dense_weight_bytes(config, dtype, precision, spec),
                 kv_bytes=kv_bytes, prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch, kv_blocks=kv_blocks,
                 kv_block_size=kv_block_size if kv_blocks else 0,
-                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context) + long_prompt
+                workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context, spec) + long_prompt
                 + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k,

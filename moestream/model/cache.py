@@ -441,6 +441,12 @@ class FullKVMixer:
     def make_cache(config, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(rows, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
+    @staticmethod
+    def score_bytes(config, tokens: int, attended: int, dtype: torch.dtype) -> int:
+        """What attending `tokens` queries to `attended` positions holds beyond q, k, v, the output and
+        the step's mask: nothing for SDPA, whose flash kernels (CUDA and CPU alike) keep no scores."""
+        return 0
+
     pageable = True   # its cache may be a `PagedKVCache` instead (every layer of the model must agree)
 
     @staticmethod

@@ -22,6 +22,7 @@ from moestream.model.mlp import SwiGLU
 from moestream.model.moe import MoEBlock, RoutedExperts
 from moestream.model.norms import NORMS
 from moestream.model.projections import Linear
+from moestream.sizes import dtype_size
 
 
 class DecoderLayer(nn.Module):
@@ -156,6 +157,24 @@ def block_bytes(config: ModelConfig, spec: ArchSpec, block_size: int, dtype: tor
     """Device bytes of one paged block across every layer."""
     return sum(MIXERS[spec.mixer_of(config, layer)].block_bytes(config, block_size, dtype)
                for layer in range(config.num_layers))
+
+
+def attention_workspace_bytes(config: ModelConfig, spec: ArchSpec, tokens: int, max_len: int,
+                              dtype: torch.dtype) -> int:
+    """What a forward of `tokens` rows (a prompt chunk, or a decode batch's one row each) holds to attend
+    to up to `max_len` positions, beyond q, k, v and the output: its mask (bool) and additive bias (the
+    compute dtype), one of each for the whole forward (`ForwardContext`), and the most scores one
+    layer's mixer holds at a time (`score_bytes`: none for SDPA)."""
+    if tokens <= 1:
+        return 0
+    mask = tokens * max_len * (1 + dtype_size(dtype))
+    return mask + max(getattr(MIXERS[spec.mixer_of(config, layer)], "score_bytes", _no_scores)(config, tokens, max_len,
+                                                                                               dtype)
+                      for layer in range(config.num_layers))
+
+
+def _no_scores(config: ModelConfig, tokens: int, attended: int, dtype: torch.dtype) -> int:
+    return 0   # a mixer without softmax attention (linear attention's recurrence)
 
 
 def cache_bytes(config: ModelConfig, spec: ArchSpec, rows: int, max_len: int, dtype: torch.dtype) -> int:

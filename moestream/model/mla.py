@@ -40,6 +40,7 @@ from moestream.model.norms import NORMS
 from moestream.model.projections import Linear
 from moestream.model.rotary import apply_rotary, apply_rotary_interleaved
 from moestream.quant import dequantize
+from moestream.sizes import dtype_size
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm's default eps, not the
 # config's rms_norm_eps (GLM-4.7-Flash's 1e-5 applies to the layer norms only).
@@ -78,6 +79,18 @@ class MultiLatentAttention(nn.Module):
     def cache_bytes(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype) -> int:
         mla = config.latent_attention
         return rows * max_len * LatentCache.bytes_per_token(mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
+
+    @staticmethod
+    def score_bytes(config: ModelConfig, tokens: int, attended: int, dtype: torch.dtype) -> int:
+        """The larger of the two forms (`mla_absorbed` is a runtime choice): the expanded one
+        up-projects every attended position to per-head keys and values (SDPA then keeps no scores);
+        the latent one holds every score, in the compute dtype, in fp32 for the softmax, and as
+        probabilities."""
+        mla, e = config.latent_attention, dtype_size(dtype)
+        expanded = attended * config.num_heads * (2 * mla.qk_nope_head_dim + mla.qk_rope_head_dim
+                                                  + mla.v_head_dim) * e   # kv_b_proj's output, then k
+        latent = tokens * config.num_heads * attended * (2 * e + 4)
+        return max(expanded, latent)
 
     @staticmethod
     def make_cache(config: ModelConfig, rows: int, max_len: int, dtype: torch.dtype,

@@ -28,6 +28,7 @@ from moestream.model.cache import FullKVMixer, SlidingWindowMixer, attended_keys
 from moestream.model.context import ForwardContext
 from moestream.model.projections import FusedQKV, Linear
 from moestream.model.rotary import norm_and_rotate
+from moestream.sizes import dtype_size
 
 # fp32 scores of one block of queries: at most this many elements (128 MiB; the softmax runs in
 # place on them), so a prompt chunk against a long context does not hold (chunk x context x heads)
@@ -102,6 +103,13 @@ class SinkAttention(FusedQKV, FullKVMixer, nn.Module):
         q, k, v = self.project(x, ctx)
         k, v = attended_keys_values(ctx, self.layer, k, v)
         return self.output(sink_attention(q, k, v, self.sinks, ctx.mask, self.scale))
+
+    @staticmethod
+    def score_bytes(config: ModelConfig, tokens: int, attended: int, dtype: torch.dtype) -> int:
+        """`sink_attention`'s block of scores: at most BLOCK_ELEMENTS of them, as the product in the
+        compute dtype and again in fp32, and the block of the mask it reads."""
+        rows = min(tokens, max(1, BLOCK_ELEMENTS // (config.num_heads * attended)))   # queries a block
+        return rows * attended * (config.num_heads * (dtype_size(dtype) + 4) + 1)
 
 
 class SlidingSinkAttention(SlidingWindowMixer, SinkAttention):
