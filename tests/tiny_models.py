@@ -112,6 +112,20 @@ def randomise_correction_bias(model: transformers.PreTrainedModel) -> None:
                 b.normal_(0, 0.3)
 
 
+def follow_config_swiglu(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """GPT-OSS's clamped SwiGLU at the alpha and limit its config names. transformers up to 5.17
+    hard-codes 1.702 and 7.0 in its experts (later versions read the config); the tiny config clamps
+    at 0.15 so that the clamp binds, so the oracle gets the config's values set on its expert modules:
+    transformers' own computation, with the parameters the checkpoint gives."""
+    config = model.config
+    if getattr(config, "swiglu_limit", None) is None:
+        return model
+    for module in model.modules():
+        if hasattr(module, "alpha") and hasattr(module, "limit"):
+            module.alpha, module.limit = config.swiglu_alpha, config.swiglu_limit
+    return model
+
+
 def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """Random weights with non-trivial norms, biases and sharper routers, so differences show.
     `overrides`: config fields set on the tiny config first (e.g. wider heads for a GPU kernel)."""
@@ -142,6 +156,7 @@ def make_tiny_checkpoint(arch: str, out: Path, seed: int = 0, **overrides) -> tr
             if name.endswith("layer_scalar"):   # Gemma 4's stored per-layer output scale
                 b.uniform_(0.5, 1.5)
     randomise_correction_bias(model)
+    follow_config_swiglu(model)
     model.save_pretrained(out)
     return model
 
@@ -205,6 +220,7 @@ def make_quant_tiny_checkpoint(out: Path, seed: int = 0, arch: str = "qwen3_moe"
             if name.endswith("gate.weight"):
                 p.normal_(0, 0.5)
     randomise_correction_bias(model)
+    follow_config_swiglu(model)
     model.save_pretrained(out)
     return model
 

@@ -14,7 +14,7 @@ import torch
 import moestream
 from moestream.errors import CheckpointError, InputError
 from moestream.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from tiny_models import make_tiny_checkpoint
+from tiny_models import follow_config_swiglu, make_tiny_checkpoint
 from engine_probes import assert_fetch_cpu_share_scores
 
 H, I, E = 64, 32, 8   # MXFP4 needs both widths in whole 32-value blocks
@@ -50,7 +50,7 @@ def mxfp4_gpt_oss(tmp_path_factory):
     write_mxfp4(folder, made.config.num_hidden_layers)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         folder, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
-    return folder, ref
+    return folder, follow_config_swiglu(ref)
 
 
 def test_logits_match_transformers_mxfp4_loading(mxfp4_gpt_oss):
