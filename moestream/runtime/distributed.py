@@ -226,10 +226,22 @@ class RankGroup:
                                    "check that every device can start an engine.") from None
 
     def publish(self, op: str, *args) -> None:
+        self._check_followers()
         self.store.set(f"call/{self.calls}", pickle.dumps((op, args)))
         self.calls += 1
         if self.calls > _KEPT_CALLS:   # long read: followers are never this far behind (calls with collectives keep them in step)
             self.store.delete_key(f"call/{self.calls - _KEPT_CALLS}")
+
+    def _check_followers(self) -> None:
+        """A follower this process started that has exited (killed, crashed, out of memory) fails the
+        next call before it is published: its collectives would wait for a rank that is gone (on NCCL
+        until the watchdog's timeout, which may end this whole process, not with an error). Followers
+        that torchrun started are not this process's to poll; a collective's timeout finds those."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise DistributedError(f"a rank of the expert-parallel group stopped answering (rank {rank} exited "
+                                       f"with code {code}); the engine cannot continue: load it again.")
 
     def close(self) -> None:
         if self.closed:

@@ -119,7 +119,8 @@ def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
         engine.generate(PROMPTS[0], max_tokens=2, ignore_eos=True)
         engine.group.procs[0].kill()
         engine.group.procs[0].wait()
-        with pytest.raises(DistributedError, match="stopped answering"):
+        # named before any collective waits on it (an NCCL collective would wait for the watchdog)
+        with pytest.raises(DistributedError, match=r"stopped answering \(rank 1 exited with code -9\)"):
             engine.generate(PROMPTS[0], max_tokens=4, ignore_eos=True)
     finally:
         engine.close()
