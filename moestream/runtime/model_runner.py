@@ -40,16 +40,17 @@ class PagedLayout:
 
 class ModelRunner:
     def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
-                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True, segmented: bool = True,
+                 max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
                  paged: PagedLayout | None = None):
-        """`segmented`: decode with a fetch bank may run as segments split at each router (the bank
-        sees the routing between segments; an expert-parallel rank's through `bank_ids`); off for a
-        model whose MoE layers do not split at their routers, which then decodes eagerly.
-        `paged`: keep keys and values in a block pool (rows are block-table rows) instead of one
-        full-context row per sequence."""
+        """`paged`: keep keys and values in a block pool (rows are block-table rows) instead of one
+        full-context row per sequence.
+
+        Decode with a fetch bank runs as segments split at each router (the bank sees the routing
+        between segments; an expert-parallel rank's through `bank_ids`) where the model's MoE layers
+        split there (`segmented`); elsewhere it decodes eagerly."""
         self.model, self.bank, self.device, self.dtype = model, bank, device, dtype
         self.paged = paged
-        self.segmented = segmented and model.splits_at_routers
+        self.segmented = model.splits_at_routers
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.cuda_graphs = self._graphs_allowed(cuda_graphs)
