@@ -97,6 +97,14 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
     return row
 
 
+def visible(worlds: list[int]) -> list[int]:
+    """The GPU counts asked for that this machine has (the others logged as skipped)."""
+    for world in worlds:
+        if world > torch.cuda.device_count():
+            log(f"skipping {world} GPUs: {torch.cuda.device_count()} visible")
+    return [world for world in worlds if world <= torch.cuda.device_count()]
+
+
 def release(engine) -> None:
     """Free a closed engine's device memory before the next configuration loads: its modules, bank and
     graphs reference each other, so they go at a collection, and the caching allocator keeps what they
@@ -199,10 +207,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for world in args.devices:
-        if world > torch.cuda.device_count():
-            log(f"skipping {world} GPUs: {torch.cuda.device_count()} visible")
-            continue
+    for world in visible(args.devices):
         for share in args.bank_share:
             for overlap in args.overlap:
                 try:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moestream  # noqa: E402
 from benchmarks.common import log, step_kernels, write_result  # noqa: E402
-from benchmarks.expert_parallel_decode import release  # noqa: E402
+from benchmarks.expert_parallel_decode import release, visible  # noqa: E402
 from moestream.bench import apply_routing  # noqa: E402
 from moestream.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -72,10 +72,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for world in args.devices:
-        if world > torch.cuda.device_count():
-            log(f"skipping {world} GPUs: {torch.cuda.device_count()} visible")
-            continue
+    for world in visible(args.devices):
         row = measure(args.ckpt, world, args.steps, args.top)
         log(json.dumps({k: v for k, v in row.items() if k != "kernels"}))
         for kernel in row["kernels"]:
