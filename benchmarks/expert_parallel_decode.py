@@ -20,6 +20,12 @@ on two processes, one a GPU: the floor the all-reduces add to a step; beside NCC
 through symmetric memory's one-shot kernel (each rank reads its peer's partial over NVLink). `--overlap` (one row per mode)
 compares decode launched one step ahead of the host (`auto`: on where the ranks replay whole steps)
 with steps waited for one by one (`off`), on the same GPUs in one run.
+
+The peer, in the same run: `--llama-bin DIR --gguf FILE` (a GGUF of the same shape, e.g. from
+`benchmarks/random_gguf.py`) runs llama.cpp on the same GPU counts: `llama-bench` for batch 1 and
+`llama-batched-bench` for larger batches, each `--split-mode` of `--llama-split` (one GPU: `none`),
+the whole model on the GPUs and, for a bank share s, `--n-cpu-moe` = (1 − s) × layers (the same
+fraction of the experts on the GPUs as ours: our s of each rank's share is s of them all).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,6 +102,66 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
         engine.close()
         release(engine)
     return row
+
+
+def _llama(command: list[str], world: int, timeout: float = 420) -> list[dict]:
+    """Run one llama.cpp tool on the first `world` GPUs; the JSON records it printed (one per line or one
+    list), or one record naming why it failed."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(world)))
+    log("$ " + " ".join(command))
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [dict(error=f"no result within {timeout:.0f} s")]
+    records = _json_objects(done.stdout + "\n" + done.stderr)
+    if done.returncode != 0:   # a split mode that fails ends the tool after the records before it
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:]
+        records.append(dict(error=f"exit {done.returncode}: {last[0] if last else 'no output'}"))
+    return records or [dict(error="no JSON record in the output")]
+
+
+def _json_objects(text: str) -> list[dict]:
+    """The result records in a tool's output: llama-bench's JSON list (cut short where a run failed),
+    llama-batched-bench's JSON lines, among log lines."""
+    decoder, records, at = json.JSONDecoder(), [], text.find("{")
+    while at != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            end = at + 1
+        else:
+            if isinstance(value, dict) and ("avg_ts" in value or "speed_tg" in value):
+                records.append(value)
+        at = text.find("{", end)
+    return records
+
+
+def llama_rows(args, world: int, share: float) -> list[dict]:
+    """llama.cpp's decode tok/s on `world` GPUs, one row per split mode: batch 1 from llama-bench
+    (`-p 0 -n gen_tokens -r 3`), larger batches from llama-batched-bench (`-npp batch_prompt_tokens
+    -ntg gen_tokens -npl B`, its `speed_tg`: the decode steps' aggregate)."""
+    layers = json.loads((Path(args.ckpt) / "config.json").read_text())["num_hidden_layers"]
+    n_cpu_moe = 0 if share >= 1 else round(layers * (1 - share))
+    modes = ["none"] if world == 1 else args.llama_split
+    common = ["-m", args.gguf, "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe)]
+    rows = {mode: dict(engine="llama.cpp", gpus=world, bank_share=share, n_cpu_moe=n_cpu_moe, split=mode)
+            for mode in modes}
+    bench, batched = (str(Path(args.llama_bin) / tool) for tool in ("llama-bench", "llama-batched-bench"))
+    for mode, row in rows.items():   # one mode a call: a mode llama.cpp refuses ends only its own call
+        for batch in args.batches:
+            if batch == 1:
+                records = _llama([bench, *common, "-fa", "1", "-p", "0", "-n", str(args.gen_tokens), "-r", "3",
+                                  "-sm", mode, "-o", "json"], world)
+                found = [r["avg_ts"] for r in records if r.get("split_mode") == mode]
+            else:
+                context = batch * (args.batch_prompt_tokens + args.gen_tokens) + 256
+                records = _llama([batched, *common, "-fa", "on", "-c", str(context), "-npp",
+                                  str(args.batch_prompt_tokens), "-ntg", str(args.gen_tokens), "-npl", str(batch),
+                                  "-sm", mode, "--output-format", "jsonl"], world)
+                found = [r["speed_tg"] for r in records if r.get("pl") == batch]
+            row.update({f"b{batch}_decode_tok_s": found[-1]} if found else
+                       {f"b{batch}_error": next((r["error"] for r in records if "error" in r), "no record")})
+    return list(rows.values())
 
 
 def visible(worlds: list[int]) -> list[int]:
@@ -202,11 +269,18 @@ def main() -> None:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--overlap", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="decode overlap modes to measure, one row each")
-    ap.add_argument("--allreduce", action="store_true", help="also time one step's all-reduces alone (2 GPUs)")
+    ap.add_argument("--allreduce", action="store_true",
+                    help="also time one step's all-reduces alone, on each GPU count above 1")
+    ap.add_argument("--llama-bin", default=None, help="llama.cpp's bin folder: run it beside ours (needs --gguf)")
+    ap.add_argument("--gguf", default=None, help="a GGUF of the checkpoint's shape, for --llama-bin")
+    ap.add_argument("--llama-split", nargs="+", default=["layer", "row"],
+                    help="llama.cpp's --split-mode values to measure on more than one GPU")
     args = ap.parse_args()
+    if bool(args.llama_bin) != bool(args.gguf):
+        ap.error("--llama-bin and --gguf go together: give both to run llama.cpp beside ours, or neither")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    result: dict = {"rows": [], "llama_cpp": [], "allreduce": {}}
     for world in visible(args.devices):
         for share in args.bank_share:
             for overlap in args.overlap:
@@ -215,13 +289,22 @@ def main() -> None:
                 except Exception as exc:   # one configuration failing leaves the others' rows
                     row = dict(gpus=world, bank_share=share, overlap=overlap, error=f"{type(exc).__name__}: {exc}")
                 log(json.dumps(row))
-                rows.append(row)
-                write_result(out, "expert_parallel_decode", {"rows": rows})
-    if args.allreduce and torch.cuda.device_count() >= 2:
+                result["rows"].append(row)
+                write_result(out, "expert_parallel_decode", result)
+    if args.allreduce:
         config = json.loads((Path(args.ckpt) / "config.json").read_text())
-        floor = allreduce_floor(config["hidden_size"], config["num_hidden_layers"], args.batches)
-        log(json.dumps(floor))
-        write_result(out, "expert_parallel_decode", {"rows": rows, "allreduce": floor})
+        for world in (w for w in visible(args.devices) if w > 1):
+            floor = allreduce_floor(config["hidden_size"], config["num_hidden_layers"], args.batches, world)
+            log(json.dumps(floor))
+            result["allreduce"][str(world)] = floor
+            write_result(out, "expert_parallel_decode", result)
+    if args.llama_bin:
+        for world in visible(args.devices):
+            for share in args.bank_share:
+                for row in llama_rows(args, world, share):
+                    log(json.dumps(row))
+                    result["llama_cpp"].append(row)
+                write_result(out, "expert_parallel_decode", result)
 
 
 if __name__ == "__main__":
