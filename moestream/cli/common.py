@@ -114,9 +114,10 @@ def check_chat_template(model: str) -> None:
 
 
 def set_threads(args) -> None:
-    """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else every core this
-    process may use but one (the rest of the machine stays responsive; on a CPU shared with other
-    work, torch's default of one thread per core collapses under contention)."""
+    """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else the CPU kernel's
+    default (every core this process may use but one, at most 16: the rest of the machine stays
+    responsive; on a CPU shared with other work, torch's default of one thread per core collapses
+    under contention)."""
     if not getattr(args, "own_process", False):   # main() called from a program (tests): its threads stay its own
         return
     import torch

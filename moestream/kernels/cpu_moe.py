@@ -154,13 +154,19 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+MAX_DEFAULT_THREADS = 16
+
+
 def default_threads(cpus: int) -> int:
-    """Every core but one: the hybrid policy's decode steps run as CUDA graphs, so the thread driving
-    the GPU needs one core and the kernel, which reads DRAM and works on the CPU's share while the
-    GPU reads its own in place, gains from the rest. At a 25% bank under uniform routing 15 of 16
-    threads decoded 8-11% faster than 12 on two H100 hosts (BENCHMARKS.md); 12 had been chosen when
-    the CPU computed every miss alone (10% above 16 then)."""
-    return max(1, cpus - 1)
+    """Every core but one, at most `MAX_DEFAULT_THREADS`: the hybrid policy's decode steps run as CUDA
+    graphs, so the thread driving the GPU needs one core, and the kernel, which reads DRAM and works
+    on the CPU's share while the GPU reads its own in place, gains from the rest up to about the
+    threads that fill the memory bus. Past that a larger team only waits longer for its slowest
+    thread each layer: at a 25% bank under uniform routing (BENCHMARKS.md) 15 of 16 threads decoded
+    8-11% faster than 12 on two H100 hosts, 16 of 32 cores 13% faster than 8 on an H200 host, while
+    31 of 32 decoded 3x slower than 8 there and 63 of 64 cores gave 3.97 tok/s where one rank of
+    two gave 39."""
+    return max(1, min(cpus - 1, MAX_DEFAULT_THREADS))
 
 
 def set_threads(threads: int | None = None) -> int:
