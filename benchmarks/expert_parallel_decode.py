@@ -9,7 +9,8 @@ distinct experts per token from one seed on every rank; `--routing trace --trace
 recorded trace on every rank; `--routing model` keeps the random model's own.
 
     python benchmarks/expert_parallel_decode.py --ckpt /tmp/q3 --out /tmp/ep --devices 1 2 \\
-        --bank-share 1 0.25 --batches 1 16 [--allreduce] [--overlap off auto]
+        --bank-share 1 0.25 --batches 1 16 [--allreduce] [--overlap off auto] \\
+        [--llama-bin ~/llama.cpp/build/bin --gguf /tmp/q3-bf16.gguf]
 
 Batch 1 is `moestream bench`'s measurement (a 512-token prompt, then `--gen-tokens` decoded, decode
 tok/s after the first token). Batch B decodes B random prompts of `--batch-prompt-tokens` together:
@@ -25,7 +26,9 @@ The peer, in the same run: `--llama-bin DIR --gguf FILE` (a GGUF of the same sha
 `benchmarks/random_gguf.py`) runs llama.cpp on the same GPU counts: `llama-bench` for batch 1 and
 `llama-batched-bench` for larger batches, each `--split-mode` of `--llama-split` (one GPU: `none`),
 the whole model on the GPUs and, for a bank share s, `--n-cpu-moe` = (1 − s) × layers (the same
-fraction of the experts on the GPUs as ours: our s of each rank's share is s of them all).
+fraction of the experts on the GPUs as ours: our s of each rank's share is s of them all). The
+table printed at the end (and written as `expert_parallel_decode.md`) sets each of our rows beside
+llama.cpp's best split on the same GPU count.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moestream  # noqa: E402
 from benchmarks.common import log, write_result  # noqa: E402
+from moestream.fileio import write_bytes_atomic  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
 
 
@@ -164,6 +168,26 @@ def llama_rows(args, world: int, share: float) -> list[dict]:
     return list(rows.values())
 
 
+def markdown(result: dict) -> str:
+    """Our decode tok/s per GPU count, bank share and batch beside llama.cpp's best split mode there,
+    and the ratio (above 1: ours is faster)."""
+    lines = ["| GPUs | bank share | batch | ours tok/s | llama.cpp tok/s (best split) | ours ÷ llama.cpp |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if row.get("overlap", "auto") != "auto":
+            continue
+        for key in sorted((k for k in row if k.endswith("_decode_tok_s")), key=lambda k: int(k[1:k.index("_")])):
+            peers = [(p[key], p["split"]) for p in result.get("llama_cpp", [])
+                     if p["gpus"] == row["gpus"] and p["bank_share"] == row["bank_share"] and key in p]
+            best = max(peers, default=None)
+            ours = row[key]
+            cells = (f"{best[0]:,.1f} ({best[1]})", f"{ours / best[0]:.2f}×") if best else ("–", "–")
+            lines.append(f"| {row['gpus']} | {row['bank_share']:g} | {key[1:key.index('_')]} | {ours:,.1f} | "
+                         f"{cells[0]} | {cells[1]} |")
+    routing = next((r["routing"] for r in result["rows"] if "routing" in r), "?")
+    return "\n".join(lines) + f"\n\nOur routing: {routing}.\n"
+
+
 def visible(worlds: list[int]) -> list[int]:
     """The GPU counts asked for that this machine has (the others logged as skipped)."""
     for world in worlds:
@@ -273,7 +297,7 @@ def main() -> None:
                     help="also time one step's all-reduces alone, on each GPU count above 1")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's bin folder: run it beside ours (needs --gguf)")
     ap.add_argument("--gguf", default=None, help="a GGUF of the checkpoint's shape, for --llama-bin")
-    ap.add_argument("--llama-split", nargs="+", default=["layer", "row"],
+    ap.add_argument("--llama-split", nargs="+", default=["layer", "row", "tensor"],
                     help="llama.cpp's --split-mode values to measure on more than one GPU")
     args = ap.parse_args()
     if bool(args.llama_bin) != bool(args.gguf):
@@ -305,6 +329,9 @@ def main() -> None:
                     log(json.dumps(row))
                     result["llama_cpp"].append(row)
                 write_result(out, "expert_parallel_decode", result)
+    table = markdown(result)
+    write_bytes_atomic(out / "expert_parallel_decode.md", table.encode())
+    log(table)
 
 
 if __name__ == "__main__":
