@@ -27,7 +27,7 @@ from moestream.quant.recipe import module_class
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
     return CheckpointError(f"tensor {t.name!r} of {where} is stored as {t.type_name}, a ggml type moestream does "
-                           "not read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K); use "
+                           "not read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4); use "
                            "a GGUF quantized to one of those.")
 
 

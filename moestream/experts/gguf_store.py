@@ -2,7 +2,8 @@
 
 Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
 blocks). `layer_spec` decides each layer's format from the three types alone (the plan calls it
-before any weight is read): the affine spec holding them exactly when there is one (int4-g32 for
+before any weight is read): MXFP4 where all three are (their codes and scales kept), the affine
+spec holding them exactly when there is one (int4-g32 for
 Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
 int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
 read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
@@ -22,8 +23,10 @@ from moestream.checkpoint.gguf_file import GGUFCheckpoint
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, QuantizedFormat
+from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.experts.store import ExpertStore
 from moestream.quant import QuantSpec, ggml
+from moestream.quant.mxfp4 import MXFP4, Mxfp4Spec
 from moestream.quant.tensor import QuantizedTensor
 
 PROJECTIONS = ("gate", "up", "down")
@@ -33,9 +36,13 @@ def layer_types(ckpt: GGUFCheckpoint, layer: int) -> tuple[str, str, str]:
     return tuple(ckpt.tensors[n].type_name for n in ckpt.expert_names(layer))
 
 
-def layer_spec(types: tuple[str, ...]) -> QuantSpec | None:
-    """The affine spec a layer's experts are held in, None for the compute dtype (float stacks)."""
-    if any(t in ggml.FLOAT_TYPES for t in types):   # floats (beside blocks, too): the blocks dequantized, exact
+def layer_spec(types: tuple[str, ...]) -> QuantSpec | Mxfp4Spec | None:
+    """The spec a layer's experts are held in: MXFP4 where all three stacks are, an affine spec
+    where the block types have one, None for the compute dtype (float stacks, or MXFP4 beside
+    other types: the blocks dequantized, exact)."""
+    if set(types) == {"MXFP4"}:
+        return MXFP4
+    if any(t in ggml.FLOAT_TYPES or t in ggml.NATIVE for t in types):
         return None
     specs = {ggml.spec_of(t) for t in types}
     return specs.pop() if len(specs) == 1 else QuantSpec("int", 8, ggml.GROUP, torch.float32)
@@ -90,6 +97,14 @@ class GGUFExpertStore(ExpertStore):
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         I = self.shape.intermediate
         rows = {p: self._rows(layer, expert, p) for p in PROJECTIONS}
+        if isinstance(fmt, Mxfp4Format):   # the codes and scales as stored, gate's rows then up's
+            for proj in PROJECTIONS:
+                blocks, scales = ggml.to_mxfp4(rows[proj][0])
+                stem = "down" if proj == "down" else "gate_up"
+                part = slice(None) if proj == "down" else slice(None, I) if proj == "gate" else slice(I, None)
+                out[f"{stem}.blocks"][part].copy_(blocks)
+                out[f"{stem}.scales"][part].copy_(scales)
+            return
         if not isinstance(fmt, QuantizedFormat):
             fmt.encode(*(self._dense(*rows[p], self.sizes(p)[1]) for p in PROJECTIONS), out)
             return
@@ -116,6 +131,7 @@ def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype
     for layer, moe in enumerate(config.moe_layers):
         if moe:
             spec = layer_spec(layer_types(ckpt, layer))
-            out[layer] = QuantizedFormat(spec, dtype) if spec is not None else dense
+            out[layer] = (dense if spec is None else Mxfp4Format(dtype) if spec == MXFP4
+                          else QuantizedFormat(spec, dtype))
     return out
 

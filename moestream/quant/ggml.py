@@ -14,6 +14,7 @@ Q4_K  144 B / 256: d, dmin fp16; 12 B holding eight 6-bit (sc, m) pairs; 128 B o
                                                    w = d·sc_j·q − dmin·m_j (sub-block j of 32)
 Q5_K  176 B / 256: as Q4_K plus 32 B of fifth bits (bit 2c / 2c+1 of byte l for chunk c).
 Q6_K  210 B / 256: sixteen sub-blocks of 16 values with int8 scales: dequantized (see below).
+MXFP4 17 B / 32: an e8m0 scale byte, 16 B of fp4 e2m1 nibbles: moestream's own MXFP4, reordered.
 
 Every one of the first seven is, per group of 32 values, an integer code times one scale plus one
 offset, so it maps exactly onto our affine format in groups of 32 with fp32 scales and biases:
@@ -23,7 +24,9 @@ once, as ggml's own dequantization does. 4-bit codes go to int4-g32; Q8_0's and 
 int8-g32 (5 bits in a byte: exact, 10 bits a weight against Q5_K's 5.5). Q6_K's two scales inside
 every 32 values have no common integer grid within 8 bits, so it is not exact in any of ours:
 `requantize_q6k` holds it as int8-g32 (error about a twentieth of Q6_K's own, measured per tensor
-and printed once at load) or the caller dequantizes it.
+and printed once at load) or the caller dequantizes it. MXFP4 (llama.cpp's gpt-oss and `MXFP4_MOE`
+quantizations) is not affine (fp4 values): its experts keep their codes and scales as moestream's
+MXFP4 format holds them (`to_mxfp4`), anything else in it is dequantized.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from torch import Tensor
 
 from moestream.quant.gptq import pack_rows
+from moestream.quant.mxfp4 import dequantize_mxfp4
 from moestream.quant.spec import QuantSpec
 from moestream.quant.tensor import QuantizedTensor, dequantize, quantize
 
@@ -41,17 +45,31 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 EXACT = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": (32, 22, 8), "Q5_1": (32, 24, 8),
          "Q4_K": (256, 144, 4), "Q5_K": (256, 176, 8)}
 REQUANTIZED = {"Q6_K": (256, 210, 8)}
+# type → (values per block, bytes per block) of the types whose experts keep their codes in a format of ours
+NATIVE = {"MXFP4": (32, 17)}   # an e8m0 scale byte, then 16 bytes of fp4 e2m1 codes: moestream's MXFP4
 GROUP = 32
 
 
 def spec_of(type_name: str) -> QuantSpec | None:
-    """The affine spec a ggml type is held in (exact, or requantized for Q6_K); None: floats."""
+    """The affine spec a ggml type is held in (exact, or requantized for Q6_K); None: floats and MXFP4
+    (not affine: `to_mxfp4`)."""
     entry = EXACT.get(type_name) or REQUANTIZED.get(type_name)
     return QuantSpec("int", entry[2], GROUP, torch.float32) if entry else None
 
 
 def readable(type_name: str) -> bool:
-    return type_name in FLOAT_TYPES or type_name in EXACT or type_name in REQUANTIZED
+    return type_name in FLOAT_TYPES or type_name in EXACT or type_name in REQUANTIZED or type_name in NATIVE
+
+
+def to_mxfp4(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, nblocks·17) MXFP4 rows → moestream's MXFP4 (quant/mxfp4.py): codes (N, K/2) and e8m0 scales
+    (N, K/32), the same bytes reordered. ggml puts a block's scale first and value j in the low
+    nibble of byte j, value j + 16 in its high nibble (its doubled e2m1 table times half the scale
+    is the same product); ours holds values 2j and 2j + 1 in byte j."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 17)
+    codes = _nibbles32(b[..., 1:]).reshape(n, -1, 16, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).reshape(n, -1), b[..., 0].contiguous()
 
 
 def _f16(raw: Tensor) -> Tensor:
@@ -126,11 +144,13 @@ def to_affine(blocks: Tensor, type_name: str) -> QuantizedTensor:
 
 
 def dequantize_blocks(blocks: Tensor, type_name: str, k: int) -> Tensor:
-    """(N, K) fp32 weight of any readable quantized type: exact types through the affine form (our
-    reference), Q6_K through gguf's own dequantization."""
+    """(N, K) fp32 weight of any readable quantized type: exact types through the affine form and
+    MXFP4 through its own (our references), Q6_K through gguf's own dequantization."""
     if type_name in EXACT:
         q = to_affine(blocks, type_name)
         return dequantize(q.qweight, q.scales, q.biases, q.spec)
+    if type_name == "MXFP4":
+        return dequantize_mxfp4(*to_mxfp4(blocks))
     import gguf
 
     out = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[type_name])

@@ -17,6 +17,7 @@ from moestream.checkpoint.gguf_index import _unpermute
 from moestream.errors import CheckpointError, UnsupportedArchError
 from moestream.experts.format import ExpertShape
 from moestream.quant import QuantSpec, dequantize, ggml, quantize
+from moestream.quant.mxfp4 import dequantize_mxfp4
 from gguf_checkpoints import make_gguf, random_k_blocks
 
 COMMON = dict(vocab_size=160, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -119,7 +120,7 @@ def greedy(model, prompt, n=12):
 TYPES = [("F32", "F32", "fp32", False), ("F16", "F16", "fp32", False), ("Q8_0", "Q8_0", "int8-g32", True),
          ("Q4_0", "Q4_1", "int4-g32", True), ("Q4_1", "Q8_0", "int4-g32", True), ("Q4_K", "Q4_K", "int4-g32", True),
          ("Q5_K", "Q5_K", "int8-g32", True), ("Q5_0", "Q5_1", "int8-g32", True),
-         ("BF16", "Q5_0", "fp32", True)]
+         ("BF16", "Q5_0", "fp32", True), ("MXFP4", "Q8_0", "mxfp4", True)]
 
 
 @pytest.mark.parametrize("experts,dense,held,quant_linear", TYPES, ids=[t[0] for t in TYPES])
@@ -169,7 +170,7 @@ def test_unpermute_is_transformers_reverse_permutation():
     assert torch.equal(_unpermute(w, 2), torch.from_numpy(theirs))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_block_types_dequantize_as_gguf_does(qtype):
     rng = np.random.default_rng(1)
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
@@ -184,6 +185,10 @@ def test_block_types_dequantize_as_gguf_does(qtype):
         q = ggml.to_affine(torch.from_numpy(blocks), qtype)
         assert q.spec == QuantSpec("int", ggml.EXACT[qtype][2], 32, torch.float32)
         assert torch.equal(dequantize(q.qweight, q.scales, q.biases, q.spec), torch.from_numpy(theirs))
+    if qtype == "MXFP4":   # and moestream's MXFP4 bytes the kernels read hold exactly those weights
+        codes, scales = ggml.to_mxfp4(torch.from_numpy(blocks))
+        assert codes.shape == (6, 256) and scales.shape == (6, 16)
+        assert torch.equal(dequantize_mxfp4(codes, scales), torch.from_numpy(theirs))
 
 
 def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models, tmp_path, capfd):
@@ -212,11 +217,17 @@ def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models,
         assert relative(out, exact(IDS, attention_mask=MASK).logits) <= 2e-2
 
 
-def test_bytes_planned_are_the_bytes_held(hf_models, tmp_path, capsys):
+# experts' type → what moestream holds them as, and the bytes of one (I, H) projection's codes, scales and biases
+HELD = {"Q4_0": ("int4-g32", lambda I, H: I * H // 2 + I * H // 32 * 8),
+        "MXFP4": ("mxfp4", lambda I, H: I * H // 2 + I * H // 32)}
+
+
+@pytest.mark.parametrize("experts", list(HELD))
+def test_bytes_planned_are_the_bytes_held(hf_models, tmp_path, capsys, experts):
     from moestream.engine.weights import parameter_bytes
 
-    path = tmp_path / "q4_0.gguf"
-    make_gguf(hf_models["qwen3_moe"], path, experts="Q4_0", dense="Q8_0")
+    path = tmp_path / f"{experts}.gguf"
+    make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense="Q8_0")
     engine = moestream.load(str(path), device="cpu", dtype="float32", capacity=3, host_tier="pinned",
                             cpu_misses=1.0)
     resident = moestream.load(str(path), device="cpu", dtype="float32")
@@ -225,11 +236,12 @@ def test_bytes_planned_are_the_bytes_held(hf_models, tmp_path, capsys):
     shape = ExpertShape.of(engine.config)
     fmt = engine.bank.formats[0]
     I, H = shape.intermediate, shape.hidden
-    assert fmt.nbytes(shape) == 3 * I * H // 2 + 3 * I * H // 32 * 8 == engine.plan.memory.slot_bytes
+    name, projection_bytes = HELD[experts]
+    assert fmt.name == name and fmt.nbytes(shape) == 3 * projection_bytes(I, H) == engine.plan.memory.slot_bytes
     assert sum(t.nbytes for t in engine.bank.slots[0].tensors.values()) == 3 * fmt.nbytes(shape)
     assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
     assert cli.main(["check", str(path), "--device", "cpu", "--capacity", "3"]) == 0
-    assert "Q4_0/Q4_0/Q4_0 -> int4-g32, exact (gate/up/down; 2 layers)" in capsys.readouterr().out
+    assert f"{experts}/{experts}/{experts} -> {name}, exact (gate/up/down; 2 layers)" in capsys.readouterr().out
 
 
 def test_tokenizer_and_chat_template_come_from_the_metadata(hf_models, tmp_path, capsys):
@@ -408,7 +420,7 @@ def test_token_ids_are_the_prompt_of_a_gguf_without_a_tokenizer(hf_models, tmp_p
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K", "MXFP4"])
 def test_gguf_on_the_gpu_agrees_with_the_cpu_and_a_bounded_bank_with_the_resident_one(hf_models, tmp_path, experts):
     path = tmp_path / "gpu.gguf"
     make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense=experts)
