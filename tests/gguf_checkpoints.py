@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 ARCH_ENUM = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
              "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
-             "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2}
+             "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+             "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
 K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -161,9 +162,17 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             writer.add_rope_scaling_factor(rope["factor"])
             writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    if model_type in ("qwen3_moe", "glm4_moe"):
+    if model_type in ("qwen3_moe", "glm4_moe", "gpt_oss"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if model_type == "gpt_oss":   # as llama.cpp's converter: the window, the experts' width, YaRN
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        config.update(swiglu_alpha=1.702, swiglu_limit=7.0)   # llama.cpp's for every gpt-oss: the reference's too
     if model_type == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if model_type == "olmoe" and config.get("clip_qkv"):
@@ -192,11 +201,14 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             hf = name.replace("e_score_correction_bias", "e_score_correction.bias")   # as llama.cpp's converter
             gguf_name = names_map.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, name
+            if gguf_name.endswith("attn_sinks"):   # a parameter in transformers, a ".weight" in llama.cpp
+                gguf_name += ".weight"
             q_or_k = name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
             if arch == "llama" and q_or_k:
                 w = permute(w, heads if ".q_proj." in name else kv)
             linear = name.endswith(".weight") and w.dim() == 2 and not name.endswith((f"{moe}.gate.weight",
-                                                                                         "shared_expert_gate.weight"))
+                                                                                         "shared_expert_gate.weight",
+                                                                                         "mlp.router.weight"))
             qtype = dense if linear else "F32"
             if kv_b_split and name.endswith("kv_b_proj.weight"):   # newer llama.cpp: per-head k_b (transposed), v_b
                 nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
@@ -213,6 +225,22 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             if arch == "llama" and q_or_k:
                 back = unpermute(back, heads if ".q_proj." in name else kv)
             deq[name] = back.reshape(w.shape)
+        if model_type == "gpt_oss":   # stacked (E, in, out), gate and up interleaved: split as llama.cpp's converter
+            stem = f"{base}.mlp.experts"
+            gate_up, gate_up_bias = sd[f"{stem}.gate_up_proj"], sd[f"{stem}.gate_up_proj_bias"]
+            stored = {}
+            for proj, w in (("gate", gate_up[..., 0::2]), ("up", gate_up[..., 1::2]), ("down", sd[f"{stem}.down_proj"])):
+                stored[proj], back = encode(w.transpose(1, 2).contiguous(), (down or experts) if proj == "down" else experts,
+                                            rng)
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", stored[proj],
+                                (down or experts) if proj == "down" else experts))
+                stored[proj] = back.transpose(1, 2)
+            deq[f"{stem}.gate_up_proj"] = torch.stack([stored["gate"], stored["up"]], dim=-1).flatten(-2)
+            deq[f"{stem}.down_proj"] = stored["down"]
+            for proj, b in (("gate", gate_up_bias[..., 0::2]), ("up", gate_up_bias[..., 1::2]),
+                            ("down", sd[f"{stem}.down_proj_bias"])):
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.bias", b.float().contiguous().numpy(), "F32"))
+            continue
         names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
         if f"{base}.{moe}.experts.0.{names['gate'][model_type == 'mixtral']}.weight" not in sd:
             continue   # a dense layer

@@ -28,7 +28,7 @@ SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", 
 
 # general.architecture → our model type
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
-                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2"}
+                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
 PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
 
 
@@ -157,6 +157,8 @@ class GGUFCheckpoint:
             clip = self.get("attention.clamp_kqv")
             if clip:
                 config["clip_qkv"] = float(clip)
+        elif self.model_type == "gpt_oss":
+            config.update(self._gpt_oss(config, experts, int(expert_ff)))
         elif self.model_type not in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
             config.update(num_experts=experts, moe_intermediate_size=int(expert_ff),
                           intermediate_size=int(self.get("feed_forward_length", expert_ff)))
@@ -195,6 +197,10 @@ class GGUFCheckpoint:
                                       "original_max_position_embeddings":
                                           int(self.get("rope.scaling.original_context_length",
                                                        config["max_position_embeddings"]))}
+        if self.model_type == "gpt_oss" and config.get("rope_scaling", {}).get("rope_type") == "yarn":
+            # gpt-oss's own YaRN (its config.json: betas 32 and 1, the correction range not rounded); llama.cpp
+            # rounds that range outward, a small difference in a few frequencies: we keep the model's
+            config["rope_scaling"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
         if self.architecture == "deepseek2" and config.get("rope_scaling", {}).get("rope_type") == "yarn":
             mscale = float(self.get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1   # llama.cpp keeps 0.1·mscale
             config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale, beta_fast=32, beta_slow=1)
@@ -204,6 +210,22 @@ class GGUFCheckpoint:
             if value is not None:
                 config[ours] = int(value)
         return config
+
+    def _gpt_oss(self, config: dict[str, Any], experts: int, expert_ff: int) -> dict[str, Any]:
+        """GPT-OSS's fields: every other layer a sliding window (llama.cpp's pattern of 2 from layer 0,
+        or the per-layer flags the metadata gives), biases on the attention, the clamped SwiGLU at the
+        alpha and limit llama.cpp applies to every gpt-oss (1.702, 7.0: the metadata has no key for them)."""
+        layers = config["num_hidden_layers"]
+        pattern = self.get("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, (list, tuple)):
+            sliding = [bool(v) for v in pattern][:layers]
+        else:
+            n = int(pattern)
+            sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+        return dict(num_local_experts=experts, intermediate_size=expert_ff,
+                    sliding_window=int(self.need("attention.sliding_window")),
+                    layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                    attention_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0)
 
     def _deepseek(self, config: dict[str, Any], experts: int, expert_ff: int) -> dict[str, Any]:
         """DeepSeek-V2/V3's fields: multi-head latent attention's ranks and head sizes (the MQA form
@@ -230,13 +252,13 @@ class GGUFCheckpoint:
         return out
 
     # ---- names ------------------------------------------------------------------------------
-    def hf_names(self, moe_prefix: str, shared: str = "shared_expert") -> dict[str, str]:
+    def hf_names(self, moe_prefix: str, shared: str = "shared_expert", router: str = "gate") -> dict[str, str]:
         """Our checkpoint name → the GGUF tensor name, for every tensor the GGUF holds that we read
-        as a dense parameter (experts excluded: `expert_names`); `shared`: the family's shared
-        expert module name."""
+        as a dense parameter (experts excluded: `expert_names`); `shared`, `router`: the family's
+        shared expert and router module names."""
         out = {}
         for name in self.tensors:
-            hf = _hf_name(name, moe_prefix, shared)
+            hf = _hf_name(name, moe_prefix, shared, router)
             if hf is not None:
                 out[hf] = name
         return out
@@ -258,17 +280,18 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "post_attention_norm": "post_attention_layernorm",   # glm4moe's name for it
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-          "ffn_gate_inp": "{moe}.gate", "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
+          "ffn_gate_inp": "{moe}.{router}", "ffn_gate_shexp": "{moe}.{shared}.gate_proj",
           "ffn_up_shexp": "{moe}.{shared}.up_proj", "ffn_down_shexp": "{moe}.{shared}.down_proj",
           "ffn_gate_inp_shexp": "{moe}.shared_expert_gate", "exp_probs_b": "{moe}.gate",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
           "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-          "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj"}
+          "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+          "attn_sinks": "self_attn.sinks"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert") -> str | None:
+def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert", router: str = "gate") -> str | None:
     module, _, part = name.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{part}"
@@ -277,7 +300,8 @@ def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert") -> str |
         return None
     if m[2] == "exp_probs_b":   # the router's selection-only correction bias
         part = "e_score_correction_bias"
-    return f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix, shared=shared)}.{part}"
+    ours = f"model.layers.{m[1]}.{_LAYER[m[2]].format(moe=moe_prefix, shared=shared, router=router)}"
+    return ours if m[2] == "attn_sinks" else f"{ours}.{part}"   # gpt-oss's sinks: a parameter, not a module
 
 
 @functools.lru_cache(maxsize=4)

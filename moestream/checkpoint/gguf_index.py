@@ -75,7 +75,7 @@ class GGUFIndex(GGUFReads):
     def __init__(self, ckpt: GGUFCheckpoint, spec: ArchSpec, config: ModelConfig):
         super().__init__(ckpt)
         self.folder: Path = ckpt.path
-        self.names = ckpt.hf_names(spec.moe_prefix, spec.shared_expert_name)
+        self.names = ckpt.hf_names(spec.moe_prefix, spec.shared_expert_name, spec.router_name)
         self.config = config
         # newer conversions of DeepSeek store kv_b_proj split per head: attn_k_b (H, kv_lora, nope), transposed,
         # and attn_v_b (H, v, kv_lora); the loader gets kv_b_proj back whole

@@ -22,7 +22,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.checkpoint.gguf_file import GGUFCheckpoint
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
-from moestream.experts.format import ExpertFormat, QuantizedFormat
+from moestream.experts.format import ExpertFormat, QuantizedFormat, encode_biases
 from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.experts.store import ExpertStore
 from moestream.quant import QuantSpec, ggml
@@ -54,7 +54,7 @@ class GGUFExpertStore(ExpertStore):
         self.ckpt, self.reads = ckpt, GGUFReads(ckpt)
         I, H, E = self.shape.intermediate, self.shape.hidden, self.num_experts
         want = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
-        self.tensors = {}
+        self.tensors, self.biases = {}, {}
         for layer in self.moe_layers:   # every stack present, of its shape and a type we read: before any load
             stacks = dict(zip(PROJECTIONS, (ckpt.tensors[n] for n in ckpt.expert_names(layer))))
             for proj, t in stacks.items():
@@ -64,6 +64,8 @@ class GGUFExpertStore(ExpertStore):
                     raise CheckpointError(f"tensor {t.name!r} of {ckpt.path.name} has shape {list(t.shape)} but its "
                                           f"metadata implies {list(want[proj])}; the GGUF does not match its metadata.")
             self.tensors[layer] = stacks
+            if self.shape.bias:   # gpt-oss: each stack's (E, N) float biases beside it
+                self.biases[layer] = {proj: self._bias_tensor(layer, proj, want[proj][:2]) for proj in PROJECTIONS}
         self.dtype = torch.float32
         self._noted = threading.Lock()
         self._requant_error: float | None = None
@@ -95,6 +97,26 @@ class GGUFExpertStore(ExpertStore):
                       "1.6%).", file=sys.stderr)
 
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
+        self._read_weights(layer, expert, fmt, out)
+        if self.shape.bias:   # gpt-oss: ffn_{gate,up,down}_exps.bias, (E, N) floats
+            encode_biases(out, tuple(self._bias(layer, expert, proj) for proj in PROJECTIONS))
+
+    def _bias_tensor(self, layer: int, proj: str, shape: tuple[int, int]):
+        name = f"blk.{layer}.ffn_{proj}_exps.bias"
+        t = self.ckpt.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"tensor {name!r} is missing from {self.ckpt.path.name}; the GGUF is incomplete.")
+        if tuple(t.shape) != shape or not ggml.readable(t.type_name):
+            raise CheckpointError(f"tensor {name!r} of {self.ckpt.path.name} is {list(t.shape)} {t.type_name} where "
+                                  f"the experts need {list(shape)} floats; the GGUF does not match its metadata.")
+        return t
+
+    def _bias(self, layer: int, expert: int, proj: str) -> Tensor:
+        t = self.biases[layer][proj]
+        row, type_name = self.reads.rows(t, expert, 1)
+        return self._dense(row, type_name, t.shape[-1])[0]
+
+    def _read_weights(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         I = self.shape.intermediate
         rows = {p: self._rows(layer, expert, p) for p in PROJECTIONS}
         if isinstance(fmt, Mxfp4Format):   # the codes and scales as stored, gate's rows then up's

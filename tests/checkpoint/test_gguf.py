@@ -162,6 +162,45 @@ def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, 
                                                                                      ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_hf(tmp_path_factory):
+    """A tiny gpt-oss whose widths MXFP4's 32-value blocks divide (hidden and experts 32), sliding layers,
+    sinks, biases and YaRN as the family has them."""
+    folder = tmp_path_factory.mktemp("gguf_gpt_oss") / "gpt_oss"
+    config = transformers.GptOssConfig(vocab_size=160, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=256, intermediate_size=32, num_hidden_layers=3,
+                                       head_dim=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+                                       eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")) or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+            elif "experts" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_is_the_model_its_weights_make(gpt_oss_hf, tmp_path):
+    """llama.cpp's gpt-oss layout (gate and up split, biases beside them, sinks, post-attention norms,
+    the sliding pattern and YaRN in the metadata): the same logits as transformers on the weights
+    the GGUF holds, the experts kept in their MXFP4 bytes; a bounded bank equal to the resident one."""
+    path, ref_folder = tmp_path / "gpt-oss.gguf", tmp_path / "ref"
+    make_gguf(gpt_oss_hf, path, ref_folder, experts="MXFP4", dense="Q8_0")
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    assert engine.config.sliding_window == 6 and {f.name for f in engine.bank.formats.values()} == {"mxfp4"}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = reference(IDS, attention_mask=MASK).logits
+    assert relative(engine.logits(IDS, MASK), ref) <= 1e-4
+    got = engine.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    assert got == greedy(reference, PROMPT)[:len(got)] and len(got) == 12
+    bounded = moestream.load(str(path), device="cpu", dtype="float32", capacity=3)
+    assert bounded.generate(PROMPT, max_tokens=12, ignore_eos=True) == got
+
+
 def test_unpermute_is_transformers_reverse_permutation():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
