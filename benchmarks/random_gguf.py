@@ -3,7 +3,8 @@ runs beside moestream on the same shape.
 
 The shape comes from the checkpoint's config.json (`scripts/make_random_checkpoint.py --shape
 qwen3-30b-a3b --layers 24` writes one). Weights are BF16, Q8_0 or Q4_0 (every matrix, as a real
-quantized GGUF holds them); norms and routers F32. Decode speed depends on the shape and the format,
+quantized GGUF holds them), or MXFP4_MOE (`--qtype mxfp4`: the experts MXFP4, the other matrices
+Q8_0, as llama-quantize makes it); norms and routers F32. Decode speed depends on the shape and the format,
 not the values. Needs the `gguf` package (`pip install gguf`, or llama.cpp's own: PYTHONPATH=LLAMA_CPP/gguf-py).
 
     python benchmarks/random_gguf.py /tmp/q3-bf16.gguf --config /tmp/q3/config.json --qtype bf16
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-QTYPES = {"bf16": 32, "q8_0": 7, "q4_0": 2}   # the GGUF file type of each
+QTYPES = {"bf16": 32, "q8_0": 7, "q4_0": 2, "mxfp4": 38}   # the GGUF file type of each (mxfp4: MXFP4_MOE)
 
 
 def main() -> int:
@@ -44,22 +45,27 @@ def main() -> int:
     NH, NKV = c["num_attention_heads"], c["num_key_value_heads"]
     HD = c.get("head_dim") or H // NH
     L = c["num_hidden_layers"]
-    qt = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-          "bf16": gguf.GGMLQuantizationType.BF16}[a.qtype]
-    block, block_bytes = gguf.GGML_QUANT_SIZES[qt]   # weights per block, bytes per block
+    types = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "bf16": gguf.GGMLQuantizationType.BF16, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
+    # MXFP4_MOE, as llama-quantize makes it: the experts MXFP4, every other matrix Q8_0
+    qt = types["q8_0" if a.qtype == "mxfp4" else a.qtype]
+    qt_experts = types[a.qtype]
     rng = np.random.default_rng(a.seed)
-    # one fp16 scale for every block: codes in [-8, 7] (q4_0) or [-128, 127] (q8_0) give |w| up to ~0.02
-    scale = np.frombuffer(np.float16(0.02 / (8 if a.qtype == "q4_0" else 128)).tobytes(), dtype=np.uint8)
 
-    def weights(*shape: int) -> np.ndarray:   # numpy order, the last dimension a row's weights
-        if a.qtype == "bf16":   # raw bf16 bits: random sign and mantissa, exponent 2^-7: |w| in [0.0078, 0.0156)
+    def weights(*shape: int, kind: gguf.GGMLQuantizationType = qt) -> np.ndarray:   # the last dimension a row's
+        if kind == gguf.GGMLQuantizationType.BF16:   # raw bf16 bits: random sign and mantissa, exponent 2^-7
             r = rng.bit_generator.random_raw(int(np.prod(shape)) // 4).view(np.uint16)
             r &= 0x807F
             r |= 0x3C00
             return r.reshape(shape)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]   # weights per block, bytes per block
         *lead, cols = shape
         blocks = rng.integers(0, 256, size=(int(np.prod(lead)) * cols // block, block_bytes), dtype=np.uint8)
-        blocks[:, 0:2] = scale
+        if kind == gguf.GGMLQuantizationType.MXFP4:   # one e8m0 scale byte: 2^-9 times fp4 codes up to 6
+            blocks[:, 0] = 127 - 9
+        else:   # one fp16 scale: codes in [-8, 7] (q4_0) or [-128, 127] (q8_0) give |w| up to ~0.02
+            d = 0.02 / (8 if kind == gguf.GGMLQuantizationType.Q4_0 else 128)
+            blocks[:, 0:2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
         return blocks.reshape(*lead, cols // block * block_bytes)
 
     partial = a.out.with_name(a.out.name + ".partial")   # a run cut short leaves no file that looks whole
@@ -87,8 +93,8 @@ def main() -> int:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    def add(name: str, arr: np.ndarray, quantized: bool = True) -> None:
-        w.add_tensor(name, arr, raw_dtype=qt if quantized else None)
+    def add(name: str, arr: np.ndarray, quantized: bool = True, kind: gguf.GGMLQuantizationType = qt) -> None:
+        w.add_tensor(name, arr, raw_dtype=kind if quantized else None)
 
     ones = lambda n: np.ones(n, np.float32)   # noqa: E731
     add("token_embd.weight", weights(V, H))
@@ -105,9 +111,8 @@ def main() -> int:
         add(p + "attn_q_norm.weight", ones(HD), False)
         add(p + "attn_k_norm.weight", ones(HD), False)
         add(p + "ffn_gate_inp.weight", rng.standard_normal((E, H), dtype=np.float32) * 0.02, False)
-        add(p + "ffn_gate_exps.weight", weights(E, I, H))
-        add(p + "ffn_up_exps.weight", weights(E, I, H))
-        add(p + "ffn_down_exps.weight", weights(E, H, I))
+        for proj, shape in (("gate", (E, I, H)), ("up", (E, I, H)), ("down", (E, H, I))):
+            add(p + f"ffn_{proj}_exps.weight", weights(*shape, kind=qt_experts), kind=qt_experts)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
