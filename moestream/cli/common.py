@@ -114,10 +114,11 @@ def check_chat_template(model: str) -> None:
 
 
 def set_threads(args) -> None:
-    """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else the CPU kernel's
-    default (every core this process may use but one, at most 16: the rest of the machine stays
-    responsive; on a CPU shared with other work, torch's default of one thread per core collapses
-    under contention)."""
+    """torch's intra-op threads: --cpu-threads, else OMP_NUM_THREADS where set, else every core this
+    process may use but one (the rest of the machine stays responsive; on a CPU shared with other
+    work, torch's default of one thread per core collapses under contention). Unlike the CPU expert
+    kernel's team (`cpu_moe.default_threads`, at most 16), not capped: a CPU engine's prompts are
+    matrix products that scale with the cores."""
     if not getattr(args, "own_process", False):   # main() called from a program (tests): its threads stay its own
         return
     import torch
@@ -128,7 +129,7 @@ def set_threads(args) -> None:
     if threads is None:
         if os.environ.get("OMP_NUM_THREADS"):
             return
-        threads = cpu_moe.default_threads(len(cpu_moe.usable_cpus()))
+        threads = max(1, len(cpu_moe.usable_cpus()) - 1)
     torch.set_num_threads(threads)
 
 

@@ -105,7 +105,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
                    help="threads of the CPU's work: torch's intra-op threads (the whole model on --device cpu) and "
                         "the kernel computing missed experts (--cpu-misses, --miss-policy hybrid) (default: every "
-                        "core this process may use but one, at most 16; OMP_NUM_THREADS, where set, sizes torch's instead)")
+                        "core this process may use but one, the kernel's at most 16; OMP_NUM_THREADS, where set, sizes torch's "
+                        "instead)")
     p.add_argument("--prefetch", action="store_true",
                    help="predict the next layer's experts and copy them ahead (fetch policy; measured slower at "
                         "the demo model's 65%% prediction accuracy, see BENCHMARKS.md)")
