@@ -170,9 +170,10 @@ def llama_rows(args, world: int, share: float) -> list[dict]:
 
 def markdown(result: dict) -> str:
     """Our decode tok/s per GPU count, bank share and batch beside llama.cpp's best split mode there,
-    and the ratio (above 1: ours is faster)."""
-    lines = ["| GPUs | bank share | batch | ours tok/s | llama.cpp tok/s (best split) | ours ÷ llama.cpp |",
-             "|---|---|---|---|---|---|"]
+    the ratio (above 1: ours is faster), and where `--allreduce` ran, the share of our step that
+    step's all-reduces take alone (NCCL, timed apart from the step)."""
+    lines = ["| GPUs | bank share | batch | ours tok/s | llama.cpp tok/s (best split) | ours ÷ llama.cpp | all-reduce share |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         if row.get("overlap", "auto") != "auto":
             continue
@@ -180,10 +181,12 @@ def markdown(result: dict) -> str:
             peers = [(p[key], p["split"]) for p in result.get("llama_cpp", [])
                      if p["gpus"] == row["gpus"] and p["bank_share"] == row["bank_share"] and key in p]
             best = max(peers, default=None)
-            ours = row[key]
+            ours, batch = row[key], int(key[1:key.index("_")])
             cells = (f"{best[0]:,.1f} ({best[1]})", f"{ours / best[0]:.2f}×") if best else ("–", "–")
-            lines.append(f"| {row['gpus']} | {row['bank_share']:g} | {key[1:key.index('_')]} | {ours:,.1f} | "
-                         f"{cells[0]} | {cells[1]} |")
+            floor = result.get("allreduce", {}).get(str(row["gpus"]), {}).get(f"b{batch}_nccl_allreduce_ms_per_step")
+            share = f"{floor / 1e3 / (batch / ours):.0%}" if floor and ours > 0 else "–"
+            lines.append(f"| {row['gpus']} | {row['bank_share']:g} | {batch} | {ours:,.1f} | "
+                         f"{cells[0]} | {cells[1]} | {share} |")
     routing = next((r["routing"] for r in result["rows"] if "routing" in r), "?")
     return "\n".join(lines) + f"\n\nOur routing: {routing}.\n"
 

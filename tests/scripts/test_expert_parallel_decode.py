@@ -114,11 +114,12 @@ def test_the_table_sets_each_row_beside_llama_cpps_best_split_on_as_many_gpus():
                        dict(gpus=2, bank_share=1.0, overlap="off", b1_decode_tok_s=1.0)],
               "llama_cpp": [dict(gpus=1, bank_share=1.0, split="none", b1_decode_tok_s=400.0, b16_decode_tok_s=1600.0),
                             dict(gpus=2, bank_share=1.0, split="layer", b1_decode_tok_s=390.0, b16_decode_tok_s=1500.0),
-                            dict(gpus=2, bank_share=1.0, split="tensor", b1_error="failed", b16_decode_tok_s=1750.0)]}
+                            dict(gpus=2, bank_share=1.0, split="tensor", b1_error="failed", b16_decode_tok_s=1750.0)],
+              "allreduce": {"2": {"b1_nccl_allreduce_ms_per_step": 0.5, "b16_nccl_allreduce_ms_per_step": 1.6}}}
     lines = ep.markdown(result).splitlines()
     body = [line for line in lines if line.startswith("| 1 ") or line.startswith("| 2 ")]
-    assert body == ["| 1 | 1 | 1 | 600.0 | 400.0 (none) | 1.50× |",
-                    "| 1 | 1 | 16 | 2,000.0 | 1,600.0 (none) | 1.25× |",
-                    "| 2 | 1 | 1 | 550.0 | 390.0 (layer) | 1.41× |",
-                    "| 2 | 1 | 16 | 3,000.0 | 1,750.0 (tensor) | 1.71× |"]
+    assert body == ["| 1 | 1 | 1 | 600.0 | 400.0 (none) | 1.50× | – |",
+                    "| 1 | 1 | 16 | 2,000.0 | 1,600.0 (none) | 1.25× | – |",
+                    "| 2 | 1 | 1 | 550.0 | 390.0 (layer) | 1.41× | 28% |",      # 0.5 ms of a 1.82 ms step
+                    "| 2 | 1 | 16 | 3,000.0 | 1,750.0 (tensor) | 1.71× | 30% |"]   # 1.6 ms of 5.33 ms
     assert lines[-1] == "Our routing: uniform (synthetic)."
