@@ -22,7 +22,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.checkpoint.gguf_file import GGUFCheckpoint
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
-from moestream.experts.format import ExpertFormat, QuantizedFormat, encode_biases
+from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, encode_biases
 from moestream.experts.mxfp4_format import Mxfp4Format
 from moestream.experts.store import ExpertStore
 from moestream.quant import QuantSpec, ggml
@@ -148,12 +148,15 @@ class GGUFExpertStore(ExpertStore):
 
 def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,
                    dense: ExpertFormat) -> dict[int, ExpertFormat]:
-    """Per MoE layer, the format `layer_spec` gives its experts (`dense`: the compute dtype's)."""
+    """Per MoE layer, the format `layer_spec` gives its experts (`dense`: the compute dtype's, also
+    for block types in a family whose experts the affine formats do not hold: biases or a clamped
+    SwiGLU, as gpt-oss's; its MXFP4 experts keep their bytes)."""
+    plain = ExpertShape.of(config).plain
     out = {}
     for layer, moe in enumerate(config.moe_layers):
         if moe:
             spec = layer_spec(layer_types(ckpt, layer))
-            out[layer] = (dense if spec is None else Mxfp4Format(dtype) if spec == MXFP4
-                          else QuantizedFormat(spec, dtype))
+            out[layer] = (Mxfp4Format(dtype) if spec == MXFP4 else QuantizedFormat(spec, dtype)
+                          if spec is not None and plain else dense)
     return out
 

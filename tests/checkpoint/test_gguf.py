@@ -189,14 +189,16 @@ def gpt_oss_hf(tmp_path_factory):
     return folder
 
 
-def test_gpt_oss_gguf_with_mxfp4_experts_is_the_model_its_weights_make(gpt_oss_hf, tmp_path):
+# MXFP4 experts keep their bytes; block types the affine formats hold only without biases are dequantized
+@pytest.mark.parametrize("experts,held", [("MXFP4", "mxfp4"), ("Q8_0", "fp32"), ("F32", "fp32")])
+def test_gpt_oss_gguf_is_the_model_its_weights_make(gpt_oss_hf, tmp_path, experts, held):
     """llama.cpp's gpt-oss layout (gate and up split, biases beside them, sinks, post-attention norms,
     the sliding pattern and YaRN in the metadata): the same logits as transformers on the weights
-    the GGUF holds, the experts kept in their MXFP4 bytes; a bounded bank equal to the resident one."""
+    the GGUF holds, MXFP4 experts kept in their bytes; a bounded bank equal to the resident one."""
     path, ref_folder = tmp_path / "gpt-oss.gguf", tmp_path / "ref"
-    make_gguf(gpt_oss_hf, path, ref_folder, experts="MXFP4", dense="Q8_0")
+    make_gguf(gpt_oss_hf, path, ref_folder, experts=experts, dense="Q8_0")
     engine = moestream.load(str(path), device="cpu", dtype="float32")
-    assert engine.config.sliding_window == 6 and {f.name for f in engine.bank.formats.values()} == {"mxfp4"}
+    assert engine.config.sliding_window == 6 and {f.name for f in engine.bank.formats.values()} == {held}
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
     assert_matches(engine, reference, path)
 
