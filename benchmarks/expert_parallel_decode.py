@@ -17,8 +17,9 @@ tok/s after the first token). Batch B decodes B random prompts of `--batch-promp
 aggregate tok/s over the decode steps, the median of three differences of two runs that differ
 only in their token count, both past every prompt's prefill (so prefill and start-up cancel). `--allreduce` times the all-reduces alone: one per MoE layer, of a
 (B, hidden) tensor in the compute dtype, B = 1 and 16, replayed as a CUDA graph of one step's worth
-on two processes, one a GPU: the floor the all-reduces add to a step; beside NCCL's, the same reduces
-through symmetric memory's one-shot kernel (each rank reads its peer's partial over NVLink). `--overlap` (one row per mode)
+on one process a GPU, for each GPU count above one: the floor the all-reduces add to a step; beside
+NCCL's, the same reduces through symmetric memory's one-shot kernel (each rank reads its peers'
+partials over NVLink). `--overlap` (one row per mode)
 compares decode launched one step ahead of the host (`auto`: on where the ranks replay whole steps)
 with steps waited for one by one (`off`), on the same GPUs in one run.
 
@@ -308,6 +309,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"rows": [], "llama_cpp": [], "allreduce": {}}
+    config = json.loads((Path(args.ckpt) / "config.json").read_text())
+    # One GPU count at a time, ours then its all-reduce floor then llama.cpp's, the table rewritten after
+    # each: a run cut short (a machine lent for minutes) still has whole pairs for the counts it reached.
     for world in visible(args.devices):
         for share in args.bank_share:
             for overlap in args.overlap:
@@ -318,23 +322,17 @@ def main() -> None:
                 log(json.dumps(row))
                 result["rows"].append(row)
                 write_result(out, "expert_parallel_decode", result)
-    if args.allreduce:
-        config = json.loads((Path(args.ckpt) / "config.json").read_text())
-        for world in (w for w in visible(args.devices) if w > 1):
+        if args.allreduce and world > 1:
             floor = allreduce_floor(config["hidden_size"], config["num_hidden_layers"], args.batches, world)
             log(json.dumps(floor))
             result["allreduce"][str(world)] = floor
-            write_result(out, "expert_parallel_decode", result)
-    if args.llama_bin:
-        for world in visible(args.devices):
-            for share in args.bank_share:
-                for row in llama_rows(args, world, share):
-                    log(json.dumps(row))
-                    result["llama_cpp"].append(row)
-                write_result(out, "expert_parallel_decode", result)
-    table = markdown(result)
-    write_bytes_atomic(out / "expert_parallel_decode.md", table.encode())
-    log(table)
+        for share in args.bank_share if args.llama_bin else ():
+            for row in llama_rows(args, world, share):
+                log(json.dumps(row))
+                result["llama_cpp"].append(row)
+        write_result(out, "expert_parallel_decode", result)
+        write_bytes_atomic(out / "expert_parallel_decode.md", markdown(result).encode())
+    log(markdown(result))
 
 
 if __name__ == "__main__":
