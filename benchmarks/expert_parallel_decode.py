@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moestream  # noqa: E402
 from benchmarks.common import log, write_result  # noqa: E402
+from benchmarks.llama_cpp import llama_records  # noqa: E402
 from moestream.fileio import write_bytes_atomic  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
 
@@ -118,27 +119,11 @@ def _llama(command: list[str], world: int, timeout: float = 420) -> list[dict]:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return [dict(error=f"no result within {timeout:.0f} s")]
-    records = _json_objects(done.stdout + "\n" + done.stderr)
+    records = llama_records(done.stdout + "\n" + done.stderr)
     if done.returncode != 0:   # a split mode that fails ends the tool after the records before it
         last = (done.stderr or done.stdout).strip().splitlines()[-1:]
         records.append(dict(error=f"exit {done.returncode}: {last[0] if last else 'no output'}"))
     return records or [dict(error="no JSON record in the output")]
-
-
-def _json_objects(text: str) -> list[dict]:
-    """The result records in a tool's output: llama-bench's JSON list (cut short where a run failed),
-    llama-batched-bench's JSON lines, among log lines."""
-    decoder, records, at = json.JSONDecoder(), [], text.find("{")
-    while at != -1:
-        try:
-            value, end = decoder.raw_decode(text, at)
-        except ValueError:
-            end = at + 1
-        else:
-            if isinstance(value, dict) and ("avg_ts" in value or "speed_tg" in value):
-                records.append(value)
-        at = text.find("{", end)
-    return records
 
 
 def llama_rows(args, world: int, share: float) -> list[dict]:

@@ -54,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.llama_cpp import llama_records  # noqa: E402
 from moestream.fileio import write_bytes_atomic, write_json_atomic  # noqa: E402
 
 
@@ -434,7 +435,7 @@ def peer_runs(args, runner: Runner, bin_dir: Path | None, ggufs: dict, why: str,
                 run.error = f"failed: {err}"
             else:
                 try:
-                    records = _llama_json((runner.logs / f"{key}.log").read_text())
+                    records = llama_records((runner.logs / f"{key}.log").read_text())
                     run.result = {"prompt_tok_s": next(r["avg_ts"] for r in records if r["n_prompt"] > 0 and r["n_gen"] == 0),
                                   "decode_tok_s": next(r["avg_ts"] for r in records if r["n_gen"] > 0 and r["n_prompt"] == 0),
                                   "records": records}
@@ -450,14 +451,6 @@ def _gguf_path(args, ggufs: dict, qtype: str) -> Path:
     if isinstance(ggufs.get(qtype), Path):
         return ggufs[qtype]
     return Path(getattr(args, "gguf_dir", None) or args.work) / f"peer-{qtype}.gguf"
-
-
-def _llama_json(text: str) -> list[dict]:
-    """llama-bench's `-o json` array: the first JSON array of objects in its stdout."""
-    start = re.search(r"^\[\s*\{", text, re.M)
-    if start is None:
-        raise ValueError("no JSON array")
-    return json.JSONDecoder().raw_decode(text[start.start():])[0]
 
 
 def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: dict, why: str,

@@ -129,7 +129,7 @@ def set_threads(args) -> None:
     if threads is None:
         if os.environ.get("OMP_NUM_THREADS"):
             return
-        threads = max(1, len(cpu_moe.usable_cpus()) - 1)
+        threads = cpu_moe.all_but_one(len(cpu_moe.usable_cpus()))
     torch.set_num_threads(threads)
 
 

@@ -157,6 +157,11 @@ def usable_cpus() -> list[int]:
 MAX_DEFAULT_THREADS = 16
 
 
+def all_but_one(cpus: int) -> int:
+    """Every core but one (at least one): the rest of the machine, and the thread driving the GPU, keep a core."""
+    return max(1, cpus - 1)
+
+
 def default_threads(cpus: int) -> int:
     """Every core but one, at most `MAX_DEFAULT_THREADS`: the hybrid policy's decode steps run as CUDA
     graphs, so the thread driving the GPU needs one core, and the kernel, which reads DRAM and works
@@ -166,7 +171,7 @@ def default_threads(cpus: int) -> int:
     8-11% faster than 12 on two H100 hosts, 16 of 32 cores 13% faster than 8 on an H200 host, while
     31 of 32 decoded 3x slower than 8 there and 63 of 64 cores gave 3.97 tok/s where one rank of
     two gave 39."""
-    return max(1, min(cpus - 1, MAX_DEFAULT_THREADS))
+    return min(all_but_one(cpus), MAX_DEFAULT_THREADS)
 
 
 def set_threads(threads: int | None = None) -> int:

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import expert_parallel_decode as ep  # noqa: E402
+from benchmarks.llama_cpp import llama_records  # noqa: E402
 
 BENCH = """#!/usr/bin/env python3
 import json, os, sys
@@ -101,9 +102,9 @@ def test_one_gpu_resident_runs_unsplit_with_every_expert_on_the_gpu(llama):
 
 def test_records_are_read_from_a_list_cut_short_and_from_lines_among_logs():
     first = json.dumps(dict(split_mode="layer", avg_ts=1.5, nested={"a": 1}), indent=2)
-    assert ep._json_objects("[" + first + ",\n{\"split_mode\": \"row\", \"avg") == [json.loads(first)]
+    assert llama_records("[" + first + ",\n{\"split_mode\": \"row\", \"avg") == [json.loads(first)]
     lines = 'main: n_kv_max = 1792\n{"pl": 16, "speed_tg": 3.0}\nllama_perf: {not json}\n'
-    assert ep._json_objects(lines) == [{"pl": 16, "speed_tg": 3.0}]
+    assert llama_records(lines) == [{"pl": 16, "speed_tg": 3.0}]
 
 
 def test_the_table_sets_each_row_beside_llama_cpps_best_split_on_as_many_gpus():
