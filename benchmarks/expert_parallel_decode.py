@@ -86,7 +86,7 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
     kwargs = dict(device=devices[0]) if world == 1 else dict(devices=devices)
     start = time.perf_counter()
     engine = moestream.load(args.ckpt, dtype="bfloat16", capacity=capacity, max_batch=max(args.batches),
-                            kv_rows=max(args.batches), rank_timeout_s=600, overlap=overlap, **kwargs)
+                            kv_rows=max(args.batches), max_context=args.max_context, rank_timeout_s=600, overlap=overlap, **kwargs)
     load_s = time.perf_counter() - start
     try:
         routing = apply_routing(engine, args.routing, args.trace)
@@ -278,6 +278,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--batch-prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=4096,
+                    help="KV positions per sequence (the plan reserves them for every batch row; a model's own "
+                         "maximum, 262,144 for Qwen3-Next, would leave no room for the experts)")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
     ap.add_argument("--trace", default=None)
     ap.add_argument("--overlap", nargs="+", choices=["auto", "on", "off"], default=["auto"],

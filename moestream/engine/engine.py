@@ -33,7 +33,7 @@ import torch
 
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan
-from moestream.errors import InputError, NumericsError
+from moestream.errors import BudgetError, InputError, NumericsError
 from moestream.experts.bank import ExpertBank
 from moestream.experts.collective import CollectiveStats
 from moestream.model.decoder import MoECausalLM
@@ -329,7 +329,11 @@ class Engine:
         sequences that got a token (none for a decode step left in flight)."""
         runner, counters = self.runner, self.counters
         if plan.admitted:
-            runner.ensure_rows(plan.rows)
+            try:
+                runner.ensure_rows(plan.rows)
+            except BudgetError:   # no room for their rows: they wait again, the running ones keep theirs
+                self.scheduler.unadmit(plan.admitted)
+                raise
         counters.preemptions += len(plan.preempted)
         self._write_tables(plan.tables)
         for restore in plan.restores:

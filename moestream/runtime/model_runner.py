@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moestream.errors import BudgetError
 from moestream.experts.bank import ExpertBank
 from moestream.model.cache import ModelCache
 from moestream.model.context import decode_context, no_cache_context, prefill_context
@@ -41,9 +42,10 @@ class PagedLayout:
 class ModelRunner:
     def __init__(self, model: MoECausalLM, bank: ExpertBank, device: torch.device, dtype: torch.dtype,
                  max_context: int, prefill_chunk: int = 512, cuda_graphs: bool = True,
-                 paged: PagedLayout | None = None):
+                 paged: PagedLayout | None = None, reserved_rows: int = 1):
         """`paged`: keep keys and values in a block pool (rows are block-table rows) instead of one
-        full-context row per sequence.
+        full-context row per sequence. `reserved_rows`: the sequences whose rows the memory plan
+        reserved (its `kv_rows`); the cache takes them all when it is first made (`ensure_rows`).
 
         Decode with a fetch bank runs as segments split at each router (the bank sees the routing
         between segments; an expert-parallel rank's through `bank_ids`) where the model's MoE layers
@@ -53,6 +55,7 @@ class ModelRunner:
         self.segmented = model.splits_at_routers
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.reserved_rows = reserved_rows
         self.cuda_graphs = self._graphs_allowed(cuda_graphs)
         # Called after each whole-step graph replay with the rows it ran: the host sees nothing of
         # a replay, so expert parallel counts the all-reduces captured in it here.
@@ -89,22 +92,34 @@ class ModelRunner:
 
     # ---- the cache ----------------------------------------------------------------------
     def ensure_rows(self, rows: int) -> ModelCache:
-        """A cache with at least `rows` rows; growing it keeps what the first rows hold."""
+        """A cache with at least `rows` rows, and at least the plan's `reserved_rows`; growing it
+        keeps what the first rows hold.
+
+        The first cache takes every reserved row at once: the plan counted them, while growing one
+        later holds the old cache and the new together (a 1-row cache grown to 17 rows at a
+        262,144-token context is 6 GiB beyond the plan). A cache that does not fit leaves the one
+        there was in place and says so (`BudgetError`)."""
         old = self.cache
         if old is not None and self.usable_rows >= rows:
             return old
+        rows = max(rows, self.reserved_rows)
         self.cache = None
         self.drop_graphs()   # captured against the old cache's tensors
         # With graphs and more than one row, one more row: the scratch row padded batches write to.
         scratch = 1 if rows > 1 and self.cuda_graphs else 0
-        if self.paged is not None:   # the pools stay (their blocks are the sequences'); the tables grow
-            new = self.model.new_paged_cache(rows + scratch, self.max_context, self.paged.num_blocks,
-                                             self.paged.block_size, self.dtype, self.device, like=old)
-        else:
-            new = self.model.new_cache(rows + scratch, self.max_context, self.dtype, self.device)
-            if old is not None:
-                for src, dst in zip(old.layers, new.layers):
-                    dst.copy_rows_from(src, old.rows)
+        try:
+            if self.paged is not None:   # the pools stay (their blocks are the sequences'); the tables grow
+                new = self.model.new_paged_cache(rows + scratch, self.max_context, self.paged.num_blocks,
+                                                 self.paged.block_size, self.dtype, self.device, like=old)
+            else:
+                new = self.model.new_cache(rows + scratch, self.max_context, self.dtype, self.device)
+        except torch.OutOfMemoryError:
+            self.cache = old
+            raise BudgetError(f"a KV cache of {rows} sequences at a {self.max_context}-token context does not fit "
+                              f"the memory left on {self.device}; lower --max-context or the batch.") from None
+        if old is not None and self.paged is None:
+            for src, dst in zip(old.layers, new.layers):
+                dst.copy_rows_from(src, old.rows)
         self.cache, self.scratch_row = new, (rows if scratch else None)
         return new
 

@@ -160,6 +160,16 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Put sequences admitted this step back at the head of the queue, as they were: the cache
+        could not grow to hold their rows (they are the last rows, so no other sequence moves)."""
+        for seq in reversed(seqs):
+            self.running.remove(seq)
+            if self.blocks is not None:
+                self.blocks.release(seq)
+            seq.status, seq.row, seq.prefilled = Status.WAITING, None, 0
+            self.waiting.appendleft(seq)
+
     def decodes_again(self, seqs: list[Sequence]) -> bool:
         """Whether the next step will decode exactly `seqs` again, whatever tokens they sample now:
         nobody prefills or waits for a free row, and each has room for one more token after this
