@@ -196,7 +196,7 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: int, template: str | None) -
 def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts: str = "F32", dense: str = "F32",
               down: str | None = None, seed: int = 0, tokenizer: bool = False, template: str | None = None,
               split: int = 1, embeddings: str = "F32", kv_b_split: bool = False, layout: str = "current",
-              gate: str | None = None, skip_a_log: bool = False) -> None:
+              gate: str | None = None, skip_a_log: bool = False, fuse_gate_up: bool = False) -> None:
     """Write `hf_folder`'s model as a GGUF at `out` (experts in type `experts`, their down projection
     in `down` when given, attention linears in `dense`; norms, routers and embeddings in F32), and
     when `reference` is given an HF folder with the weights the GGUF stands for. `embeddings`: the
@@ -204,7 +204,9 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     newer conversions do, per-head attn_k_b (transposed) and attn_v_b. Qwen3-Next: `layout` "current"
     (in_proj_qkvz as attn_qkv + attn_gate), "legacy" (as ssm_in) or "fused-qkv" (current, and each
     full-attention layer's q/k/v as one attn_qkv, the converter's --fuse-qkv); `gate`: attn_gate's
-    type when not `dense`; `skip_a_log`: A_log written as it is (a wrong conversion, for refusals)."""
+    type when not `dense`; `skip_a_log`: A_log written as it is (a wrong conversion, for refusals).
+    `fuse_gate_up`: each layer's gate and up stacks as one ffn_gate_up_exps, as the converter's
+    --fuse-gate-up-exps writes them."""
     config = json.loads((hf_folder / "config.json").read_text())
     model_type = config["model_type"]
     arch = ARCH[model_type]
@@ -359,10 +361,20 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
         names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
         if f"{base}.{moe}.experts.0.{names['gate'][model_type == 'mixtral']}.weight" not in sd:
             continue   # a dense layer
-        for proj, (qwen, mix) in names.items():
-            hf = [f"{base}.{moe}.experts.{e}.{mix if model_type == 'mixtral' else qwen}.weight" for e in range(E)]
-            stacked = torch.stack([sd[n] for n in hf])
-            put(f"blk.{layer}.ffn_{proj}_exps.weight", stacked, (down or experts) if proj == "down" else experts, hf)
+        hf = {proj: [f"{base}.{moe}.experts.{e}.{mix if model_type == 'mixtral' else qwen}.weight" for e in range(E)]
+              for proj, (qwen, mix) in names.items()}
+        stacked = {proj: torch.stack([sd[n] for n in hf[proj]]) for proj in names}
+        if fuse_gate_up:   # the converter's --fuse-gate-up-exps (ModelBase.modify_tensors): gate then up, dim 1
+            stored, back = encode(torch.cat([stacked["gate"], stacked["up"]], dim=1), experts, rng)
+            tensors.append((f"blk.{layer}.ffn_gate_up_exps.weight", stored, experts))
+            gate_back, up_back = back.split(stacked["gate"].shape[1], dim=1)
+            deq.update({n: gate_back[e] for e, n in enumerate(hf["gate"])})
+            deq.update({n: up_back[e] for e, n in enumerate(hf["up"])})
+        for proj in names:
+            if proj != "down" and fuse_gate_up:
+                continue
+            put(f"blk.{layer}.ffn_{proj}_exps.weight", stacked[proj], (down or experts) if proj == "down" else experts,
+                hf[proj])
     for name, stored, qtype in tensors:
         t = gguf.GGMLQuantizationType[qtype]
         if qtype in ("F32", "F16"):

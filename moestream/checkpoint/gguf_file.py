@@ -307,8 +307,13 @@ class GGUFCheckpoint:
         return out
 
     def expert_names(self, layer: int) -> tuple[str, str, str]:
+        """The stacks holding layer `layer`'s gate, up and down projections: gate and up are one
+        `ffn_gate_up_exps` (E, 2I, H) stack, each expert's gate rows then its up rows, where the
+        converter fused them (--fuse-gate-up-exps)."""
         base = f"blk.{layer}"
         names = (f"{base}.ffn_gate_exps.weight", f"{base}.ffn_up_exps.weight", f"{base}.ffn_down_exps.weight")
+        if names[0] not in self.tensors and f"{base}.ffn_gate_up_exps.weight" in self.tensors:
+            names = (f"{base}.ffn_gate_up_exps.weight", f"{base}.ffn_gate_up_exps.weight", names[2])
         for name in names:
             if name not in self.tensors:
                 if f"{base}.ffn_gate.0.weight" in self.tensors:

@@ -153,12 +153,15 @@ def assert_matches(engine, reference, path) -> None:
 @pytest.mark.parametrize("arch,experts,kw", [("qwen2_moe", "Q8_0", {}), ("mixtral", "Q4_0", {}),
                                              ("olmoe", "Q4_K", {}), ("glm4_moe", "Q4_1", {}),
                                              ("deepseek_v2", "Q8_0", {}),
-                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
-                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split"])
+                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True}),
+                                             ("qwen3_moe", "Q4_K", {"fuse_gate_up": True})],
+                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split",
+                              "qwen3_moe-gate-up-fused"])
 def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts, kw):
     """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
     q/k rows permuted by the writer as llama.cpp's converter does; DeepSeek's kv_b_proj split per
-    head as newer conversions write it)."""
+    head as newer conversions write it; gate and up experts in one stack, as --fuse-gate-up-exps
+    writes them)."""
     path, ref_folder = tmp_path / "m.gguf", tmp_path / "ref"
     make_gguf(hf_models[arch], path, ref_folder, experts=experts, dense=experts, **kw)
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
