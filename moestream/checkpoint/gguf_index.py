@@ -13,7 +13,7 @@ Qwen3-Next (`qwen3next`): its converter's value transforms are undone as each te
 put back from the rows of its parts (`RowSource`): in_proj_qkvz from attn_qkv ([all q; all k;
 all v]) and attn_gate (z), interleaved again per key head as [q, k, v, z]; q/k/v of a
 full-attention layer from a fused attn_qkv. Such a linear stays in its blocks when its parts
-share one exact block type, and is read as floats otherwise.
+are of exact block types (at the widest one's bits), and is read as floats otherwise.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from moestream.checkpoint.safetensors_index import OpenFiles, read_exactly
 from moestream.errors import CheckpointError
 from moestream.quant import QuantSpec
 from moestream.quant import ggml
+from moestream.quant.gptq import pack_rows
 from moestream.quant.recipe import module_class
+from moestream.quant.tensor import QuantizedTensor
 
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
@@ -226,15 +228,18 @@ class GGUFIndex(GGUFReads):
     # ---- StoredReader: linears kept in their blocks ---------------------------------------------
     def stored_spec(self, path: str) -> QuantSpec | None:
         """The affine spec the module at `path` is held in (exact block types in attention, shared
-        experts, the embeddings and the LM head), None when it is read as floats."""
+        experts, the embeddings and the LM head), None when it is read as floats. A linear rebuilt
+        from parts of different exact types is held at the widest one's bits (4-bit codes are
+        8-bit codes too, with the same scales and biases: still exact)."""
         name = f"{path}.weight"   # (a kv_b_proj put together from its halves is read as floats)
         if (name not in self.names and name not in self.row_sources) or \
                 module_class(path)[0] not in ("attention", "shared", "embeddings"):
             return None
         parts = self.row_sources[name].parts if name in self.row_sources else (self.names[name],)
         types = {self.ckpt.tensors[part].type_name for part in parts}
-        type_name = types.pop()
-        return ggml.spec_of(type_name) if not types and type_name in ggml.EXACT else None
+        if not all(t in ggml.EXACT for t in types):
+            return None
+        return max((ggml.spec_of(t) for t in types), key=lambda spec: spec.bits)
 
     def holds(self, path: str) -> bool:
         return self.stored_spec(path) is not None
@@ -248,10 +253,12 @@ class GGUFIndex(GGUFReads):
             t = tensors[0]
             raise CheckpointError(f"tensor {t.name!r} of {self.ckpt.path.name} has shape {list(t.shape)} but the "
                                   f"metadata implies {[n, k]}; the GGUF does not match its metadata.")
-        read = [self.rows(t) for t in tensors]
-        rows, type_name = torch.cat([r for r, _ in read]), read[0][1]
-        if source:
-            rows = rows[source.order]
+        if source:   # each part's codes, scales and biases, stacked, the rows put in order, packed at one width
+            codes, scales, biases = (torch.cat(parts)[source.order]
+                                     for parts in zip(*(ggml.to_codes(*self.rows(t)) for t in tensors)))
+            spec = self.stored_spec(path)
+            return QuantizedTensor(pack_rows(codes, spec.bits), scales.contiguous(), biases.contiguous(), spec).parts()
+        rows, type_name = self.rows(tensors[0])
         heads = self._heads(name)
         if heads is not None:
             rows = _unpermute(rows, heads)

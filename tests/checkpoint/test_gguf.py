@@ -238,38 +238,41 @@ def qwen3_next_hf(tmp_path_factory):
     return folder
 
 
-# (experts' and dense type, layout, attn_gate's type, in_proj_qkvz kept in its blocks)
-QWEN3_NEXT = [("F32", "current", None, False), ("Q8_0", "current", None, True), ("Q4_0", "legacy", None, True),
-              ("Q8_0", "fused-qkv", "Q4_0", False)]
+# (experts' and dense type, layout, attn_gate's type, what in_proj_qkvz is held as: its blocks' spec or floats)
+QWEN3_NEXT = [("F32", "current", None, "float32"), ("Q8_0", "current", None, "int8-g32"),
+              ("Q4_0", "legacy", None, "int4-g32"), ("Q8_0", "fused-qkv", "Q4_0", "int8-g32"),
+              ("Q4_0", "current", "F16", "float32, dequantized")]
 
 
 @pytest.mark.parametrize("qtype,layout,gate,held", QWEN3_NEXT, ids=["F32", "Q8_0", "Q4_0-legacy-ssm_in",
-                                                                   "Q8_0-fused-qkv-Q4_0-gate"])
+                                                                   "Q8_0-fused-qkv-Q4_0-gate", "Q4_0-F16-gate"])
 def test_qwen3_next_gguf_is_the_model_its_weights_make(qwen3_next_hf, tmp_path, capsys, qtype, layout, gate, held):
     """llama.cpp's qwen3next layout (its converter's transforms: ssm_* names, -exp(A_log), norms + 1,
     conv1d squeezed, in_proj_qkvz regrouped into attn_qkv + attn_gate, or whole as ssm_in in older
     conversions; full-attention q/k/v fused by --fuse-qkv): the same logits and greedy tokens as
-    transformers on the weights the GGUF holds; a bounded bank equal to the resident one."""
+    transformers on the weights the GGUF holds; a bounded bank equal to the resident one. A linear
+    rebuilt from parts of exact block types stays in its blocks (at the wider one's bits), one with a
+    float part is read as floats; check says which, and plans the bytes the model holds."""
+    from moestream.engine.weights import parameter_bytes
+
     path, ref_folder = tmp_path / "qwen3-next.gguf", tmp_path / "ref"
     make_gguf(qwen3_next_hf, path, ref_folder, experts=qtype, dense=qtype, layout=layout, gate=gate)
     engine = moestream.load(str(path), device="cpu", dtype="float32")
     layers = engine.model.model.layers
     assert engine.config.layer_mixers == ("gated_deltanet", "gated_gqa") * 2
-    assert (type(layers[0].linear_attn.in_proj_qkvz).__name__ == "QuantLinear") == held
+    qkvz = layers[0].linear_attn.in_proj_qkvz
+    assert getattr(getattr(qkvz, "spec", None), "name", "float32") == held.removesuffix(", dequantized")
     assert (type(layers[1].self_attn.q_proj).__name__ == "QuantLinear") == (qtype != "F32")
     assert {f.name for f in engine.bank.formats.values()} == {{"F32": "fp32", "Q8_0": "int8-g32",
                                                                "Q4_0": "int4-g32"}[qtype]}
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
     assert type(reference).__name__ == "Qwen3NextForCausalLM"
     assert_matches(engine, reference, path)
-    from moestream.engine.weights import parameter_bytes
-
     assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
     assert cli.main(["check", str(path), "--device", "cpu", "--capacity", "3"]) == 0
     out = capsys.readouterr().out
     assert f"model             {path} (qwen3_next, 4 layers, 8 experts, top-2)" in out
-    held_as = "int8-g32" if held else "float32, dequantized" if qtype != "F32" else "float32"
-    rebuilt = f"in_proj_qkvz from attn_qkv + attn_gate ({qtype}/{gate or qtype} -> {held_as}) (2 layers)"
+    rebuilt = f"in_proj_qkvz from attn_qkv + attn_gate ({qtype}/{gate or qtype} -> {held}) (2 layers)"
     assert (rebuilt in out) == (layout != "legacy") and ("q_proj from attn_qkv" in out) == (layout == "fused-qkv")
 
 
