@@ -151,7 +151,7 @@ def print_gguf(plan) -> None:
 def print_gguf_rebuilt(plan) -> None:
     """Linears put back together from the rows of several GGUF tensors (Qwen3-Next's in_proj_qkvz
     from attn_qkv + attn_gate, fused q/k/v): their parts' types and what they are held as (their
-    blocks where the parts share one exact type, else the compute dtype, dequantized)."""
+    blocks where every part is of an exact type, at the widest one's bits; else the compute dtype)."""
     from moestream.checkpoint.gguf_index import GGUFIndex
     from moestream.quant import ggml
 

@@ -1,7 +1,8 @@
 """The expert store of a GGUF checkpoint: llama.cpp's stacked `ffn_{gate,up,down}_exps` tensors.
 
 Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
-blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows then its up rows). `layer_spec` decides each layer's format from the three types alone (the plan calls it
+blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows then its up
+rows). `layer_spec` decides each layer's format from the three types alone (the plan calls it
 before any weight is read): MXFP4 where all three are (their codes and scales kept), the affine
 spec holding them exactly when there is one (int4-g32 for
 Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.checkpoint.gguf_file import GGUFCheckpoint
+from moestream.checkpoint.gguf_file import GGUFCheckpoint, GGUFTensor
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, encode_biases
@@ -150,7 +151,8 @@ class GGUFExpertStore(ExpertStore):
         return rows if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, k)
 
 
-def _fused(t) -> bool:
+def _fused(t: GGUFTensor) -> bool:
+    """Gate and up in one stack (the converter's --fuse-gate-up-exps)."""
     return t.name.endswith(".ffn_gate_up_exps.weight")
 
 
