@@ -153,7 +153,8 @@ def _qwen3next_layer(sd: dict, deq: dict, tensors: list, names_map, base: str, c
             tensors.append((gguf_name, stored, qtype))
             backs.append(back)
         deq[name] = qwen3next_reference(name, w, config, layout, backs)
-    if fused:   # q (with its gate), k, v rows stacked as one attn_qkv, as llama.cpp's create_tensor_qkv reads it
+    if fused:   # the converter's --fuse-qkv: a layer's complete q (with its gate), k, v triple concatenated as one
+        # attn_qkv, rows in that order (as llama.cpp's create_tensor_qkv and qwen3next graph read it back)
         parts = [sd[n] for n in sorted(fused, key=lambda n: "qkv".index(n.split(".")[-2][0]))]
         stored, back = encode(torch.cat(parts), dense, rng)
         tensors.append((f"blk.{base.split('.')[2]}.attn_qkv.weight", stored, dense))
