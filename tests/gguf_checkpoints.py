@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe", "glm4_moe": "glm4moe",
-        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+        "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}
 ARCH_ENUM = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
              "mixtral": gguf.MODEL_ARCH.LLAMA, "olmoe": gguf.MODEL_ARCH.OLMOE, "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE,
              "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2, "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
-             "gpt_oss": gguf.MODEL_ARCH.GPT_OSS}
+             "gpt_oss": gguf.MODEL_ARCH.GPT_OSS, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
 K_BLOCK = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -32,6 +32,67 @@ def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def split_qkvz(data_torch: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's converter on in_proj_qkvz (conversion/qwen.py, Qwen3NextModel.modify_tensors,
+    step for step): viewed as (hidden, key heads, q + k + v + z), split, each part flattened over
+    the heads, q/k/v stacked → (attn_qkv, attn_gate)."""
+    head_k_dim, head_v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    num_v_heads, num_k_heads = config["linear_num_value_heads"], config["linear_num_key_heads"]
+    hidden_size = config["hidden_size"]
+    split_arg_list_qkvz = [head_k_dim, head_k_dim, num_v_heads // num_k_heads * head_v_dim,
+                           num_v_heads // num_k_heads * head_v_dim]
+    data_torch = data_torch.permute(1, 0).contiguous()
+    data_torch = data_torch.view(-1, num_k_heads, sum(split_arg_list_qkvz))
+    q, k, v, z = torch.split(data_torch, split_arg_list_qkvz, dim=-1)
+    q = q.contiguous().view(hidden_size, -1)
+    k = k.contiguous().view(hidden_size, -1)
+    v = v.contiguous().view(hidden_size, -1)
+    z = z.contiguous().view(hidden_size, -1)
+    qkv = torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous()
+    return qkv, z.permute(1, 0).contiguous()
+
+
+def qwen3next_tensors(name: str, w: torch.Tensor, config: dict, layout: str) -> list[tuple[str, torch.Tensor]]:
+    """One HF Qwen3-Next tensor as llama.cpp's converter writes it (Qwen3NextModel.modify_tensors):
+    [(the HF name the gguf name table maps, or the GGUF name itself; the tensor)]. The value
+    transforms: A_log → -exp(A_log) (ssm_a), dt_bias renamed dt_proj.bias (ssm_dt.bias), conv1d
+    squeezed to (channels, kernel), every norm.weight but linear_attn.norm.weight + 1; then
+    in_proj_qkvz split into attn_qkv + attn_gate (`layout` "legacy": kept whole as ssm_in, as
+    conversions before that split wrote it)."""
+    if name.endswith(".A_log"):
+        w = -torch.exp(w)
+    elif name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    elif "conv1d" in name:
+        w = w.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        w = w + 1
+    if "in_proj_qkvz.weight" in name and layout != "legacy":
+        bid = name.split(".")[2]
+        qkv, z = split_qkvz(w, config)
+        return [(f"blk.{bid}.attn_qkv.weight", qkv), (f"blk.{bid}.attn_gate.weight", z)]
+    return [(name, w)]
+
+
+def qwen3next_reference(name: str, w: torch.Tensor, config: dict, layout: str,
+                        backs: list[torch.Tensor]) -> torch.Tensor:
+    """The HF tensor `name` holding the weights its GGUF tensors (dequantized: `backs`) stand for:
+    each value transform inverted, and the rows of a split put back where the converter took them
+    (found by converting a tensor whose every row holds its own index)."""
+    if "in_proj_qkvz.weight" in name and layout != "legacy":
+        index = torch.arange(w.shape[0], dtype=torch.float32)[:, None].expand(w.shape).contiguous()
+        rows = torch.cat([part[:, 0] for part in split_qkvz(index, config)]).long()
+        out = torch.empty_like(w, dtype=torch.float32)
+        out[rows] = torch.cat(backs)
+        return out
+    back = backs[0]
+    if name.endswith(".A_log"):
+        return torch.log(-back.double()).float()
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return back - 1
+    return back.reshape(w.shape)
 
 
 def random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator, scale: float) -> np.ndarray:
@@ -68,6 +129,40 @@ def encode(w: torch.Tensor, qtype: str, rng: np.random.Generator) -> tuple[np.nd
     return stored, torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32)).reshape(w.shape)
 
 
+def _qwen3next_layer(sd: dict, deq: dict, tensors: list, names_map, base: str, config: dict, layout: str,
+                     dense: str, gate: str, rng: np.random.Generator, skip_a_log: bool = False) -> None:
+    """A Qwen3-Next layer's dense tensors as llama.cpp's converter writes them, in `dense`
+    (attn_gate in `gate`; norms, A_log, dt_bias, conv1d and the routers F32, as the converter keeps
+    1-D tensors and llama.cpp's quantizer the conv), and their reference weights into `deq`."""
+    names = sorted(n for n in sd if n.startswith(f"{base}.") and ".experts." not in n)
+    fused = [n for n in names if n.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight"))] if layout == "fused-qkv" else []
+    for name in names:
+        if name in fused:
+            continue
+        w = sd[name]
+        backs = []
+        converted = [(name, w)] if skip_a_log and name.endswith(".A_log") else qwen3next_tensors(name, w, config, layout)
+        for hf, t in converted:
+            gguf_name = hf if hf.startswith("blk.") else names_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, hf
+            linear = t.dim() == 2 and "conv1d" not in hf and not hf.endswith(("mlp.gate.weight",
+                                                                             "shared_expert_gate.weight"))
+            qtype = (gate if gguf_name.endswith("attn_gate.weight") else dense) if linear else "F32"
+            stored, back = encode(t, qtype, rng)
+            tensors.append((gguf_name, stored, qtype))
+            backs.append(back)
+        deq[name] = qwen3next_reference(name, w, config, layout, backs)
+    if fused:   # the converter's --fuse-qkv: a layer's complete q (with its gate), k, v triple concatenated as one
+        # attn_qkv, rows in that order (as llama.cpp's create_tensor_qkv and qwen3next graph read it back)
+        parts = [sd[n] for n in sorted(fused, key=lambda n: "qkv".index(n.split(".")[-2][0]))]
+        stored, back = encode(torch.cat(parts), dense, rng)
+        tensors.append((f"blk.{base.split('.')[2]}.attn_qkv.weight", stored, dense))
+        for n, b in zip(sorted(fused, key=lambda n: "qkv".index(n.split(".")[-2][0])),
+                        back.split([p.shape[0] for p in parts])):
+            deq[n] = b
+
+
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte → printable character table (byte-level BPE's alphabet), in byte order."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -101,12 +196,18 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: int, template: str | None) -
 
 def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts: str = "F32", dense: str = "F32",
               down: str | None = None, seed: int = 0, tokenizer: bool = False, template: str | None = None,
-              split: int = 1, embeddings: str = "F32", kv_b_split: bool = False) -> None:
+              split: int = 1, embeddings: str = "F32", kv_b_split: bool = False, layout: str = "current",
+              gate: str | None = None, skip_a_log: bool = False, fuse_gate_up: bool = False) -> None:
     """Write `hf_folder`'s model as a GGUF at `out` (experts in type `experts`, their down projection
     in `down` when given, attention linears in `dense`; norms, routers and embeddings in F32), and
     when `reference` is given an HF folder with the weights the GGUF stands for. `embeddings`: the
     type of the token embeddings and the output layer; `kv_b_split`: DeepSeek's kv_b_proj written as
-    newer conversions do, per-head attn_k_b (transposed) and attn_v_b."""
+    newer conversions do, per-head attn_k_b (transposed) and attn_v_b. Qwen3-Next: `layout` "current"
+    (in_proj_qkvz as attn_qkv + attn_gate), "legacy" (as ssm_in) or "fused-qkv" (current, and each
+    full-attention layer's q/k/v as one attn_qkv, the converter's --fuse-qkv); `gate`: attn_gate's
+    type when not `dense`; `skip_a_log`: A_log written as it is (a wrong conversion, for refusals).
+    `fuse_gate_up`: each layer's gate and up stacks as one ffn_gate_up_exps, as the converter's
+    --fuse-gate-up-exps writes them."""
     config = json.loads((hf_folder / "config.json").read_text())
     model_type = config["model_type"]
     arch = ARCH[model_type]
@@ -126,7 +227,7 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_expert_count(E)
     writer.add_expert_used_count(config["num_experts_per_tok"])
-    if model_type in ("qwen3_moe", "qwen2_moe", "glm4_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "glm4_moe", "qwen3_next"):
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     else:
@@ -162,7 +263,7 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             writer.add_rope_scaling_factor(rope["factor"])
             writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    if model_type in ("qwen3_moe", "glm4_moe", "gpt_oss"):
+    if model_type in ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     if model_type == "gpt_oss":   # as llama.cpp's converter: the window, the experts' width, YaRN
@@ -173,8 +274,16 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         config.update(swiglu_alpha=1.702, swiglu_limit=7.0)   # llama.cpp's for every gpt-oss: the reference's too
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_next"):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if model_type == "qwen3_next":   # Qwen3NextModel.set_gguf_parameters
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(config["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_full_attention_interval(config.get("full_attention_interval", 4))
+        writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.25)))
     if model_type == "olmoe" and config.get("clip_qkv"):
         writer.add_clamp_kqv(config["clip_qkv"])
     writer.add_vocab_size(config["vocab_size"])
@@ -190,13 +299,22 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             deq[hf] = back[i] if len(hf_names) > 1 else back
 
     put("token_embd.weight", sd["model.embed_tokens.weight"], embeddings, ["model.embed_tokens.weight"])
-    put("output_norm.weight", sd["model.norm.weight"], "F32")
+    if model_type == "qwen3_next":   # the converter's + 1 applies to the final norm too
+        (_, norm), = qwen3next_tensors("model.norm.weight", sd["model.norm.weight"], config, layout)
+        stored, back = encode(norm, "F32", rng)
+        tensors.append(("output_norm.weight", stored, "F32"))
+        deq["model.norm.weight"] = qwen3next_reference("model.norm.weight", norm, config, layout, [back])
+    else:
+        put("output_norm.weight", sd["model.norm.weight"], "F32")
     if "lm_head.weight" in sd and not config.get("tie_word_embeddings"):
         put("output.weight", sd["lm_head.weight"], embeddings, ["lm_head.weight"])
     names_map = gguf.get_tensor_name_map(ARCH_ENUM[model_type], L)   # llama.cpp's own name table
     for layer in range(L):
         base = f"model.layers.{layer}"
-        for name in sorted(n for n in sd if n.startswith(f"{base}.") and ".experts." not in n):
+        if model_type == "qwen3_next":
+            _qwen3next_layer(sd, deq, tensors, names_map, base, config, layout, dense, gate or dense, rng, skip_a_log)
+        for name in ([] if model_type == "qwen3_next" else
+                     sorted(n for n in sd if n.startswith(f"{base}.") and ".experts." not in n)):
             w = sd[name]
             hf = name.replace("e_score_correction_bias", "e_score_correction.bias")   # as llama.cpp's converter
             gguf_name = names_map.get_name(hf, try_suffixes=(".weight", ".bias"))
@@ -244,10 +362,20 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
         names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
         if f"{base}.{moe}.experts.0.{names['gate'][model_type == 'mixtral']}.weight" not in sd:
             continue   # a dense layer
-        for proj, (qwen, mix) in names.items():
-            hf = [f"{base}.{moe}.experts.{e}.{mix if model_type == 'mixtral' else qwen}.weight" for e in range(E)]
-            stacked = torch.stack([sd[n] for n in hf])
-            put(f"blk.{layer}.ffn_{proj}_exps.weight", stacked, (down or experts) if proj == "down" else experts, hf)
+        hf = {proj: [f"{base}.{moe}.experts.{e}.{mix if model_type == 'mixtral' else qwen}.weight" for e in range(E)]
+              for proj, (qwen, mix) in names.items()}
+        stacked = {proj: torch.stack([sd[n] for n in hf[proj]]) for proj in names}
+        if fuse_gate_up:   # the converter's --fuse-gate-up-exps (ModelBase.modify_tensors): gate then up, dim 1
+            stored, back = encode(torch.cat([stacked["gate"], stacked["up"]], dim=1), experts, rng)
+            tensors.append((f"blk.{layer}.ffn_gate_up_exps.weight", stored, experts))
+            gate_back, up_back = back.split(stacked["gate"].shape[1], dim=1)
+            deq.update({n: gate_back[e] for e, n in enumerate(hf["gate"])})
+            deq.update({n: up_back[e] for e, n in enumerate(hf["up"])})
+        for proj in names:
+            if proj != "down" and fuse_gate_up:
+                continue
+            put(f"blk.{layer}.ffn_{proj}_exps.weight", stacked[proj], (down or experts) if proj == "down" else experts,
+                hf[proj])
     for name, stored, qtype in tensors:
         t = gguf.GGMLQuantizationType[qtype]
         if qtype in ("F32", "F16"):

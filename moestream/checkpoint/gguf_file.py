@@ -10,7 +10,10 @@ are found by offset, so opening a file reads no weight.
 
 What llama.cpp's converter changed is undone here: the families it converts as `llama` (Mixtral)
 have the rows of q and k permuted for its rotary layout (`_unpermute`); the Qwen and OLMoE
-families are stored as they are.
+families are stored as they are, except Qwen3-Next (`qwen3next`), whose converter renames the
+linear-attention tensors `ssm_*`, stores -exp(A_log) for A_log, 1 + w for its zero-centred norms,
+conv1d without its middle axis, and (current conversions) in_proj_qkvz as attn_qkv + attn_gate
+with the rows regrouped; gguf_index.py undoes the values and the rows.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$", 
 
 # general.architecture → our model type
 ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "mixtral": "mixtral",
-                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
+                 "olmoe": "olmoe", "glm4moe": "glm4_moe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss",
+                 "qwen3next": "qwen3_next"}
 PERMUTED_QK = ("llama", "mixtral")   # llama.cpp's converter permutes q/k rows of these
+NORMS_PLUS_ONE = ("qwen3next",)      # ... and stores 1 + w for the zero-centred norms of these
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -120,6 +125,10 @@ class GGUFCheckpoint:
     def permuted_qk(self) -> bool:
         return self.architecture in PERMUTED_QK
 
+    @property
+    def norms_plus_one(self) -> bool:
+        return self.architecture in NORMS_PLUS_ONE
+
     def need(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
@@ -183,6 +192,8 @@ class GGUFCheckpoint:
                                       "does not match the family moestream reads.")
         if self.architecture == "deepseek2":
             config.update(self._deepseek(config, experts, int(expert_ff)))
+        if self.model_type == "qwen3_next":
+            config.update(self._qwen3_next(config, int(expert_ff)))
         if self.model_type == "qwen3_moe":   # llama.cpp always renormalises qwen3moe's top-k weights
             config.update(norm_topk_prob=bool(self.get("expert_weights_norm", True)), decoder_sparse_step=1,
                           mlp_only_layers=[])
@@ -251,6 +262,38 @@ class GGUFCheckpoint:
                    scoring_func="sigmoid" if v3 else "softmax")
         return out
 
+    def _qwen3_next(self, config: dict[str, Any], expert_ff: int) -> dict[str, Any]:
+        """Qwen3-Next's fields, from the keys llama.cpp's converter writes: the Gated DeltaNet sizes
+        under `ssm.*` (group_count: key heads, time_step_rank: value heads, state_size: the key head
+        width, inner_size: all value heads' width, conv_kernel), which layers are linear attention
+        (`attention.recurrent_layers` per layer, else every `full_attention_interval`-th layer full
+        attention, 4 by default as llama.cpp reads it), the rotary share of a head
+        (`rope.dimension_count`), and the shared expert's width. llama.cpp renormalises the top-k
+        weights of every qwen3next, so the model does too; next-token-prediction layers at the end
+        are not the model's."""
+        layers = config["num_hidden_layers"] - int(self.get("nextn_predict_layers", 0))
+        value_heads, inner = int(self.need("ssm.time_step_rank")), int(self.need("ssm.inner_size"))
+        if inner % value_heads:
+            raise CheckpointError(f"{self.path.name} has ssm.inner_size {inner}, not a multiple of its "
+                                  f"{value_heads} value heads (ssm.time_step_rank); the GGUF is damaged.")
+        recurrent = self.get("attention.recurrent_layers")
+        if isinstance(recurrent, (list, tuple)):
+            linear = [bool(v) for v in recurrent][:layers]
+        elif recurrent is not None:
+            linear = [bool(recurrent)] * layers
+        else:
+            interval = int(self.get("full_attention_interval", 4))
+            linear = [(i + 1) % interval != 0 for i in range(layers)]
+        return dict(num_hidden_layers=layers,
+                    layer_types=["linear_attention" if v else "full_attention" for v in linear],
+                    linear_num_key_heads=int(self.need("ssm.group_count")), linear_num_value_heads=value_heads,
+                    linear_key_head_dim=int(self.need("ssm.state_size")), linear_value_head_dim=inner // value_heads,
+                    linear_conv_kernel_dim=int(self.need("ssm.conv_kernel")),
+                    partial_rotary_factor=int(self.get("rope.dimension_count", config["head_dim"]))
+                    / config["head_dim"],
+                    shared_expert_intermediate_size=int(self.get("expert_shared_feed_forward_length", expert_ff)),
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
     # ---- names ------------------------------------------------------------------------------
     def hf_names(self, moe_prefix: str, shared: str = "shared_expert", router: str = "gate") -> dict[str, str]:
         """Our checkpoint name → the GGUF tensor name, for every tensor the GGUF holds that we read
@@ -264,8 +307,13 @@ class GGUFCheckpoint:
         return out
 
     def expert_names(self, layer: int) -> tuple[str, str, str]:
+        """The stacks holding layer `layer`'s gate, up and down projections: gate and up are one
+        `ffn_gate_up_exps` (E, 2I, H) stack, each expert's gate rows then its up rows, where the
+        converter fused them (--fuse-gate-up-exps)."""
         base = f"blk.{layer}"
         names = (f"{base}.ffn_gate_exps.weight", f"{base}.ffn_up_exps.weight", f"{base}.ffn_down_exps.weight")
+        if names[0] not in self.tensors and f"{base}.ffn_gate_up_exps.weight" in self.tensors:
+            names = (f"{base}.ffn_gate_up_exps.weight", f"{base}.ffn_gate_up_exps.weight", names[2])
         for name in names:
             if name not in self.tensors:
                 if f"{base}.ffn_gate.0.weight" in self.tensors:
@@ -287,7 +335,12 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
           "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
           "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
-          "attn_sinks": "self_attn.sinks"}
+          "attn_sinks": "self_attn.sinks",
+          # Qwen3-Next's Gated DeltaNet (attn_qkv + attn_gate of current conversions: gguf_index.py)
+          "ssm_in": "linear_attn.in_proj_qkvz", "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+          "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+# llama.cpp's names of parameters that are not a module's weight or bias: (name, part) → ours
+_PARAMETERS = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -295,6 +348,9 @@ def _hf_name(name: str, moe_prefix: str, shared: str = "shared_expert", router: 
     module, _, part = name.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{part}"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?", name)
+    if m is not None and (m[2], m[3]) in _PARAMETERS:
+        return f"model.layers.{m[1]}.{_PARAMETERS[m[2], m[3]]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
     if m is None or m[2] not in _LAYER:
         return None

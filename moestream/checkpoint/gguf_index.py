@@ -7,10 +7,18 @@ formats hold exactly (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K: quant/ggml.py) a
 same weights bit for bit. Everything else is read as stored (F32/F16/BF16) or dequantized (Q6_K,
 and quantized embeddings, norms, routers). llama.cpp's q/k row permutation (Mixtral) is undone
 on the rows, whichever the type: quantized rows are independent.
+
+Qwen3-Next (`qwen3next`): its converter's value transforms are undone as each tensor is read
+(norms stored as 1 + w, A_log stored as -exp(A_log)); a tensor it split or regrouped by rows is
+put back from the rows of its parts (`RowSource`): in_proj_qkvz from attn_qkv ([all q; all k;
+all v]) and attn_gate (z), interleaved again per key head as [q, k, v, z]; q/k/v of a
+full-attention layer from a fused attn_qkv. Such a linear stays in its blocks when its parts
+are of exact block types (at the widest one's bits), and is read as floats otherwise.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +30,9 @@ from moestream.checkpoint.safetensors_index import OpenFiles, read_exactly
 from moestream.errors import CheckpointError
 from moestream.quant import QuantSpec
 from moestream.quant import ggml
+from moestream.quant.gptq import pack_rows
 from moestream.quant.recipe import module_class
+from moestream.quant.tensor import QuantizedTensor
 
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
@@ -68,6 +78,55 @@ def _unpermute(w: Tensor, heads: int) -> Tensor:
     return w.reshape(heads, n // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+@dataclass(frozen=True)
+class RowSource:
+    """A tensor of ours made of rows of GGUF tensors: `parts` (each (n_i, K), one K) stacked, then
+    rows `order` taken."""
+    parts: tuple[str, ...]
+    order: Tensor
+
+
+def qkvz_order(key_heads: int, key_dim: int, value_heads: int, value_dim: int) -> Tensor:
+    """in_proj_qkvz's rows (per key head: q, k, v, z; the head's value heads together) as rows of
+    attn_qkv stacked over attn_gate. llama.cpp's converter (conversion/qwen.py,
+    Qwen3NextModel.modify_tensors) viewed in_proj_qkvz as (key heads, q + k + v + z), split it and
+    stored every head's q, then every k, then every v as attn_qkv and every z as attn_gate."""
+    r = value_heads // key_heads
+    qk, v = key_heads * key_dim, r * value_dim
+    rows = []
+    for g in range(key_heads):
+        rows += [torch.arange(g * key_dim, (g + 1) * key_dim),                       # q
+                 torch.arange(qk + g * key_dim, qk + (g + 1) * key_dim),             # k
+                 torch.arange(2 * qk + g * v, 2 * qk + (g + 1) * v),                 # v
+                 torch.arange(2 * qk + key_heads * v + g * v, 2 * qk + key_heads * v + (g + 1) * v)]   # z
+    return torch.cat(rows)
+
+
+def qwen3next_rows(ckpt: GGUFCheckpoint, config: ModelConfig) -> dict[str, RowSource]:
+    """Qwen3-Next's linears that a GGUF stores by other rows: a linear-attention layer's
+    in_proj_qkvz as attn_qkv + attn_gate (current conversions; older ones keep it whole as ssm_in,
+    read by name), and a full-attention layer's q/k/v fused into attn_qkv (the converter's
+    --fuse-qkv: q with its gate, then k, then v)."""
+    out = {}
+    lin = config.linear_attention
+    for layer, mixer in enumerate(config.layer_mixers):
+        qkv, ours = f"blk.{layer}.attn_qkv.weight", f"model.layers.{layer}"
+        if qkv not in ckpt.tensors:
+            continue
+        if mixer == "gated_deltanet":
+            gate = f"blk.{layer}.attn_gate.weight"
+            if gate not in ckpt.tensors:
+                raise CheckpointError(f"tensor {gate!r} is missing from {ckpt.path.name} beside {qkv!r}; the GGUF is "
+                                      "incomplete.")
+            out[f"{ours}.linear_attn.in_proj_qkvz.weight"] = RowSource(
+                (qkv, gate), qkvz_order(lin.key_heads, lin.key_dim, lin.value_heads, lin.value_dim))
+        else:
+            q, kv = 2 * config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            for proj, start, n in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                out[f"{ours}.self_attn.{proj}.weight"] = RowSource((qkv,), torch.arange(start, start + n))
+    return out
+
+
 class GGUFIndex(GGUFReads):
     """Dense tensors by our names (a TensorIndex for the loader) and the reader of the linears kept
     quantized."""
@@ -86,17 +145,21 @@ class GGUFIndex(GGUFReads):
                 ours = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
                 if ours not in self.names:
                     self.kv_b[ours] = (name, f"blk.{layer}.attn_v_b.weight")
-        for name in [*self.names.values(), *(n for pair in self.kv_b.values() for n in pair)]:
+        self.row_sources = qwen3next_rows(ckpt, config) if ckpt.architecture == "qwen3next" else {}
+        for name in [*self.names.values(), *(n for pair in self.kv_b.values() for n in pair),
+                     *(n for source in self.row_sources.values() for n in source.parts)]:
             t = ckpt.tensors.get(name)
             if t is not None and not ggml.readable(t.type_name):
                 raise unsupported(t, ckpt.path.name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names or name in self.kv_b
+        return name in self.names or name in self.kv_b or name in self.row_sources
 
     def info(self, name: str) -> GGUFTensor:
         if name in self.kv_b:
             return self.ckpt.tensors[self.kv_b[name][0]]
+        if name in self.row_sources:
+            return self.ckpt.tensors[self.row_sources[name].parts[0]]
         try:
             return self.ckpt.tensors[self.names[name]]
         except KeyError:
@@ -119,12 +182,19 @@ class GGUFIndex(GGUFReads):
         its values are that many (GGUF keeps (1, H) gates as (H,))."""
         if name in self.kv_b:
             w = self._kv_b(name)
+        elif name in self.row_sources:
+            source = self.row_sources[name]
+            w = torch.cat([self._floats(self.ckpt.tensors[part]) for part in source.parts])[source.order]
         else:
             w = self._floats(self.info(name))
         t = self.info(name)
         heads = self._heads(name)
         if heads is not None:
             w = _unpermute(w, heads)
+        if self.ckpt.norms_plus_one and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w.float() - 1   # the converter's rule: every norm.weight but linear attention's gated one, + 1
+        if name.endswith("linear_attn.A_log"):
+            w = self._a_log(t, w)
         if expected_shape is not None:
             if w.numel() != _numel(expected_shape):
                 raise CheckpointError(f"tensor {t.name!r} of {self.ckpt.path.name} has shape {list(t.shape)} but the "
@@ -136,6 +206,14 @@ class GGUFIndex(GGUFReads):
         rows, type_name = self.rows(t)
         w = rows.clone() if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, t.shape[-1])
         return w.reshape(t.shape)
+
+    def _a_log(self, t: GGUFTensor, w: Tensor) -> Tensor:
+        """A_log from ssm_a, where llama.cpp's converter stored -exp(A_log) (computed in float64 here:
+        exp of the result is ssm_a again to within one rounding)."""
+        if bool((w > 0).any()):
+            raise CheckpointError(f"tensor {t.name!r} of {self.ckpt.path.name} holds positive values where llama.cpp "
+                                  "stores -exp(A_log); the GGUF is damaged, re-convert it.")
+        return torch.log(-w.double()).float()
 
     def _kv_b(self, name: str) -> Tensor:
         """kv_b_proj (H·(nope + v), kv_lora) from attn_k_b (H, kv_lora, nope) and attn_v_b (H, v, kv_lora)."""
@@ -150,23 +228,37 @@ class GGUFIndex(GGUFReads):
     # ---- StoredReader: linears kept in their blocks ---------------------------------------------
     def stored_spec(self, path: str) -> QuantSpec | None:
         """The affine spec the module at `path` is held in (exact block types in attention, shared
-        experts, the embeddings and the LM head), None when it is read as floats."""
+        experts, the embeddings and the LM head), None when it is read as floats. A linear rebuilt
+        from parts of different exact types is held at the widest one's bits (4-bit codes are
+        8-bit codes too, with the same scales and biases: still exact)."""
         name = f"{path}.weight"   # (a kv_b_proj put together from its halves is read as floats)
-        if name not in self.names or module_class(path)[0] not in ("attention", "shared", "embeddings"):
+        if (name not in self.names and name not in self.row_sources) or \
+                module_class(path)[0] not in ("attention", "shared", "embeddings"):
             return None
-        type_name = self.info(name).type_name
-        return ggml.spec_of(type_name) if type_name in ggml.EXACT else None
+        parts = self.row_sources[name].parts if name in self.row_sources else (self.names[name],)
+        types = {self.ckpt.tensors[part].type_name for part in parts}
+        if not all(t in ggml.EXACT for t in types):
+            return None
+        return max((ggml.spec_of(t) for t in types), key=lambda spec: spec.bits)
 
     def holds(self, path: str) -> bool:
         return self.stored_spec(path) is not None
 
     def parts(self, path: str, n: int, k: int) -> dict[str, Tensor]:
         name = f"{path}.weight"
-        t = self.info(name)
-        if tuple(t.shape) != (n, k):
+        source = self.row_sources.get(name)
+        tensors = [self.ckpt.tensors[part] for part in source.parts] if source else [self.info(name)]
+        shape = (len(source.order) if source else tensors[0].shape[0], *tensors[0].shape[1:])
+        if tuple(shape) != (n, k) or any(t.shape[1:] != (k,) for t in tensors):
+            t = tensors[0]
             raise CheckpointError(f"tensor {t.name!r} of {self.ckpt.path.name} has shape {list(t.shape)} but the "
                                   f"metadata implies {[n, k]}; the GGUF does not match its metadata.")
-        rows, type_name = self.rows(t)
+        if source:   # each part's codes, scales and biases, stacked, the rows put in order, packed at one width
+            codes, scales, biases = (torch.cat(parts)[source.order]
+                                     for parts in zip(*(ggml.to_codes(*self.rows(t)) for t in tensors)))
+            spec = self.stored_spec(path)
+            return QuantizedTensor(pack_rows(codes, spec.bits), scales.contiguous(), biases.contiguous(), spec).parts()
+        rows, type_name = self.rows(tensors[0])
         heads = self._heads(name)
         if heads is not None:
             rows = _unpermute(rows, heads)

@@ -145,6 +145,28 @@ def print_gguf(plan) -> None:
         held.setdefault(f"{'/'.join(types)} -> {fmt.name}, {how}", set()).add(layer)
     for what, layers in held.items():
         print(f"experts           {what} (gate/up/down; {len(layers)} layer{'s' if len(layers) > 1 else ''})")
+    print_gguf_rebuilt(plan)
+
+
+def print_gguf_rebuilt(plan) -> None:
+    """Linears put back together from the rows of several GGUF tensors (Qwen3-Next's in_proj_qkvz
+    from attn_qkv + attn_gate, fused q/k/v): their parts' types and what they are held as (their
+    blocks where every part is of an exact type, at the widest one's bits; else the compute dtype)."""
+    from moestream.checkpoint.gguf_index import GGUFIndex
+    from moestream.quant import ggml
+
+    index = GGUFIndex(plan.gguf, plan.spec, plan.config)
+    rebuilt: dict[str, int] = {}
+    for name, source in index.row_sources.items():
+        spec = index.stored_spec(name.removesuffix(".weight"))
+        parts = " + ".join(part.split(".")[2] for part in source.parts)
+        types = [plan.gguf.tensors[part].type_name for part in source.parts]
+        held = spec.name if spec is not None else str(plan.dtype).removeprefix("torch.") + \
+            (", dequantized" if any(t not in ggml.FLOAT_TYPES for t in types) else "")
+        what = f"{name.split('.')[-2]} from {parts} ({'/'.join(types)} -> {held})"
+        rebuilt[what] = rebuilt.get(what, 0) + 1
+    for what, layers in rebuilt.items():
+        print(f"rebuilt           {what} ({layers} layer{'s' if layers > 1 else ''})")
 
 
 def print_int_quant(plan) -> None:

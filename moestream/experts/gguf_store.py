@@ -1,7 +1,8 @@
 """The expert store of a GGUF checkpoint: llama.cpp's stacked `ffn_{gate,up,down}_exps` tensors.
 
 Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
-blocks). `layer_spec` decides each layer's format from the three types alone (the plan calls it
+blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows then its up
+rows). `layer_spec` decides each layer's format from the three types alone (the plan calls it
 before any weight is read): MXFP4 where all three are (their codes and scales kept), the affine
 spec holding them exactly when there is one (int4-g32 for
 Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from moestream.archs.spec import ArchSpec, ModelConfig
-from moestream.checkpoint.gguf_file import GGUFCheckpoint
+from moestream.checkpoint.gguf_file import GGUFCheckpoint, GGUFTensor
 from moestream.checkpoint.gguf_index import GGUFReads, unsupported
 from moestream.errors import CheckpointError
 from moestream.experts.format import ExpertFormat, ExpertShape, QuantizedFormat, encode_biases
@@ -60,9 +61,10 @@ class GGUFExpertStore(ExpertStore):
             for proj, t in stacks.items():
                 if not ggml.readable(t.type_name):
                     raise unsupported(t, ckpt.path.name)
-                if t.shape != want[proj]:
+                shape = (E, 2 * I, H) if _fused(t) else want[proj]
+                if t.shape != shape:
                     raise CheckpointError(f"tensor {t.name!r} of {ckpt.path.name} has shape {list(t.shape)} but its "
-                                          f"metadata implies {list(want[proj])}; the GGUF does not match its metadata.")
+                                          f"metadata implies {list(shape)}; the GGUF does not match its metadata.")
             self.tensors[layer] = stacks
             if self.shape.bias:   # gpt-oss: each stack's (E, N) float biases beside it
                 self.biases[layer] = {proj: self._bias_tensor(layer, proj, want[proj][:2]) for proj in PROJECTIONS}
@@ -73,6 +75,9 @@ class GGUFExpertStore(ExpertStore):
     def _rows(self, layer: int, expert: int, proj: str) -> tuple[Tensor, str]:
         t = self.tensors[layer][proj]
         per = t.shape[1]
+        if _fused(t):   # gate rows, then up rows
+            half = per // 2
+            return self.reads.rows(t, expert * per + (half if proj == "up" else 0), half)
         return self.reads.rows(t, expert * per, per)
 
     def _quantized(self, rows: Tensor, type_name: str, spec: QuantSpec) -> QuantizedTensor:
@@ -144,6 +149,11 @@ class GGUFExpertStore(ExpertStore):
     @staticmethod
     def _dense(rows: Tensor, type_name: str, k: int) -> Tensor:
         return rows if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, k)
+
+
+def _fused(t: GGUFTensor) -> bool:
+    """Gate and up in one stack (the converter's --fuse-gate-up-exps)."""
+    return t.name.endswith(".ffn_gate_up_exps.weight")
 
 
 def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,

@@ -4,6 +4,8 @@ other families against the weights their GGUF stands for, block types bit-exact 
 dequantization, a bounded bank token-identical to the resident one, the tokenizer and chat template
 from the metadata, split sets, and bad input refused in one sentence."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -151,12 +153,15 @@ def assert_matches(engine, reference, path) -> None:
 @pytest.mark.parametrize("arch,experts,kw", [("qwen2_moe", "Q8_0", {}), ("mixtral", "Q4_0", {}),
                                              ("olmoe", "Q4_K", {}), ("glm4_moe", "Q4_1", {}),
                                              ("deepseek_v2", "Q8_0", {}),
-                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True})],
-                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split"])
+                                             ("deepseek_v3", "Q4_0", {"kv_b_split": True}),
+                                             ("qwen3_moe", "Q4_K", {"fuse_gate_up": True})],
+                         ids=["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3-kv_b-split",
+                              "qwen3_moe-gate-up-fused"])
 def test_other_families_match_the_weights_their_gguf_holds(hf_models, tmp_path, arch, experts, kw):
     """The reference is the HF model holding gguf's dequantization of every stored tensor (Mixtral's
     q/k rows permuted by the writer as llama.cpp's converter does; DeepSeek's kv_b_proj split per
-    head as newer conversions write it)."""
+    head as newer conversions write it; gate and up experts in one stack, as --fuse-gate-up-exps
+    writes them)."""
     path, ref_folder = tmp_path / "m.gguf", tmp_path / "ref"
     make_gguf(hf_models[arch], path, ref_folder, experts=experts, dense=experts, **kw)
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
@@ -201,6 +206,84 @@ def test_gpt_oss_gguf_is_the_model_its_weights_make(gpt_oss_hf, tmp_path, expert
     assert engine.config.sliding_window == 6 and {f.name for f in engine.bank.formats.values()} == {held}
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
     assert_matches(engine, reference, path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_hf(tmp_path_factory):
+    """A tiny Qwen3-Next whose widths Q8_0's and Q4_0's 32-value blocks divide: linear attention in
+    layers 0 and 2 (2 key heads serving 4 value heads), gated full attention in 1 and 3
+    (full_attention_interval 2, which config.json states as Qwen's own configs do), rotary on a
+    quarter of each head, a gated shared expert; norms, dt_bias and the routers randomised."""
+    folder = tmp_path_factory.mktemp("gguf_qwen3_next") / "qwen3_next"
+    config = transformers.Qwen3NextConfig(vocab_size=160, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, head_dim=16, intermediate_size=64,
+                                          moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                          num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                                          full_attention_interval=2, linear_conv_kernel_dim=4, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                          eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif name.endswith(("gate.weight", "dt_bias")):
+                p.normal_(0, 0.5)
+            elif name.endswith("A_log"):   # decays from slow to fast, some heads forgetting within a few tokens
+                p.copy_(torch.linspace(-3, 1.5, p.numel()))
+    model.save_pretrained(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "full_attention_interval": 2}))
+    return folder
+
+
+# (experts' and dense type, layout, attn_gate's type, what in_proj_qkvz is held as: its blocks' spec or floats)
+QWEN3_NEXT = [("F32", "current", None, "float32"), ("Q8_0", "current", None, "int8-g32"),
+              ("Q4_0", "legacy", None, "int4-g32"), ("Q8_0", "fused-qkv", "Q4_0", "int8-g32"),
+              ("Q4_0", "current", "F16", "float32, dequantized")]
+
+
+@pytest.mark.parametrize("qtype,layout,gate,held", QWEN3_NEXT, ids=["F32", "Q8_0", "Q4_0-legacy-ssm_in",
+                                                                   "Q8_0-fused-qkv-Q4_0-gate", "Q4_0-F16-gate"])
+def test_qwen3_next_gguf_is_the_model_its_weights_make(qwen3_next_hf, tmp_path, capsys, qtype, layout, gate, held):
+    """llama.cpp's qwen3next layout (its converter's transforms: ssm_* names, -exp(A_log), norms + 1,
+    conv1d squeezed, in_proj_qkvz regrouped into attn_qkv + attn_gate, or whole as ssm_in in older
+    conversions; full-attention q/k/v fused by --fuse-qkv): the same logits and greedy tokens as
+    transformers on the weights the GGUF holds; a bounded bank equal to the resident one. A linear
+    rebuilt from parts of exact block types stays in its blocks (at the wider one's bits), one with a
+    float part is read as floats; check says which, and plans the bytes the model holds."""
+    from moestream.engine.weights import parameter_bytes
+
+    path, ref_folder = tmp_path / "qwen3-next.gguf", tmp_path / "ref"
+    make_gguf(qwen3_next_hf, path, ref_folder, experts=qtype, dense=qtype, layout=layout, gate=gate)
+    engine = moestream.load(str(path), device="cpu", dtype="float32")
+    layers = engine.model.model.layers
+    assert engine.config.layer_mixers == ("gated_deltanet", "gated_gqa") * 2
+    qkvz = layers[0].linear_attn.in_proj_qkvz
+    assert getattr(getattr(qkvz, "spec", None), "name", "float32") == held.removesuffix(", dequantized")
+    assert (type(layers[1].self_attn.q_proj).__name__ == "QuantLinear") == (qtype != "F32")
+    assert {f.name for f in engine.bank.formats.values()} == {{"F32": "fp32", "Q8_0": "int8-g32",
+                                                               "Q4_0": "int4-g32"}[qtype]}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    assert type(reference).__name__ == "Qwen3NextForCausalLM"
+    assert_matches(engine, reference, path)
+    assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
+    assert cli.main(["check", str(path), "--device", "cpu", "--capacity", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"model             {path} (qwen3_next, 4 layers, 8 experts, top-2)" in out
+    rebuilt = f"in_proj_qkvz from attn_qkv + attn_gate ({qtype}/{gate or qtype} -> {held}) (2 layers)"
+    assert (rebuilt in out) == (layout != "legacy") and ("q_proj from attn_qkv" in out) == (layout == "fused-qkv")
+
+
+def test_qwen3_next_gguf_with_a_positive_ssm_a_is_refused(qwen3_next_hf, tmp_path, capsys):
+    """ssm_a holds -exp(A_log), never positive: a GGUF whose ssm_a is (A_log written as it is, the
+    converter's transform skipped) is refused in one sentence rather than run with inverted decays."""
+    path = tmp_path / "raw-a-log.gguf"
+    make_gguf(qwen3_next_hf, path, experts="Q8_0", dense="Q8_0", skip_a_log=True)
+    with pytest.raises(CheckpointError, match="holds positive values where llama.cpp stores -exp"):
+        moestream.load(str(path), device="cpu")
+    _cli_refuses(path, capsys, "ssm_a")
 
 
 def test_unpermute_is_transformers_reverse_permutation():
