@@ -51,7 +51,7 @@ FIELDS = {"qwen3_moe": SHARED_FIELDS,   # the config.json fields each family's G
           "qwen3_next": (*SHARED_FIELDS, "shared_expert_intermediate_size", "linear_conv_kernel_dim",
                          "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
                          "linear_num_value_heads")}
-CHUNK_BYTES = 32 << 20   # one generation task: a few MB of rows, so every core has work on one tensor
+CHUNK_BYTES = 8 << 20   # one generation task: 8 MB of rows, so every core has work on one expert stack
 
 
 class ConfigError(ValueError):
@@ -364,7 +364,7 @@ def main() -> int:
                     help="threads generating the random weights (default: every core)")
     a = ap.parse_args()
     try:
-        import gguf  # noqa: F401
+        import gguf
     except ImportError:
         print("random_gguf: error: the gguf package is missing; `pip install gguf` or set PYTHONPATH to llama.cpp's "
               "gguf-py folder.", file=sys.stderr)
@@ -383,6 +383,10 @@ def main() -> int:
     if missing:
         print(f"random_gguf: error: {a.config} lacks {', '.join(missing)}, which a {c['model_type']} GGUF is sized "
               "from; give the config.json make_random_checkpoint.py wrote.", file=sys.stderr)
+        return 1
+    if c["model_type"] == "qwen3_next" and not hasattr(gguf.GGUFWriter, "add_full_attention_interval"):
+        print(f"random_gguf: error: the gguf package at {Path(gguf.__file__).parent} predates qwen3next; "
+              "`pip install -U gguf` or set PYTHONPATH to a current llama.cpp's gguf-py folder.", file=sys.stderr)
         return 1
     try:
         tensors = plan(c, a.qtype)
