@@ -440,7 +440,12 @@ class Engine:
         """Wait for a step's tokens (not for any step launched after it) and append them to its
         sequences that are still running; returns those."""
         if sampled.done is not None:
-            sampled.done.synchronize()
+            try:
+                sampled.done.synchronize()
+            except RuntimeError:   # a step whose collectives were aborted: say which rank left first
+                self.runner.check_ranks()
+                raise
+        self.runner.check_ranks()
         got, broken = [], None
         for seq, (token, ok) in zip(sampled.seqs, sampled.host.tolist()):
             if seq.finished:   # ended or cancelled while this step was in flight

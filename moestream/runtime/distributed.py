@@ -45,6 +45,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,6 +58,7 @@ from moestream.runtime.model_runner import ModelRunner
 
 _POLL = timedelta(seconds=5)   # how often a waiting follower checks that rank 0 is still there
 _KEPT_CALLS = 4096             # published calls kept in the store
+_WATCH_S = 0.5                 # how often a watchdog checks that the other side of the group lives
 
 
 def backend(runtime) -> str:
@@ -191,6 +193,8 @@ class RankGroup:
                                    "check that every device can start an engine.") from None
         self.calls = 0
         self.closed = False
+        if self.procs and backend(cfg.runtime) == "nccl":
+            threading.Thread(target=self._watch, daemon=True, name="moestream-rank-watch").start()
 
     def wait_ready(self, digest: str | None = None) -> bool:
         """Every follower has built its engine (or one failed: its error, raised here) from the same
@@ -243,6 +247,16 @@ class RankGroup:
                 raise DistributedError(f"a rank of the expert-parallel group stopped answering (rank {rank} exited "
                                        f"with code {code}); the engine cannot continue: load it again.")
 
+    def _watch(self) -> None:
+        """NCCL: a follower that dies inside a step leaves this process's kernels waiting in the step's
+        all-reduce, which no timeout watches inside a replayed graph; abort the communicators so they
+        return, and the wait for the step's tokens raises (`DistributedRunner.check_ranks`)."""
+        while not self.closed:
+            if any(proc.poll() is not None for proc in self.procs) and not self.closed:
+                abort_collectives()
+                return
+            time.sleep(_WATCH_S)
+
     def close(self) -> None:
         if self.closed:
             return
@@ -268,6 +282,9 @@ class RankGroup:
 
 class DistributedRunner(ModelRunner):
     """Rank 0's model runner: each model call is published to the followers before it runs here."""
+
+    def check_ranks(self) -> None:
+        self.group._check_followers()
 
     group: RankGroup
 
@@ -362,6 +379,25 @@ def leave_group(timeout_s: float) -> None:
     done.join(timeout_s)
 
 
+def abort_collectives() -> None:
+    """Abort this process's NCCL communicators, so kernels waiting in a collective for a rank that is
+    gone return (a collective replayed inside a CUDA graph has no timeout watching it). Their
+    results are not the model's: the group cannot go on after this."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group()
+    except Exception:   # gloo, or a group already gone: nothing waits on the device
+        pass
+
+
+def exit_when_orphaned(parent: int) -> None:
+    """A follower's watchdog: when rank 0 (the process that started it) is gone, end this process at
+    once, even in the middle of a step whose collective would wait for rank 0 forever."""
+    while os.getppid() == parent:
+        time.sleep(_WATCH_S)
+    os._exit(1)
+
+
 def _checked(call, *args):
     try:
         return call(*args)
@@ -378,6 +414,8 @@ def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, 
     `build(cfg, rank=, world=, gather=)` returns the rank's engine: the caller (the engine layer)
     passes it, so this module never imports what sits above it."""
     parent = os.getppid()
+    if torchrun_env() is None:   # started by rank 0: end with it (torchrun's agent ends its own ranks)
+        threading.Thread(target=exit_when_orphaned, args=(parent,), daemon=True, name="moestream-orphan-watch").start()
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
     cfg = pickle.loads(store.get("config"))

@@ -123,6 +123,10 @@ class ModelRunner:
         self.cache, self.scratch_row = new, (rows if scratch else None)
         return new
 
+    def check_ranks(self) -> None:
+        """After waiting for a step: raise if a rank of an expert-parallel group died during it (the
+        step's output is then not the model's). One device: nothing to check."""
+
     @property
     def usable_rows(self) -> int:
         """Rows sequences can hold (the scratch row is not one of them)."""

@@ -126,6 +126,44 @@ def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
         engine.close()
 
 
+def test_a_follower_whose_rank_0_is_killed_exits(tiny_qwen3, tmp_path):
+    """Followers end with rank 0, however it ends (a killed rank 0 runs no clean-up): no orphan
+    process holds a device or its memory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time, moestream\n"
+        f"engine = moestream.load({str(tiny_qwen3)!r}, devices=['cpu', 'cpu'], dtype='float32', rank_timeout_s=60)\n"
+        "engine.generate([5, 6, 7], max_tokens=2, ignore_eos=True)\n"
+        "print(engine.group.procs[0].pid, flush=True)\n"
+        "time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        follower = int(rank0.stdout.readline())
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _alive(follower):
+            time.sleep(0.1)
+        assert not _alive(follower)
+    finally:
+        rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped by its gone parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(devices=["cpu"]), "at least two devices"),
     (dict(devices=["cpu", "cuda:0"]), "all be CUDA devices or all be cpu"),

@@ -113,3 +113,27 @@ def test_an_nccl_group_launches_each_step_before_reading_the_last(tiny_qwen3, si
     decodes = [(args, ahead) for op, args, ahead in published if op == "decode"]
     assert len(decodes) == 15 and sum(ahead for _, ahead in decodes) == 14
     assert all(type(x) is int for args, _ in decodes for x in [args[0], args[2], *args[1]])
+
+
+@two_gpus
+def test_a_rank_killed_inside_nccl_steps_ends_the_group_with_a_clear_error(tiny_qwen3):
+    """A follower killed while rank 0's graphs replay (their all-reduces wait for it, and no NCCL
+    timeout watches a replayed collective): rank 0's watchdog aborts the communicators, the wait for
+    the step raises the group's error within seconds, and nothing is left running."""
+    import threading
+    import time
+
+    from moestream.errors import DistributedError
+
+    engine = moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32", rank_timeout_s=120)
+    follower = engine.group.procs[0]
+    try:
+        engine.generate(PROMPTS, max_tokens=4, ignore_eos=True)
+        threading.Timer(0.5, follower.kill).start()
+        start = time.monotonic()
+        with pytest.raises(DistributedError, match=r"rank 1 exited with code -9"):
+            engine.generate(PROMPTS[0], max_tokens=100_000, ignore_eos=True)
+        assert time.monotonic() - start < 60
+    finally:
+        engine.close()
+    assert follower.poll() is not None
