@@ -244,8 +244,17 @@ class RankGroup:
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
             if code is not None:
+                why = self._error_of(rank)
                 raise DistributedError(f"a rank of the expert-parallel group stopped answering (rank {rank} exited "
-                                       f"with code {code}); the engine cannot continue: load it again.")
+                                       f"with code {code}{': ' + why if why else ''}); the engine cannot continue: "
+                                       "load it again.")
+
+    def _error_of(self, rank: int) -> str | None:
+        """The error a follower said it ended with, if it said one (a killed process says none)."""
+        try:
+            return self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
+        except Exception:   # the store itself is gone
+            return None
 
     def _watch(self) -> None:
         """NCCL: a follower that dies inside a step leaves this process's kernels waiting in the step's
@@ -434,34 +443,41 @@ def follow(rank: int, port: int, world: int, timeout_s: float, build: Callable, 
     store.set(f"state/{rank}", "ready+graphs" if engine.runner.cuda_graphs else "ready")
     runner, device, call = engine.runner, engine.device, 0
     inbox = torch.zeros(0, dtype=torch.long, device=device)   # decode steps' tokens, received from rank 0
-    with torch.inference_mode():
-        while True:
-            key = f"call/{call}"
-            try:
-                store.wait([key], _POLL)
-            except dist.DistNetworkError:   # rank 0's store closed: rank 0 is gone
-                return
-            except Exception:
-                if os.getppid() != parent:   # rank 0 (our parent) is gone: nobody will call again
+    try:
+        with torch.inference_mode():
+            while True:
+                key = f"call/{call}"
+                try:
+                    store.wait([key], _POLL)
+                except dist.DistNetworkError:   # rank 0's store closed: rank 0 is gone
                     return
-                continue
-            op, args = pickle.loads(store.get(key))
-            call += 1
-            if op == "stop":
-                runner.release_graphs()
-                leave_group(timeout_s)
-                return
-            if op == "report_stats":
-                store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))
-                continue
-            if op == "reset_stats":
-                engine.reset_stats()
-                continue
-            if op == "decode":   # queued without waiting: the step's tokens come from rank 0 inside it
-                batch, positions, kv_len = args
-                if inbox.numel() < batch:
-                    inbox = torch.zeros(batch, dtype=torch.long, device=device)
-                runner.decode(inbox[:batch], torch.tensor(positions, dtype=torch.long), kv_len)
-                continue
-            args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-            getattr(runner, op)(*args)
+                except Exception:
+                    if os.getppid() != parent:   # rank 0 (our parent) is gone: nobody will call again
+                        return
+                    continue
+                op, args = pickle.loads(store.get(key))
+                call += 1
+                if op == "stop":
+                    runner.release_graphs()
+                    leave_group(timeout_s)
+                    return
+                if op == "report_stats":
+                    store.set(f"stats/{rank}/{args[0]}", json.dumps(engine.stats()))
+                    continue
+                if op == "reset_stats":
+                    engine.reset_stats()
+                    continue
+                if op == "decode":   # queued without waiting: the step's tokens come from rank 0 inside it
+                    batch, positions, kv_len = args
+                    if inbox.numel() < batch:
+                        inbox = torch.zeros(batch, dtype=torch.long, device=device)
+                    runner.decode(inbox[:batch], torch.tensor(positions, dtype=torch.long), kv_len)
+                    continue
+                args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+                getattr(runner, op)(*args)
+    except BaseException as exc:   # said before this process ends, so rank 0's error names it
+        try:
+            store.set(f"error/{rank}", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        except Exception:   # rank 0's store is gone too
+            pass
+        raise

@@ -126,6 +126,19 @@ def test_a_rank_that_dies_ends_the_group_with_a_clear_error(tiny_qwen3):
         engine.close()
 
 
+def test_a_follower_that_fails_a_call_is_named_with_its_error(tiny_qwen3):
+    """A follower that fails where rank 0 did not (its device out of memory, say) ends, and rank 0's
+    error says which rank and why."""
+    engine = moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=10)
+    try:
+        engine.group.publish("no_such_call")
+        engine.group.procs[0].wait(30)
+        with pytest.raises(DistributedError, match=r"rank 1 exited with code 1: AttributeError: .*no_such_call"):
+            engine.generate(PROMPTS[0], max_tokens=2, ignore_eos=True)
+    finally:
+        engine.close()
+
+
 def test_a_follower_whose_rank_0_is_killed_exits(tiny_qwen3, tmp_path):
     """Followers end with rank 0, however it ends (a killed rank 0 runs no clean-up): no orphan
     process holds a device or its memory."""
