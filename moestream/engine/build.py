@@ -141,6 +141,7 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
         formats = {layer: stored_format(spec, plan.dtype) for layer, spec in store.native.items()}
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
+    cpu_moe.use_share(*cfg.runtime.host_share)   # an expert-parallel rank's team: cores of its own on its host
     if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them
         if cfg.bank.cpu_threads is not None:
             torch.set_num_threads(cfg.bank.cpu_threads)
@@ -170,14 +171,17 @@ def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, 
 def hybrid_refusal(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> str | None:
     """Why `--miss-policy auto` does not take the hybrid policy, or None where it does: it needs a
     bounded bank on a GPU, every expert in pinned host RAM in a format the CPU worker reads
-    (bf16/fp32, 8/4/2-bit, NF4: not FP8 or MXFP4 yet), the worker's kernel built, one device, and no
+    (bf16/fp32, 8/4/2-bit, NF4: not FP8 or MXFP4 yet), the worker's kernel built, one device (several
+    take it only when asked for), and no
     fetch-only option asked for (prefetch). Elsewhere auto is the fetch policy (`--stats` says why)."""
     if plan.memory.fully_resident:
         return "every expert is resident"
     if plan.device.type != "cuda":
         return "the hybrid policy runs on a GPU"
-    if sharded or cfg.bank.prefetch:
-        return "expert parallel and --prefetch take the fetch policy"
+    if sharded:
+        return "expert parallel takes the fetch policy unless --miss-policy hybrid is given"
+    if cfg.bank.prefetch:
+        return "--prefetch takes the fetch policy"
     if getattr(tier, "layers", None) is None:
         return "the experts are read from disk, not held in pinned host RAM"
     try:
@@ -253,7 +257,6 @@ def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
     """What expert parallel cannot do (or not yet), refused by name before any process starts."""
     check_world(len(cfg.runtime.devices), num_experts)
     unsupported = [(cfg.runtime.prefix_cache_bytes > 0, "a prefix cache"), (cfg.bank.miss_policy == "skip", "--miss-policy skip"),
-                   (cfg.bank.miss_policy == "hybrid", "--miss-policy hybrid"),
                    (cfg.runtime.kv_layout == "paged", "--kv-layout paged"),
                    (cfg.bank.prefetch, "--prefetch"), (cfg.warm_start.prepack is not None, "--prepack")]
     for present, what in unsupported:

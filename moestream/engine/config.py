@@ -72,6 +72,8 @@ class RuntimeConfig:
     dist_backend: str = "auto"            # auto (NCCL on CUDA, gloo on CPU) | nccl | gloo; gloo lets two ranks
                                           # share one GPU (testing the dispatch on CUDA tensors, debugging)
     ranks_on_device: int = 1              # set per rank by the group: ranks sharing this device split its free memory
+    host_share: tuple[int, int] = (0, 1)  # set per rank by the group: (its index, ranks on its host); the CPU
+                                          # expert kernel's team takes that share of the host's cores
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
@@ -79,9 +81,12 @@ class RuntimeConfig:
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
                       "kv_layout": (str,), "kv_block_size": INT, "kv_cache_memory": SIZE,
                       "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),
-                      "ranks_on_device": INT})
+                      "ranks_on_device": INT, "host_share": (tuple,)})
         if self.ranks_on_device < 1:
             raise InputError(f"ranks_on_device must be at least 1, got {self.ranks_on_device}.")
+        index, count = self.host_share
+        if not 0 <= index < count:
+            raise InputError(f"host_share must be (index, ranks) with 0 <= index < ranks, got {self.host_share}.")
         if self.dist_backend not in DIST_BACKENDS:
             raise InputError(f"dist_backend {self.dist_backend!r} is unknown; use one of {', '.join(DIST_BACKENDS)}.")
         if self.rank_timeout_s <= 0:

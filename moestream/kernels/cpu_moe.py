@@ -147,11 +147,33 @@ def supports(dtype: torch.dtype, activation: str | Activation) -> bool:
     return dtype in DTYPES and Activation.of(activation).name in ACTIVATION_CODES
 
 
+_share: tuple[int, int] = (0, 1)   # (index, count): this process's share of the CPUs (`use_share`)
+
+
 def usable_cpus() -> list[int]:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
+    """The CPUs this process's kernel team may run on: those it may run on, or its share of them
+    (`use_share`)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return cpu_share(cpus, *_share)
+
+
+def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
+    """Share `index` of `count` equal, disjoint runs of `cpus` (the last takes the remainder; every
+    share at least one CPU, shared when there are fewer CPUs than shares)."""
+    if count <= 1:
+        return cpus
+    if len(cpus) < count:
+        return [cpus[index % len(cpus)]]
+    per = len(cpus) // count
+    return cpus[index * per:] if index == count - 1 else cpus[index * per:(index + 1) * per]
+
+
+def use_share(index: int, count: int) -> None:
+    """Make this process's kernel team run on share `index` of `count` of its CPUs, so the ranks of an
+    expert-parallel group on one host each pin their team to cores of their own (before the team or a
+    stream worker starts)."""
+    global _share
+    _share = (index, count)
 
 
 MAX_DEFAULT_THREADS = 16

@@ -143,9 +143,12 @@ def rank_config(cfg, rank: int):
     devices = cfg.runtime.devices
     graphs = cfg.runtime.cuda_graphs and backend(cfg.runtime) == "nccl"
     mine = _named(devices[rank])
-    sharing = 1 if torchrun_env() is not None else sum(_named(d) == mine for d in devices)   # torchrun: across hosts
+    launched = torchrun_env()
+    sharing = 1 if launched is not None else sum(_named(d) == mine for d in devices)   # torchrun: across hosts
+    host_share = (launched.local_rank, launched.local_world) if launched is not None else (rank, len(devices))
     runtime = dataclasses.replace(cfg.runtime, device=devices[rank], devices=None, cuda_graphs=graphs,
-                                  ranks_on_device=sharing, kv_layout="rows")   # only rank 0 would own blocks
+                                  ranks_on_device=sharing, host_share=host_share,
+                                  kv_layout="rows")   # only rank 0 would own blocks
     warm = cfg.warm_start if rank == 0 else dataclasses.replace(cfg.warm_start, warmup_tokens=0)
     return dataclasses.replace(cfg, runtime=runtime, warm_start=warm)
 

@@ -109,6 +109,23 @@ def test_the_default_team_leaves_one_core_and_stops_at_sixteen():
     assert [cpu_moe.default_threads(n) for n in (1, 2, 16, 17, 32, 64, 192)] == [1, 1, 15, 16, 16, 16, 16]
 
 
+def test_ranks_on_one_host_get_disjoint_shares_of_its_cores():
+    cpus = list(range(1, 65))
+    shares = [cpu_moe.cpu_share(cpus, i, 4) for i in range(4)]
+    assert [len(s) for s in shares] == [16, 16, 16, 16]
+    assert sorted(sum(shares, [])) == cpus                           # disjoint and covering
+    assert [len(cpu_moe.cpu_share(cpus[:10], i, 3)) for i in range(3)] == [3, 3, 4]   # the last takes the rest
+    assert [cpu_moe.cpu_share([0, 1], i, 4) for i in range(4)] == [[0], [1], [0], [1]]   # fewer cores than ranks
+    assert cpu_moe.cpu_share(cpus, 0, 1) == cpus
+    try:
+        cpu_moe.use_share(1, 2)
+        mine = cpu_moe.usable_cpus()
+        cpu_moe.use_share(0, 2)
+        assert not set(mine) & set(cpu_moe.usable_cpus())
+    finally:
+        cpu_moe.use_share(0, 1)
+
+
 def _quantized_experts(S, H, I, spec, seed=0):
     from moestream.quant import quantize
 

@@ -5,8 +5,11 @@ refused before any process starts."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,6 +98,22 @@ def test_three_ranks_with_a_bounded_bank_per_rank_stay_exact(tiny_qwen3):
         assert stats["hits"] + stats["misses"] == sum(r["hits"] + r["misses"] for r in stats["ranks"])
 
 
+def test_hybrid_ranks_compute_their_own_misses_on_their_own_cores(tiny_qwen3):
+    """--miss-policy hybrid on every rank: each computes the misses among its own experts from its
+    pinned host tier on the CPU, its kernel team on its share of the host's cores, and the tokens
+    stay the single process's."""
+    from moestream.kernels import cpu_moe
+
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    want = single.generate(PROMPTS, max_tokens=12, ignore_eos=True)
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=1, miss_policy="hybrid",
+                        host_tier="pinned", rank_timeout_s=60) as engine:
+        assert engine.generate(PROMPTS, max_tokens=12, ignore_eos=True) == want
+        ranks = engine.stats()["ranks"]
+        assert all(r["cpu_served"] > 0 for r in ranks)
+        assert cpu_moe.usable_cpus() == cpu_moe.cpu_share(sorted(os.sched_getaffinity(0)), 0, 2)
+
+
 def test_bounded_ranks_decode_in_segments_that_fetch_only_their_own_experts(tiny_qwen3):
     """One sequence on two ranks with a bank of top-k slots each: decode runs as segments split at each
     router (eager on the CPU; captured over NCCL), each rank making resident only the routed experts it
@@ -142,12 +161,6 @@ def test_a_follower_that_fails_a_call_is_named_with_its_error(tiny_qwen3):
 def test_a_follower_whose_rank_0_is_killed_exits(tiny_qwen3, tmp_path):
     """Followers end with rank 0, however it ends (a killed rank 0 runs no clean-up): no orphan
     process holds a device or its memory."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     script = tmp_path / "rank0.py"
     script.write_text(
         "import sys, time, moestream\n"

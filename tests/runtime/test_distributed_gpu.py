@@ -137,3 +137,15 @@ def test_a_rank_killed_inside_nccl_steps_ends_the_group_with_a_clear_error(tiny_
     finally:
         engine.close()
     assert follower.poll() is not None
+
+
+@two_gpus
+def test_hybrid_ranks_over_nccl_replay_whole_steps_with_the_one_process_tokens(tiny_qwen3, single):
+    """--miss-policy hybrid on two GPUs: each rank's CPU computes the misses among its own experts
+    inside whole-step graphs (the all-reduces captured with them), tokens as one process's."""
+    _, _, want_tokens = single
+    with moestream.load(tiny_qwen3, devices=["cuda:0", "cuda:1"], dtype="float32", capacity=1,
+                        miss_policy="hybrid", host_tier="pinned", rank_timeout_s=120) as engine:
+        assert engine.runner.cuda_graphs
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want_tokens
+        assert all(r["cpu_served"] > 0 for r in engine.stats()["ranks"])
