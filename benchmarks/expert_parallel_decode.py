@@ -84,6 +84,8 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
     num_experts = json.loads((Path(args.ckpt) / "config.json").read_text()).get("num_experts")
     capacity = None if share >= 1 else max(1, round(num_experts / world * share))
     kwargs = dict(device=devices[0]) if world == 1 else dict(devices=devices)
+    if capacity is not None:   # a bank: its miss policy (hybrid: misses computed by each rank's CPU from pinned RAM)
+        kwargs.update(miss_policy=args.miss_policy, **({"host_tier": "pinned"} if args.miss_policy == "hybrid" else {}))
     start = time.perf_counter()
     engine = moestream.load(args.ckpt, dtype="bfloat16", capacity=capacity, max_batch=max(args.batches),
                             kv_rows=max(args.batches), max_context=args.max_context, rank_timeout_s=600, overlap=overlap, **kwargs)
@@ -92,7 +94,8 @@ def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
         routing = apply_routing(engine, args.routing, args.trace)
         row = dict(gpus=world, bank_share=share, capacity_per_rank=capacity, num_experts=num_experts,
                    routing="model" if routing is None else routing.label, load_s=load_s,
-                   graphs=engine.runner.cuda_graphs, overlap=overlap, overlapping=engine.overlapping)
+                   graphs=engine.runner.cuda_graphs, overlap=overlap, overlapping=engine.overlapping,
+                   miss_policy=engine.bank.miss_policy)
         for batch in args.batches:
             if batch == 1:
                 result = run_bench(engine, args.prompt_tokens, args.gen_tokens, load_s=load_s, routing=routing)
@@ -285,6 +288,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--overlap", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                     help="decode overlap modes to measure, one row each")
+    ap.add_argument("--miss-policy", choices=["auto", "fetch", "hybrid"], default="auto",
+                    help="the bank rows' miss policy (auto: hybrid on one GPU, fetch on several)")
     ap.add_argument("--allreduce", action="store_true",
                     help="also time one step's all-reduces alone, on each GPU count above 1")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's bin folder: run it beside ours (needs --gguf)")
