@@ -295,10 +295,10 @@ class RankGroup:
 class DistributedRunner(ModelRunner):
     """Rank 0's model runner: each model call is published to the followers before it runs here."""
 
+    group: RankGroup
+
     def check_ranks(self) -> None:
         self.group._check_followers()
-
-    group: RankGroup
 
     def set_cuda_graphs(self, enabled: bool) -> None:
         self.group.publish("set_cuda_graphs", enabled)
