@@ -94,7 +94,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "graphs; on the CPU, the CPU thread computes them all (exact; needs the host tier in RAM; "
                         "bf16/fp32, 8/4/2-bit or NF4 experts); fetch = copy missing experts into the bank (exact); "
                         "skip = drop non-resident experts and renormalise (approximate); auto (default) = hybrid "
-                        "with a bounded bank on a GPU, else fetch")
+                        "with a bounded bank on one GPU, else fetch (with --devices, hybrid has each rank's CPU "
+                        "compute its own experts' misses on its share of the cores)")
     p.add_argument("--residency", default="lcp", choices=["lcp", "lru"], help="which experts stay in the bank")
     p.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
                    help="fetch: a decode step's missing experts computed on the CPU from host RAM while the rest are "
