@@ -45,7 +45,7 @@ def pytest_addoption(parser):
 # expert-parallel groups of processes, and whole-model checks of every family.
 SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_cli.py", "tests/test_convert.py",
               "tests/quant/test_int_checkpoints.py", "tests/warmstart/")
-SLOW_NAMES = re.compile(r"interpreter")
+SLOW_NAMES = re.compile(r"interpreter|perplexity_matches_the_model_card")
 
 
 GPU_WORKERS = 4   # --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side)
