@@ -439,13 +439,11 @@ class Engine:
     def _take(self, sampled: _Sampled) -> list[Sequence]:
         """Wait for a step's tokens (not for any step launched after it) and append them to its
         sequences that are still running; returns those."""
-        if sampled.done is not None:
-            try:
+        try:
+            if sampled.done is not None:
                 sampled.done.synchronize()
-            except RuntimeError:   # a step whose collectives were aborted: say which rank left first
-                self.runner.check_ranks()
-                raise
-        self.runner.check_ranks()
+        finally:   # a rank that died during the step (its collectives aborted, or not) is named first
+            self.runner.check_ranks()
         got, broken = [], None
         for seq, (token, ok) in zip(sampled.seqs, sampled.host.tolist()):
             if seq.finished:   # ended or cancelled while this step was in flight
