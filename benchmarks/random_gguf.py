@@ -256,8 +256,32 @@ def fill_rows(out: np.ndarray, kind: str, fill: str, seed: tuple[int, ...]) -> N
             blocks[:, at:at + len(scale)] = np.frombuffer(scale, np.uint8)
 
 
-def make(spec: Spec, index: int, kind: str, seed: int, pool: ThreadPoolExecutor) -> np.ndarray:
-    """The tensor's stored array, its rows filled in chunks across the pool."""
+# --token-routing: the routers read only the residual's first `routed_dims` dimensions and every
+# projection into the residual leaves them zero, so they hold the token's embedding in every layer and
+# each layer picks experts by the token alone (near-uniform use over varied tokens, as llama-bench's and
+# llama-batched-bench's random tokens are). All-zero bytes are zero weights in every type written here.
+ROUTERS = ("ffn_gate_inp.weight",)
+RESIDUAL_WRITERS = ("attn_output.weight", "ssm_out.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
+def routed_dims(hidden: int) -> int:
+    """The residual dimensions a token-routed model's routers read (make_random_checkpoint.py's rule)."""
+    return min(64, hidden // 4)
+
+
+def mask_token_routed(arr: np.ndarray, spec: Spec, routed: int) -> None:
+    """Zero a router's columns past the routed dimensions, or a residual writer's first `routed` rows
+    (of each expert's matrix in a stack), in the stored array."""
+    name = spec.name.split(".", 2)[-1]
+    if name in ROUTERS:
+        arr[:, routed:] = 0
+    elif name in RESIDUAL_WRITERS:
+        arr.reshape(-1, spec.shape[-2], arr.shape[-1])[:, :routed] = 0
+
+
+def make(spec: Spec, index: int, kind: str, seed: int, pool: ThreadPoolExecutor, routed: int = 0) -> np.ndarray:
+    """The tensor's stored array, its rows filled in chunks across the pool (`routed`: the routed
+    dimensions of a token-routed file, 0 for none)."""
     shape, dtype, _ = stored_layout(spec, kind)
     arr = np.empty(shape, dtype)
     step = max(1, CHUNK_BYTES // max(1, arr.shape[1] * arr.itemsize))
@@ -265,6 +289,8 @@ def make(spec: Spec, index: int, kind: str, seed: int, pool: ThreadPoolExecutor)
             for a in range(0, arr.shape[0], step)]
     for job in jobs:
         job.result()
+    if routed:
+        mask_token_routed(arr, spec, routed)
     return arr
 
 
@@ -315,7 +341,7 @@ def plan(c: dict[str, Any], qtype: str) -> list[tuple[Spec, str]]:
 
 
 def write(out: Path, c: dict[str, Any], tensors: list[tuple[Spec, str]], qtype: str, seed: int,
-          threads: int) -> None:
+          threads: int, token_routing: bool = False) -> None:
     """Write the GGUF of `tensors` (plan's) at `out`: metadata and tensor infos first, then each
     tensor's data as it is generated (the next one generated while the last is written)."""
     import gguf
@@ -332,12 +358,13 @@ def write(out: Path, c: dict[str, Any], tensors: list[tuple[Spec, str]], qtype: 
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     ready: queue.Queue = queue.Queue(maxsize=2)
+    routed = routed_dims(c["hidden_size"]) if token_routing else 0
 
     def produce() -> None:
         try:
             with ThreadPoolExecutor(max(1, threads)) as pool:
                 for i, (spec, kind) in enumerate(tensors):
-                    ready.put(make(spec, i, kind, seed, pool))
+                    ready.put(make(spec, i, kind, seed, pool, routed))
         except BaseException as exc:   # noqa: BLE001 (handed to the writer, which raises it)
             ready.put(exc)
 
@@ -360,6 +387,10 @@ def main() -> int:
                     help="the file type: bf16 (as converted), q8_0, q4_0 or mxfp4 (MXFP4_MOE), as llama-quantize "
                          "makes them (default q4_0)")
     ap.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
+    ap.add_argument("--token-routing", action="store_true",
+                    help="routers that pick experts by the token alone (as make_random_checkpoint.py --token-routing): "
+                         "random tokens then use every expert near-uniformly, where a random model's own routers "
+                         "favour a few")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads generating the random weights (default: every core)")
     a = ap.parse_args()
@@ -393,7 +424,7 @@ def main() -> int:
     except ConfigError as exc:
         print(f"random_gguf: error: {a.config}: {exc}.", file=sys.stderr)
         return 1
-    write(a.out, c, tensors, a.qtype, a.seed, a.threads)
+    write(a.out, c, tensors, a.qtype, a.seed, a.threads, a.token_routing)
     print("wrote", a.out)
     return 0
 

@@ -58,6 +58,13 @@ Design notes:
   so that the weights spread like normal(0, 0.02), and ``g_idx`` (K,) I32 in group order;
   ``quantization_config`` names it (symmetric, no act-order). Per-expert tensors only: GPT-OSS's
   and Gemma 4's stacked experts are left in ``--dtype``.
+* ``--token-routing`` (Qwen3-MoE and Qwen3-Next shapes, bf16 or FP8): a random model's routers pick
+  nearly the same few experts for every token, the best case for a bank and for llama.cpp's copies of
+  the experts a prompt uses. With this flag every router reads only the first 64 dimensions of the
+  residual stream (its other columns zero), and every projection into the residual (attention's and
+  linear attention's output, each expert's and the shared expert's down projection) has those rows zero,
+  so those dimensions hold the token's embedding in every layer: each layer picks experts by the token
+  alone, and a varied prompt uses them near-uniformly. The zeros cost what other values cost.
 * ``--mxfp4`` (gpt-oss shapes) writes the experts as the Hub ships them: ``gate_up_proj_blocks``
   (E, 2I, H/32, 16) and ``down_proj_blocks`` (E, H, I/32, 16) U8 of random fp4 codes, their
   ``_scales`` U8 e8m0 bytes (2^-7, so the weights spread like the bf16 form's), the biases in ``--dtype``,
@@ -81,7 +88,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -704,6 +711,7 @@ class TensorSpec:
     init: str  # "normal" | "ones" | "zeros" | "fp8" (e4m3 values) | "fp8_scale" (their block scales)
     fp32: bool = False  # F32 whatever the checkpoint dtype (transformers keeps it so)
     stored: str | None = None  # a fixed safetensors dtype ("I32", "F16"): GPTQ's parts, whatever --dtype says
+    mask: str | None = None  # --token-routing: "router" (columns past the routed dims zero) or "residual" (their rows zero)
 
     @property
     def numel(self) -> int:
@@ -738,6 +746,41 @@ def fp8_specs(specs: Sequence[TensorSpec], block: tuple[int, int]) -> list[Tenso
         else:
             out.append(s)
     return out
+
+
+# --token-routing: the routers read only the first `routed_dims` dimensions of the residual stream,
+# and nothing but the token embedding writes there (every projection into the residual has those rows
+# zero), so each layer's choice of experts is a function of the token alone: a varied prompt uses the
+# experts near-uniformly in every engine that runs the file, where a random model's own routers favour
+# a few experts for every token (the best case for a bank, and for llama.cpp's copies of used experts).
+TOKEN_ROUTED_TYPES = ("qwen3_moe", "qwen3_next")
+_RESIDUAL_WRITER = re.compile(r"^model\.layers\.\d+\..*\.(o_proj|down_proj|out_proj)\.(weight|bias)$")
+_TOKEN_ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+
+
+def routed_dims(hidden: int) -> int:
+    """The residual dimensions a token-routed model's routers read: 64, or a quarter of a narrow model."""
+    return min(64, hidden // 4)
+
+
+def token_routed(cfg: dict[str, Any], specs: list[TensorSpec]) -> list[TensorSpec]:
+    """`specs` with the --token-routing masks on the routers and on every projection into the residual."""
+    if cfg["model_type"] not in TOKEN_ROUTED_TYPES or "quantization_config" in cfg and \
+            cfg["quantization_config"]["quant_method"] != "fp8":
+        raise SystemExit(f"--token-routing is written for {' and '.join(TOKEN_ROUTED_TYPES)} shapes in --dtype or "
+                         "--fp8-block form")
+    return [replace(s, mask="router") if _TOKEN_ROUTER.match(s.name)
+            else replace(s, mask="residual") if _RESIDUAL_WRITER.match(s.name) and s.init in ("normal", "fp8")
+            else s for s in specs]
+
+
+def apply_mask(t: torch.Tensor, mask: str | None, start: int, dims: int) -> torch.Tensor:
+    """Zero what a token-routed model keeps zero in this chunk (rows start.. of its tensor)."""
+    if mask == "router":
+        t[:, dims:] = 0
+    elif mask == "residual":
+        t[:max(0, dims - start)] = 0
+    return t
 
 
 def fp8_quantization_config(block: tuple[int, int]) -> dict[str, Any]:
@@ -1127,6 +1170,7 @@ class Chunk:
     spec: TensorSpec
     index: int
     rows: int  # rows along dim 0 (1 for 1-D tensors treated as a single row)
+    start: int = 0  # its first row
 
 
 def chunks_of(spec: TensorSpec) -> Iterator[Chunk]:
@@ -1137,7 +1181,7 @@ def chunks_of(spec: TensorSpec) -> Iterator[Chunk]:
     row = spec.numel // spec.shape[0]
     per = max(1, CHUNK_ELEMS // row)
     for i, start in enumerate(range(0, spec.shape[0], per)):
-        yield Chunk(spec, i, min(per, spec.shape[0] - start))
+        yield Chunk(spec, i, min(per, spec.shape[0] - start), start)
 
 
 def chunk_seed(seed: int, name: str, index: int) -> int:
@@ -1149,8 +1193,8 @@ def chunk_seed(seed: int, name: str, index: int) -> int:
 class ChunkGenerator:
     """Fills chunks on CPU or CUDA; one torch.Generator per thread, re-seeded per chunk."""
 
-    def __init__(self, dtype: torch.dtype, device: str, seed: int) -> None:
-        self.dtype, self.device, self.seed = dtype, torch.device(device), seed
+    def __init__(self, dtype: torch.dtype, device: str, seed: int, routed: int = 0) -> None:
+        self.dtype, self.device, self.seed, self.routed = dtype, torch.device(device), seed, routed
         self._local = threading.local()
 
     def _gen(self) -> torch.Generator:
@@ -1187,9 +1231,10 @@ class ChunkGenerator:
             return (t * INIT_STD * 1.7 / levels).to(dtype).cpu()
         if c.spec.init == "fp8":
             t = torch.empty(shape, dtype=torch.float32, device=self.device).normal_(0.0, FP8_VALUE_STD, generator=g)
-            t = t.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+            t = apply_mask(t, c.spec.mask, c.start, self.routed).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
         else:
             t = torch.empty(shape, dtype=dtype, device=self.device).normal_(0.0, INIT_STD, generator=g)
+            t = apply_mask(t, c.spec.mask, c.start, self.routed)
         return t.cpu() if t.device.type != "cpu" else t
 
 
@@ -1307,13 +1352,14 @@ def write_checkpoint(
     gptq_group: int = 128,
     fp8_block: tuple[int, int] | None = None,
     mxfp4: bool = False,
+    token_routing: bool = False,
 ) -> dict[str, Any]:
     """Write config.json, generation_config.json, the shards and the index; return a summary dict.
     `gptq` / `fp8_block` / `mxfp4`: write the GPTQ, the FP8 e4m3 block or the MXFP4 form (see the module
     docstring)."""
     torch_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    cfg, specs = planned(shape, layers, dtype, tiny, gptq, gptq_group, fp8_block, mxfp4)
+    cfg, specs = planned(shape, layers, dtype, tiny, gptq, gptq_group, fp8_block, mxfp4, token_routing)
     total = sum(s.nbytes(itemsize) for s in specs)
     shards = split_shards(specs, itemsize, shard_size)
     out = Path(out)
@@ -1337,12 +1383,13 @@ def write_checkpoint(
     torch.set_num_threads(1)  # parallelism comes from the worker threads; avoid oversubscription
     try:
         progress = Progress(total)
-        gen = ChunkGenerator(torch_dtype, device, seed)
+        gen = ChunkGenerator(torch_dtype, device, seed, routed_dims(cfg["hidden_size"]))
         weight_map = write_shards(shards, out, gen, st_dtype, itemsize, workers, progress)
     finally:
         torch.set_num_threads(prev_threads)
     index = {
-        "metadata": {"total_size": total, "random_init": f"normal(0,{INIT_STD}) seed={seed} device={device}"},
+        "metadata": {"total_size": total, "random_init": f"normal(0,{INIT_STD}) seed={seed} device={device}"
+                     + (" token-routed" if token_routing else "")},
         "weight_map": weight_map,
     }
     _write_json(out / INDEX_NAME, index)
@@ -1380,15 +1427,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="write the FP8 e4m3 block form with this scale block, e.g. 128x128 (DeepSeek-V3, Qwen3-FP8)")
     ap.add_argument("--mxfp4", action="store_true",
                     help="gpt-oss shapes: write the experts in MXFP4 (blocks + e8m0 scales), as the Hub ships them")
+    ap.add_argument("--token-routing", action="store_true",
+                    help="routers that pick experts by the token alone, so varied tokens use every expert near-"
+                         "uniformly (a random model's own routers favour a few); qwen3_moe and qwen3_next shapes")
     return ap.parse_args(argv)
 
 
 def planned(shape: str, layers: int | None, dtype: str, tiny: bool, gptq: int | None = None,
             gptq_group: int = 128, fp8_block: tuple[int, int] | None = None,
-            mxfp4: bool = False) -> tuple[dict[str, Any], list[TensorSpec]]:
+            mxfp4: bool = False, token_routing: bool = False) -> tuple[dict[str, Any], list[TensorSpec]]:
     """config.json and the tensor plan, in the quantized form asked for (`quantized_form`)."""
     cfg = build_config(shape, layers, dtype, tiny)
-    return cfg, quantized_form(cfg, plan_tensors(cfg), gptq, gptq_group, fp8_block, mxfp4)
+    specs = quantized_form(cfg, plan_tensors(cfg), gptq, gptq_group, fp8_block, mxfp4)
+    return cfg, token_routed(cfg, specs) if token_routing else specs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1397,7 +1448,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available")
     if a.dry_run:
-        cfg, specs = planned(a.shape, a.layers, a.dtype, a.tiny, a.gptq, a.gptq_group, a.fp8_block, a.mxfp4)
+        cfg, specs = planned(a.shape, a.layers, a.dtype, a.tiny, a.gptq, a.gptq_group, a.fp8_block, a.mxfp4,
+                             a.token_routing)
         itemsize = torch.empty((), dtype=DTYPES[a.dtype][0]).element_size()
         total = sum(s.nbytes(itemsize) for s in specs)
         n = len(split_shards(specs, itemsize, a.shard_size))
@@ -1405,7 +1457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(specs)} tensors, {total / 1e9:.2f} GB ({total / 2**30:.2f} GiB) in {n} shard(s)")
         return 0
     write_checkpoint(a.shape, a.out, a.layers, a.dtype, a.seed, a.device, a.shard_size, a.tiny, a.workers, a.overwrite,
-                     a.gptq, a.gptq_group, a.fp8_block, a.mxfp4)
+                     a.gptq, a.gptq_group, a.fp8_block, a.mxfp4, a.token_routing)
     return 0
 
 

@@ -468,3 +468,38 @@ def test_fp8_block_form_loads_as_fp8_and_matches_transformers(shape: str, tmp_pa
         want = reference(ids).logits
     got = engine.logits(ids, torch.ones_like(ids))
     assert (got - want).abs().max() / want.abs().max() <= 1e-4
+
+
+def _routing(ckpt: Path, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each sparse layer's chosen experts for every token of `ids` (transformers, fp32), as sorted (T, k)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ids, output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    return [r.reshape(-1, r.shape[-1]).topk(k, dim=-1).indices.sort(dim=-1).values for r in logits]
+
+
+@pytest.mark.parametrize("shape,layers", [("qwen3-30b-a3b", "3"), ("qwen3-next-80b-a3b", "4")])
+def test_token_routing_picks_each_tokens_experts_by_the_token_alone(tmp_path: Path, shape: str, layers: str) -> None:
+    """--token-routing: one token routes to the same experts wherever it stands in the prompt, in every
+    layer (a random model's own routers do not: its second token in a context routes elsewhere), and a
+    varied prompt reaches nearly every expert of every layer."""
+    out = {}
+    for flag in ([], ["--token-routing"]):
+        out[bool(flag)] = tmp_path / ("token" if flag else "plain")
+        assert mrc.main(["--shape", shape, "--tiny", "--layers", layers, "--out", str(out[bool(flag)]),
+                         "--workers", "2", *flag]) == 0
+    vocab = json.loads((out[True] / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, vocab, (1, 96), generator=torch.Generator().manual_seed(1))
+    ids[0, 50:60] = ids[0, 3]   # one token again, ten times, in another context
+    routed = _routing(out[True], ids)
+    for layer in routed:
+        assert all(torch.equal(layer[t], layer[3]) for t in range(50, 60))
+        assert layer.unique().numel() >= 0.9 * json.loads((out[True] / "config.json").read_text())["num_experts"]
+    plain = _routing(out[False], ids)
+    assert any(not torch.equal(layer[t], layer[3]) for layer in plain for t in range(50, 60))
+
+
+def test_token_routing_is_refused_where_it_is_not_written() -> None:
+    with pytest.raises(SystemExit, match="--token-routing is written for"):
+        mrc.planned("gpt-oss-20b", 2, "bf16", True, token_routing=True)

@@ -164,3 +164,37 @@ def test_a_shape_llama_cpp_has_no_gguf_for_is_refused_in_one_line(tmp_path, chan
     run, out = write(tmp_path, config, "q8_0")
     assert run.returncode == 1 and not out.exists() and "Traceback" not in run.stderr
     assert run.stderr.count("\n") == 1 and words in run.stderr
+
+
+@pytest.mark.parametrize("config,qtype", [(CONFIG, "q4_0"), (CONFIG, "bf16"), (NEXT, "q8_0")],
+                         ids=["qwen3moe-q4_0", "qwen3moe-bf16", "qwen3next-q8_0"])
+def test_token_routing_zeroes_the_routed_dimensions_everywhere_but_the_embedding(tmp_path, config, qtype):
+    """--token-routing: every router reads only the first routed dimensions, every projection into the
+    residual (of each expert, too) leaves them zero, and the token embedding fills them: each layer's
+    experts are then a function of the token alone, in llama.cpp as in moestream."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "t.gguf"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "random_gguf.py"), str(out), "--config",
+                          str(tmp_path / "config.json"), "--qtype", qtype, "--threads", "2", "--token-routing"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    routed = min(64, config["hidden_size"] // 4)
+    H = config["hidden_size"]
+    seen = set()
+    for t in gguf.GGUFReader(out).tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(*reversed([int(n) for n in t.shape]))
+        kind = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        if kind == "ffn_gate_inp.weight":
+            assert (w[:, routed:] == 0).all() and (w[:, :routed] != 0).mean() > 0.9
+        elif kind in ("attn_output.weight", "ssm_out.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight"):
+            rows = w.reshape(-1, H, w.shape[-1])
+            assert (rows[:, :routed] == 0).all() and (rows[:, routed:] != 0).mean() > 0.5
+        elif kind == "token_embd.weight":
+            assert (w[:, :routed] != 0).mean() > 0.9
+        else:
+            continue
+        seen.add(kind)
+    assert {"ffn_gate_inp.weight", "ffn_down_exps.weight", "token_embd.weight"} <= seen
+    assert ("ssm_out.weight" in seen) == (config is NEXT)
+    engine = moestream.load(str(out), device="cpu", dtype="float32")   # and it is still a model we run
+    assert len(engine.generate([3, 4, 5], max_tokens=4, ignore_eos=True)) == 4
