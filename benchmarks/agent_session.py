@@ -235,7 +235,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="our server's prompt tokens a forward (a long first turn at a bank: larger is faster)")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
-                    help="expert choice of our engine (llama.cpp's speed does not depend on routing)")
+                    help="expert choice of our engine (llama.cpp follows the GGUF's own routers: write it with "
+                         "random_gguf.py --token-routing so that they route near-uniformly)")
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)

@@ -27,9 +27,13 @@ whose run failed or whose peer was not run says so; nothing else stops the table
 short (a timeout, a lost machine) is finished by running the same command again.
 
 The GGUFs need the `gguf` package (`pip install gguf`; with `--llama-cpp-src` the tree's own gguf-py is
-used). Random weights do not route like a trained model: our rows state their routing (uniform
-synthetic draws, or a replayed trace of the demo model's routing); llama.cpp's speed does not depend
-on routing. Figures move between machines of one kind; only ratios from one run compare.
+used). Random weights do not route like a trained model, and a random model's own routers pick nearly
+the same experts for every token, which flatters any engine whose work depends on the experts a batch
+uses: llama.cpp's prompt at `--n-cpu-moe` copies only the experts a ubatch routes to, and its CPU
+reads only those. So every file here is written with `--token-routing` (its routers pick experts by the
+token alone): llama.cpp, fed random tokens by llama-bench, routes near-uniformly. Our rows state their
+routing (uniform synthetic draws, statistically the same, or a replayed trace of the demo model's
+routing). Figures move between machines of one kind; only ratios from one run compare.
 """
 
 from __future__ import annotations
@@ -236,8 +240,8 @@ def prepare(args, runner: Runner) -> dict:
             if args.tiny and "--fp8-block" in flags:   # the tiny shape's widths are not multiples of 128
                 flags[flags.index("--fp8-block") + 1] = "16x16"
             cmd = [sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", args.shape,
-                   "--layers", str(args.layers), *flags, "--out", str(out), "--device", args.device, "--overwrite",
-                   *(["--tiny"] if args.tiny else [])]
+                   "--layers", str(args.layers), *flags, "--token-routing", "--out", str(out), "--device", args.device,
+                   "--overwrite", *(["--tiny"] if args.tiny else [])]
             err = runner.call(f"checkpoint-{fmt.key}", cmd, args.timeout_prepare)
             if err:
                 made["errors"][fmt.name] = f"checkpoint not written: {err}"
@@ -334,7 +338,8 @@ def write_ggufs(args, runner: Runner, ckpt: Path, qtypes: set[str]) -> dict:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             err = runner.call(f"gguf-{qtype}", [sys.executable, str(ROOT / "benchmarks/random_gguf.py"), str(path),
-                                                "--config", str(ckpt / "config.json"), "--qtype", qtype],
+                                                "--config", str(ckpt / "config.json"), "--qtype", qtype,
+                                                "--token-routing"],
                               args.timeout_prepare, env=env or {})
             if err:
                 out[qtype] = f"failed: GGUF not written: {err}"
@@ -518,7 +523,7 @@ def _read_json(path: Path, run: Run) -> dict | None:
 class Row:
     row: str
     format: str          # ours / llama.cpp's
-    routing: str         # ours (llama.cpp's speed does not depend on it)
+    routing: str         # ours (llama.cpp's: the token-routed file's own, near-uniform)
     unit: str            # tok/s (higher is better) or ms (lower is better)
     ours: float | None
     llama_cpp: float | None
@@ -591,7 +596,8 @@ def markdown(table: dict) -> str:
              f"torch {m['torch']}; moestream {m['moestream_commit']}.", "",
              f"Reproduce: `{table['command']}`", "",
              "tok/s unless marked ms; ratio above 1: moestream is faster (tok/s: ours ÷ llama.cpp's, "
-             "ms: llama.cpp's ÷ ours). llama.cpp's speed does not depend on routing.", "",
+             "ms: llama.cpp's ÷ ours). llama.cpp runs the GGUF's own routing, which routes by the token "
+             "(`--token-routing`): near-uniform over llama-bench's random tokens.", "",
              *([f"llama.cpp {table['peer_missing']}.", ""] if table.get("peer_missing") else []),
              "| # | row | format (ours / llama.cpp) | our routing | moestream | llama.cpp | ratio | runs |",
              "|---|---|---|---|---|---|---|---|"]

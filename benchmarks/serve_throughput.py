@@ -69,16 +69,21 @@ def wait_healthy(url: str, timeout: float = 1200) -> None:
 
 # ---- one streamed request: the arrival time of each token -------------------------------------
 
+# Every request samples at temperature 1: a random model's greedy tokens repeat a few ids, and on a
+# token-routed file (random_gguf.py / make_random_checkpoint.py --token-routing) llama.cpp's routing,
+# and ours with --routing model, follows the tokens: sampled tokens keep both near-uniform.
+TEMPERATURE = 1.0
+
 def stream_ours(url: str, prompt: list[int], tokens: int, extra: dict | None = None, on_event=None) -> list[float]:
     """`extra`: more request fields; `on_event`: called with every streamed JSON object."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": TEMPERATURE, "ignore_eos": True, "stream": True,
             **(extra or {})}
     return _stream(f"{url}/v1/completions", body, lambda d: d.get("choices") and d["choices"][0].get("finish_reason") is None,
                    on_event)
 
 
 def stream_llama(url: str, prompt: list[int], tokens: int, extra: dict | None = None, on_event=None) -> list[float]:
-    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "n_predict": tokens, "temperature": TEMPERATURE, "ignore_eos": True, "stream": True,
             "cache_prompt": True, **(extra or {})}
     return _stream(f"{url}/completion", body, lambda d: not d.get("stop"), on_event)
 
@@ -283,7 +288,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
-                    help="expert choice of our engine (llama.cpp's speed does not depend on routing)")
+                    help="expert choice of our engine (llama.cpp follows the GGUF's own routers: write it with "
+                         "random_gguf.py --token-routing so that they route near-uniformly)")
     ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     ap.add_argument("--peer-only", action="store_true", help="measure llama-server only (ours in an earlier run)")
     ap.add_argument("--no-write", action="store_true", help="use --ckpt as it is (a folder with its own weights)")

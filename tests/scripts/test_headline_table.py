@@ -106,7 +106,7 @@ def test_rows_take_same_machine_ratios_and_say_why_a_cell_is_empty():
     assert (resident.ours, resident.llama_cpp, resident.ratio) == (100.0, 50.0, 2.0)
     assert rows[("resident prompt", "bf16 / BF16", m.UNIFORM)].ratio == 0.25
     q4 = rows[(f"{bank} decode", "int4 everywhere / Q4_0", "trace replay (demo model)")]
-    assert q4.llama_cpp == 80.0 and q4.ratio == 1.25                # llama.cpp's figure does not depend on routing
+    assert q4.llama_cpp == 80.0 and q4.ratio == 1.25                # one llama.cpp run serves both routing rows
     failed_ours = rows[(f"{bank} decode", "int4 experts / Q4_0", m.UNIFORM)]
     assert failed_ours.ours is None and failed_ours.ratio is None and "out of memory" in failed_ours.ours_note
     failed_peer = rows[(f"{bank} decode", "bf16 / BF16", m.UNIFORM)]
