@@ -313,7 +313,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
     runner_class = DistributedRunner if group is not None else ModelRunner
     memory = plan.memory
     paged = PagedLayout(memory.kv_blocks, memory.kv_block_size) if memory.paged else None
-    runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, cfg.runtime.prefill_chunk,
+    runner = runner_class(model, bank, plan.device, plan.dtype, plan.context, memory.prefill_chunk,
                           cfg.runtime.cuda_graphs, paged=paged, reserved_rows=memory.kv_rows)
     if group is not None:
         runner.group = group

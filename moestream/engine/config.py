@@ -51,10 +51,12 @@ class RuntimeConfig:
     device: str = "auto"                  # cpu | cuda | cuda:N | auto
     dtype: str | torch.dtype = "auto"     # auto = bf16 on CUDA, fp32 on CPU
     max_context: int | None = None        # KV positions per sequence (default: the model's maximum)
-    prefill_chunk: int = 512              # prompt tokens per forward and per step: a longer prompt is prefilled over
+    prefill_chunk: int | str = 512        # prompt tokens per forward and per step: a longer prompt is prefilled over
                                           # several steps (cancellable between them, others decoding meanwhile); the
                                           # memory plan sizes the activations for it, and with a bounded bank each
-                                          # forward streams the experts it lacks, so larger is faster where it fits
+                                          # forward streams the experts it lacks, so larger is faster where it fits;
+                                          # "auto": the longest of 4096/2048/1024 that costs a bounded bank at most a
+                                          # tenth of its slots (plan.auto_prefill_chunk), else 512
     max_batch: int = 64                   # sequences decoded together; more wait their turn
     cuda_graphs: bool = True
     overlap: str = "auto"                 # launch the next decode step before reading this one's tokens: auto (where
@@ -77,7 +79,7 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
-                      "prefill_chunk": INT, "max_batch": INT, "cuda_graphs": (bool,), "overlap": (str,),
+                      "prefill_chunk": (int, str), "max_batch": INT, "cuda_graphs": (bool,), "overlap": (str,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
                       "kv_layout": (str,), "kv_block_size": INT, "kv_cache_memory": SIZE,
                       "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),
@@ -105,8 +107,9 @@ class RuntimeConfig:
             raise InputError(f"kv_block_size must be 1..1024 positions, got {self.kv_block_size}.")
         if self.max_context is not None and self.max_context < 2:
             raise InputError(f"max_context must be at least 2, got {self.max_context}.")
-        if self.prefill_chunk < 1:
-            raise InputError(f"prefill_chunk must be at least 1, got {self.prefill_chunk}.")
+        if self.prefill_chunk != "auto" and (isinstance(self.prefill_chunk, str) or self.prefill_chunk < 1):
+            raise InputError(f"prefill_chunk must be a number of tokens, at least 1, or \"auto\"; got "
+                             f"{self.prefill_chunk!r}.")
         if self.max_batch < 1:
             raise InputError(f"max_batch must be at least 1, got {self.max_batch}.")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:

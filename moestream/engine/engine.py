@@ -583,7 +583,8 @@ def load(model: str | EngineConfig, config: EngineConfig | None = None, **kwargs
     """Load a checkpoint folder or hub id; the tokenizer comes along when the checkpoint has one.
 
     Keywords (or an EngineConfig, whose sections they fill): device, dtype, max_context,
-    prefill_chunk (prompt tokens per forward and per step: longer prompts take several steps),
+    prefill_chunk (prompt tokens per forward and per step: longer prompts take several steps; "auto" sizes
+    it for a bounded bank, `plan.auto_prefill_chunk`),
     max_batch; the KV cache's `kv_layout` (auto | paged | rows), `kv_block_size` and
     `kv_cache_memory` (a paged cache's bytes), `prefix_cache_memory` (> 0: reuse cached prefixes);
     `gpu_memory` (alias `memory`, which names no device) bounds

@@ -1,0 +1,111 @@
+"""`--prefill-chunk auto`: a bounded bank's prompts take the longest chunk (4096, 2048, 1024 tokens)
+whose activations cost the bank at most a tenth of its slots; a resident model keeps 512; expert-
+parallel ranks keep 512, so every rank splits a prompt alike."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moestream
+from moestream.archs import detect_arch, model_config_from_hf
+from moestream.engine.config import EngineConfig, RuntimeConfig
+from moestream.engine.plan import (AUTO_CHUNK_KEEPS, AUTO_PREFILL_CHUNKS, DEFAULT_PREFILL_CHUNK, auto_prefill_chunk,
+                                   expert_formats, plan_load, plan_memory)
+from moestream.errors import BudgetError, InputError
+from moestream.quant.recipe import QuantRecipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def qwen3_30b(layers: int = 48):
+    """Qwen3-30B-A3B's config (the random checkpoint script's), no weights."""
+    spec = importlib.util.spec_from_file_location("make_random_checkpoint", ROOT / "scripts/make_random_checkpoint.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    raw = module.build_config("qwen3-30b-a3b", layers, "bf16", False)
+    arch = detect_arch(raw)
+    return model_config_from_hf(raw, arch), arch
+
+
+def planner(experts: str, budget: str, context: int = 32768):
+    config, arch = qwen3_30b()
+    recipe = QuantRecipe.from_dict({"experts": experts}) if experts != "bf16" else QuantRecipe()
+    formats = expert_formats(config, torch.bfloat16, recipe)
+    return lambda chunk: plan_memory(config, torch.bfloat16, budget, None, max_context=context, prefill_chunk=chunk,
+                                     expert_formats=formats, spec=arch, min_capacity=1)
+
+
+@pytest.mark.parametrize("experts,budget,longer", [("bf16", "16GiB", True), ("int4", "16GiB", False)])
+def test_auto_takes_the_longest_chunk_that_keeps_nine_tenths_of_the_bank(experts, budget, longer):
+    """bf16 experts at 16 GiB: a 4,096-token chunk costs the bank one slot a layer; int4 experts at 16 GiB: any
+    chunk from 1,024 tokens also holds the dequantized path's scratch, more than a tenth of the bank."""
+    plan_at = planner(experts, budget)
+    base, chosen = plan_at(DEFAULT_PREFILL_CHUNK), auto_prefill_chunk(plan_at, 32768)
+    assert not base.fully_resident
+    assert (chosen.prefill_chunk > DEFAULT_PREFILL_CHUNK) == longer
+    assert chosen.capacity >= AUTO_CHUNK_KEEPS * base.capacity
+    for chunk in [c for c in AUTO_PREFILL_CHUNKS if c > chosen.prefill_chunk]:   # every longer one costs more
+        try:
+            assert plan_at(chunk).capacity < AUTO_CHUNK_KEEPS * base.capacity
+        except BudgetError:
+            pass
+
+
+def test_auto_keeps_the_default_where_every_expert_is_resident_or_the_context_is_short():
+    assert auto_prefill_chunk(planner("bf16", "200GiB"), 32768).prefill_chunk == DEFAULT_PREFILL_CHUNK
+    assert auto_prefill_chunk(planner("bf16", "16GiB", context=2048), 2048).prefill_chunk == 2048
+    assert auto_prefill_chunk(planner("bf16", "16GiB", context=1000), 1000).prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+@pytest.fixture(scope="module")
+def long_qwen3(tiny_qwen3, tmp_path_factory):
+    """The tiny Qwen3-MoE with 4,096 positions (its own 256 leave no room for a longer chunk)."""
+    folder = tmp_path_factory.mktemp("long_qwen3")
+    for f in Path(tiny_qwen3).iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((Path(tiny_qwen3) / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(folder)
+
+
+def test_a_bounded_bank_prefills_in_the_chunk_auto_chose_and_gives_the_same_tokens(long_qwen3):
+    prompt = [3 + i % 150 for i in range(900)]
+    fixed = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048)
+    auto = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048,
+                          prefill_chunk="auto")
+    assert fixed.runner.prefill_chunk == 512 and auto.runner.prefill_chunk == 2048 == auto.plan.memory.prefill_chunk
+    assert auto.generate(prompt, max_tokens=6, ignore_eos=True) == fixed.generate(prompt, max_tokens=6, ignore_eos=True)
+    assert auto.counters.prefill_chunks == 1 and fixed.counters.prefill_chunks == 2
+    resident = moestream.load(long_qwen3, device="cpu", dtype="float32", max_context=2048, prefill_chunk="auto")
+    assert resident.runner.prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+def test_expert_parallel_ranks_keep_the_default_chunk(long_qwen3):
+    cfg = EngineConfig.from_kwargs(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048,
+                                   prefill_chunk="auto").validate()
+    assert plan_load(cfg).memory.prefill_chunk == 2048
+    assert plan_load(cfg, experts_here=4).memory.prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+@pytest.mark.parametrize("bad", ["lots", 0, -4, 1.5])
+def test_a_chunk_that_is_neither_tokens_nor_auto_is_refused(bad):
+    with pytest.raises(InputError, match="prefill_chunk must be"):
+        RuntimeConfig(prefill_chunk=bad).validate()
+
+
+def test_check_shows_the_chunk_auto_chose_and_the_flag_refuses_other_words(long_qwen3, capsys):
+    from moestream.cli import main as cli_main
+
+    assert cli_main(["check", long_qwen3, "--device", "cpu", "--capacity", "2", "--max-context", "2048",
+                     "--prefill-chunk", "auto"]) == 0
+    assert "prefill chunk     2048 tokens a forward" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["check", long_qwen3, "--prefill-chunk", "lots"])
+    assert exit_.value.code != 0 and "--prefill-chunk: must be an integer" in capsys.readouterr().err
