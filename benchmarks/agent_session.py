@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import serve_throughput as st  # noqa: E402
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
 from benchmarks.headline_table import machine  # noqa: E402
+from moestream.cli.flags import chunk_tokens  # noqa: E402
 from moestream.fileio import write_bytes_atomic, write_json_atomic  # noqa: E402
 
 MARGIN = 64   # context positions beyond the longest conversation
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (e.g. 32 of 128 = the 25%% budget)")
     ap.add_argument("--prefix-cache-memory", default="8GiB", help="our server's prefix cache")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
-    ap.add_argument("--prefill-chunk", type=int, default=512,
+    ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512,
                     help="our server's prompt tokens a forward (a long first turn at a bank: larger is faster)")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
                     help="expert choice of our engine (llama.cpp follows the GGUF's own routers: write it with "

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
 from moestream.bench import apply_routing  # noqa: E402
+from moestream.cli.flags import chunk_tokens  # noqa: E402
 from moestream.fileio import write_json_atomic  # noqa: E402
 
 
@@ -283,7 +284,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=8192 + 512)
     ap.add_argument("--prefix-cache-memory", default="4GiB")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
-    ap.add_argument("--prefill-chunk", type=int, default=512, help="our server's prompt tokens a forward")
+    ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512, help="our server's prompt tokens a forward")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)
