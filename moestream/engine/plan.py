@@ -44,6 +44,7 @@ from moestream.sizes import dtype_size, format_bytes, parse_bytes
 DEFAULT_PREFILL_CHUNK = 512           # prompt tokens a forward unless told (or `auto` keeps it)
 AUTO_PREFILL_CHUNKS = (4096, 2048, 1024)   # what `--prefill-chunk auto` tries for a bounded bank, longest first
 AUTO_CHUNK_KEEPS = 0.9                # ... keeping at least this share of the bank's slots at the default chunk
+
 # cuBLAS/cuDNN workspaces (one per stream: compute and copy), CUDA-graph pools of the decode
 # steps, allocator rounding and small tensors (routing, sampling). Measured on an H100: the
 # rest of the plan was 70 MB short of torch.cuda.max_memory_allocated with a 64 MiB slack,
