@@ -2,10 +2,10 @@
 
 Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
 blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows then its up
-rows). `layer_spec` decides each layer's format from the three types alone (the plan calls it
-before any weight is read): MXFP4 where all three are (their codes and scales kept), the affine
-spec holding them exactly when there is one (int4-g32 for
-Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
+rows, and gpt-oss's (E, 2I) fused bias stack likewise). `layer_spec` decides each layer's format
+from the three types alone (the plan calls it before any weight is read): MXFP4 where all three
+are (their codes and scales kept), the affine spec holding them exactly when there is one
+(int4-g32 for Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
 int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
 read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
 """
