@@ -197,7 +197,8 @@ def write_tokenizer(writer: gguf.GGUFWriter, vocab: int, template: str | None) -
 def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts: str = "F32", dense: str = "F32",
               down: str | None = None, seed: int = 0, tokenizer: bool = False, template: str | None = None,
               split: int = 1, embeddings: str = "F32", kv_b_split: bool = False, layout: str = "current",
-              gate: str | None = None, skip_a_log: bool = False, fuse_gate_up: bool = False) -> None:
+              gate: str | None = None, skip_a_log: bool = False, fuse_gate_up: bool = False,
+              omit: tuple[str, ...] = ()) -> None:
     """Write `hf_folder`'s model as a GGUF at `out` (experts in type `experts`, their down projection
     in `down` when given, attention linears in `dense`; norms, routers and embeddings in F32), and
     when `reference` is given an HF folder with the weights the GGUF stands for. `embeddings`: the
@@ -207,7 +208,8 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
     full-attention layer's q/k/v as one attn_qkv, the converter's --fuse-qkv); `gate`: attn_gate's
     type when not `dense`; `skip_a_log`: A_log written as it is (a wrong conversion, for refusals).
     `fuse_gate_up`: each layer's gate and up stacks as one ffn_gate_up_exps, as the converter's
-    --fuse-gate-up-exps writes them."""
+    --fuse-gate-up-exps writes them (gpt-oss's gate and up biases too, as one ffn_gate_up_exps.bias);
+    `omit`: GGUF tensor names left out of the file (an incomplete conversion, for refusals)."""
     config = json.loads((hf_folder / "config.json").read_text())
     model_type = config["model_type"]
     arch = ARCH[model_type]
@@ -347,16 +349,23 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             stem = f"{base}.mlp.experts"
             gate_up, gate_up_bias = sd[f"{stem}.gate_up_proj"], sd[f"{stem}.gate_up_proj_bias"]
             stored = {}
-            for proj, w in (("gate", gate_up[..., 0::2]), ("up", gate_up[..., 1::2]), ("down", sd[f"{stem}.down_proj"])):
-                stored[proj], back = encode(w.transpose(1, 2).contiguous(), (down or experts) if proj == "down" else experts,
-                                            rng)
-                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", stored[proj],
-                                (down or experts) if proj == "down" else experts))
+            weights = {"gate": gate_up[..., 0::2].transpose(1, 2), "up": gate_up[..., 1::2].transpose(1, 2),
+                       "down": sd[f"{stem}.down_proj"].transpose(1, 2)}
+            biases = {"gate": gate_up_bias[..., 0::2], "up": gate_up_bias[..., 1::2],
+                      "down": sd[f"{stem}.down_proj_bias"]}
+            if fuse_gate_up:   # --fuse-gate-up-exps: (E, 2I, H) and (E, 2I), each expert's gate rows then its up rows
+                weights["gate_up"] = torch.cat([weights.pop("gate"), weights.pop("up")], dim=1)
+                biases["gate_up"] = torch.cat([biases.pop("gate"), biases.pop("up")], dim=1)
+            for proj, w in weights.items():
+                qtype = (down or experts) if proj == "down" else experts
+                data, back = encode(w.contiguous(), qtype, rng)
+                tensors.append((f"blk.{layer}.ffn_{proj}_exps.weight", data, qtype))
                 stored[proj] = back.transpose(1, 2)
+            if fuse_gate_up:
+                stored["gate"], stored["up"] = stored.pop("gate_up").split(config["intermediate_size"], dim=-1)
             deq[f"{stem}.gate_up_proj"] = torch.stack([stored["gate"], stored["up"]], dim=-1).flatten(-2)
             deq[f"{stem}.down_proj"] = stored["down"]
-            for proj, b in (("gate", gate_up_bias[..., 0::2]), ("up", gate_up_bias[..., 1::2]),
-                            ("down", sd[f"{stem}.down_proj_bias"])):
+            for proj, b in biases.items():
                 tensors.append((f"blk.{layer}.ffn_{proj}_exps.bias", b.float().contiguous().numpy(), "F32"))
             continue
         names = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
@@ -377,6 +386,8 @@ def make_gguf(hf_folder: Path, out: Path, reference: Path | None = None, experts
             put(f"blk.{layer}.ffn_{proj}_exps.weight", stacked[proj], (down or experts) if proj == "down" else experts,
                 hf[proj])
     for name, stored, qtype in tensors:
+        if name in omit:
+            continue
         t = gguf.GGMLQuantizationType[qtype]
         if qtype in ("F32", "F16"):
             writer.add_tensor(name, stored)

@@ -323,6 +323,25 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"tensor {name!r} is missing from {self.path.name}; the GGUF is incomplete.")
         return names
 
+    def expert_bias_names(self, layer: int) -> tuple[str, str, str]:
+        """The (E, N) float stacks holding layer `layer`'s gate, up and down biases (gpt-oss): gate's
+        and up's are one `ffn_gate_up_exps.bias` (E, 2I), each expert's gate biases then its up
+        biases, where the converter fused them with the weights (--fuse-gate-up-exps; llama.cpp adds
+        it to the fused product, then takes gate and up as its two halves)."""
+        base = f"blk.{layer}"
+        fused = f"{base}.ffn_gate_up_exps.bias"
+        names = []
+        for proj in ("gate", "up", "down"):
+            name = f"{base}.ffn_{proj}_exps.bias"
+            if name not in self.tensors and proj != "down" and (
+                    fused in self.tensors or self.expert_names(layer)[0] == f"{base}.ffn_gate_up_exps.weight"):
+                name = fused   # the fused stack: present, or the one a fused conversion lacks
+            if name not in self.tensors:
+                raise CheckpointError(f"tensor {name!r} is missing from {self.path.name}, whose gpt-oss experts need "
+                                      "their biases; the GGUF is incomplete, re-convert it with a current llama.cpp.")
+            names.append(name)
+        return tuple(names)  # type: ignore[return-value]
+
 
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "post_attention_norm": "post_attention_layernorm",   # glm4moe's name for it

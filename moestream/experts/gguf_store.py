@@ -2,10 +2,10 @@
 
 Each stack is (E, N, K) in one ggml type, so expert e is one byte range of each (its N rows of
 blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows then its up
-rows). `layer_spec` decides each layer's format from the three types alone (the plan calls it
-before any weight is read): MXFP4 where all three are (their codes and scales kept), the affine
-spec holding them exactly when there is one (int4-g32 for
-Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
+rows, and gpt-oss's (E, 2I) fused bias stack likewise). `layer_spec` decides each layer's format
+from the three types alone (the plan calls it before any weight is read): MXFP4 where all three
+are (their codes and scales kept), the affine spec holding them exactly when there is one
+(int4-g32 for Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
 int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
 read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
 """
@@ -66,8 +66,10 @@ class GGUFExpertStore(ExpertStore):
                     raise CheckpointError(f"tensor {t.name!r} of {ckpt.path.name} has shape {list(t.shape)} but its "
                                           f"metadata implies {list(shape)}; the GGUF does not match its metadata.")
             self.tensors[layer] = stacks
-            if self.shape.bias:   # gpt-oss: each stack's (E, N) float biases beside it
-                self.biases[layer] = {proj: self._bias_tensor(layer, proj, want[proj][:2]) for proj in PROJECTIONS}
+            if self.shape.bias:   # gpt-oss: each stack's (E, N) float biases beside it (gate's and up's maybe fused)
+                names = dict(zip(PROJECTIONS, ckpt.expert_bias_names(layer)))
+                self.biases[layer] = {proj: self._bias_tensor(names[proj], (E, 2 * I) if _fused(names[proj]) else
+                                                              want[proj][:2]) for proj in PROJECTIONS}
         self.dtype = torch.float32
         self._noted = threading.Lock()
         self._requant_error: float | None = None
@@ -103,14 +105,11 @@ class GGUFExpertStore(ExpertStore):
 
     def read_into(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         self._read_weights(layer, expert, fmt, out)
-        if self.shape.bias:   # gpt-oss: ffn_{gate,up,down}_exps.bias, (E, N) floats
+        if self.shape.bias:   # gpt-oss: ffn_{gate,up,down}_exps.bias (or ffn_gate_up_exps.bias), (E, N) floats
             encode_biases(out, tuple(self._bias(layer, expert, proj) for proj in PROJECTIONS))
 
-    def _bias_tensor(self, layer: int, proj: str, shape: tuple[int, int]):
-        name = f"blk.{layer}.ffn_{proj}_exps.bias"
-        t = self.ckpt.tensors.get(name)
-        if t is None:
-            raise CheckpointError(f"tensor {name!r} is missing from {self.ckpt.path.name}; the GGUF is incomplete.")
+    def _bias_tensor(self, name: str, shape: tuple[int, int]) -> GGUFTensor:
+        t = self.ckpt.tensors[name]
         if tuple(t.shape) != shape or not ggml.readable(t.type_name):
             raise CheckpointError(f"tensor {name!r} of {self.ckpt.path.name} is {list(t.shape)} {t.type_name} where "
                                   f"the experts need {list(shape)} floats; the GGUF does not match its metadata.")
@@ -119,7 +118,11 @@ class GGUFExpertStore(ExpertStore):
     def _bias(self, layer: int, expert: int, proj: str) -> Tensor:
         t = self.biases[layer][proj]
         row, type_name = self.reads.rows(t, expert, 1)
-        return self._dense(row, type_name, t.shape[-1])[0]
+        bias = self._dense(row, type_name, t.shape[-1])[0]
+        if _fused(t.name):   # gate's biases, then up's
+            half = t.shape[-1] // 2
+            return bias[half:] if proj == "up" else bias[:half]
+        return bias
 
     def _read_weights(self, layer: int, expert: int, fmt: ExpertFormat, out: Mapping[str, Tensor]) -> None:
         I = self.shape.intermediate
@@ -151,9 +154,9 @@ class GGUFExpertStore(ExpertStore):
         return rows if type_name in ggml.FLOAT_TYPES else ggml.dequantize_blocks(rows, type_name, k)
 
 
-def _fused(t: GGUFTensor) -> bool:
-    """Gate and up in one stack (the converter's --fuse-gate-up-exps)."""
-    return t.name.endswith(".ffn_gate_up_exps.weight")
+def _fused(t: GGUFTensor | str) -> bool:
+    """Gate and up in one stack (the converter's --fuse-gate-up-exps): weights or biases."""
+    return (t if isinstance(t, str) else t.name).endswith((".ffn_gate_up_exps.weight", ".ffn_gate_up_exps.bias"))
 
 
 def expert_formats(ckpt: GGUFCheckpoint, config: ModelConfig, dtype: torch.dtype,

@@ -208,6 +208,35 @@ def test_gpt_oss_gguf_is_the_model_its_weights_make(gpt_oss_hf, tmp_path, expert
     assert_matches(engine, reference, path)
 
 
+@pytest.mark.parametrize("experts", ["F32", "MXFP4"])
+def test_gpt_oss_gguf_with_gate_and_up_fused_is_the_model_unfused(gpt_oss_hf, tmp_path, experts):
+    """--fuse-gate-up-exps on gpt-oss fuses the biases too (ffn_gate_up_exps.bias, (E, 2I), each
+    expert's gate biases then its up biases): the same logits, bit for bit, as the file of the same
+    weights written unfused, and transformers' on the weights it holds."""
+    plain, fused, ref_folder = tmp_path / "plain.gguf", tmp_path / "fused.gguf", tmp_path / "ref"
+    make_gguf(gpt_oss_hf, plain, experts=experts, dense="Q8_0")
+    make_gguf(gpt_oss_hf, fused, ref_folder, experts=experts, dense="Q8_0", fuse_gate_up=True)
+    names = {t.name for t in gguf.GGUFReader(fused).tensors}
+    assert {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_up_exps.bias"} <= names
+    assert not any(n.endswith(("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_gate_exps.weight")) for n in names)
+    engine = moestream.load(str(fused), device="cpu", dtype="float32")
+    assert {f.name for f in engine.bank.formats.values()} == {"mxfp4" if experts == "MXFP4" else "fp32"}
+    logits = engine.logits(IDS, MASK)
+    assert torch.equal(logits, moestream.load(str(plain), device="cpu", dtype="float32").logits(IDS, MASK))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert relative(logits, reference(IDS, attention_mask=MASK).logits) <= 1e-4
+
+
+def test_gpt_oss_gguf_fused_without_its_gate_up_bias_is_refused(gpt_oss_hf, tmp_path, capsys):
+    """A fused gpt-oss file lacking the fused bias its experts need: refused in one sentence naming it."""
+    path = tmp_path / "nobias.gguf"
+    make_gguf(gpt_oss_hf, path, experts="F32", dense="F32", fuse_gate_up=True, omit=("blk.1.ffn_gate_up_exps.bias",))
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.1\.ffn_gate_up_exps\.bias' is missing from nobias\.gguf"):
+        moestream.load(str(path), device="cpu")
+    _cli_refuses(path, capsys, "'blk.1.ffn_gate_up_exps.bias' is missing")
+
+
 @pytest.fixture(scope="module")
 def qwen3_next_hf(tmp_path_factory):
     """A tiny Qwen3-Next whose widths Q8_0's and Q4_0's 32-value blocks divide: linear attention in
