@@ -24,7 +24,8 @@ compares decode launched one step ahead of the host (`auto`: on where the ranks 
 with steps waited for one by one (`off`), on the same GPUs in one run.
 
 The peer, in the same run: `--llama-bin DIR --gguf FILE` (a GGUF of the same shape, e.g. from
-`benchmarks/random_gguf.py`) runs llama.cpp on the same GPU counts: `llama-bench` for batch 1 and
+`benchmarks/random_gguf.py --token-routing`: llama.cpp follows the file's own routing, and a plain random
+file's few favourite experts flatter its batches at `--n-cpu-moe`) runs llama.cpp on the same GPU counts: `llama-bench` for batch 1 and
 `llama-batched-bench` for larger batches, each `--split-mode` of `--llama-split` (one GPU: `none`),
 the whole model on the GPUs and, for a bank share s, `--n-cpu-moe` = (1 − s) × layers (the same
 fraction of the experts on the GPUs as ours: our s of each rank's share is s of them all). The
