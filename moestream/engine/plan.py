@@ -204,8 +204,8 @@ def paged_blocks(config: ModelConfig, spec: ArchSpec, dtype: torch.dtype, block_
 def dequant_workspace_bytes(config: ModelConfig, dtype: torch.dtype, formats: dict[int, ExpertFormat],
                             tokens: int) -> int:
     """What a chunk of `tokens` adds when it takes the quantized experts' long prompts' path
-    (`kernels/long_prompts.py`): a dequantized copy of a layer's slots, counted as every expert of the
-    layer (the most slots a call can see); 0 where chunks stay shorter than that path's threshold."""
+    (`kernels/long_prompts.py`): a dequantized copy of one group of a layer's slots (32 at most,
+    `dequant_group_slots`); 0 where chunks stay shorter than that path's threshold."""
     specs = [fmt.spec for fmt in formats.values() if isinstance(fmt, QuantizedFormat)]
     if not specs or tokens < min(dequant_min_tokens(spec) for spec in specs):
         return 0

@@ -11,12 +11,13 @@ value planes, the slot map and the CPU's split read in the kernels) where its fo
 FP8 e4m3 slots (`moestream.quant.fp8`, the FP8 checkpoints' bytes and block scales) take the same
 decode and grouped kernels, each byte turned into fp32 and multiplied by its block's scale as the
 tile is loaded (`moe_tiles._fp8_tile`); one token takes the decode path (its GEMV, no padded dot).
-Long calls (`long_prompts.py`'s thresholds) dequantize every slot once instead (dequant_slots_triton.py)
-and run the plain grouped GEMMs. No host sync: safe inside CUDA graphs.
+Long calls (`long_prompts.py`'s thresholds) dequantize every slot once instead (dequant_slots_triton.py),
+a group of slots at a time into one scratch, each group's grouped GEMMs running its slots' blocks. No host sync: safe inside CUDA graphs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -29,12 +30,12 @@ from moestream.quant import QuantSpec
 from moestream.quant.fp8 import Fp8Spec
 from moestream.quant.normal import codebook
 
-from .fused_moe_triton import DecodeConfig, MoeConfig, resolve_path, run_paths
+from .fused_moe_triton import DecodeConfig, MoeConfig, grouped_by_slot_groups, resolve_path, run_paths
 from .dequant_slots_triton import dequantize_operand
 from .fused_moe_decode import HostOperand, QuantOperand
 from .fused_moe_token import TokenConfig, host_offset
 from .fused_moe_token_quant import takes_token_path, token_moe_quant
-from .long_prompts import dequant_min_tokens
+from .long_prompts import dequant_group_slots, dequant_min_tokens
 from .quant_moe_reference import QuantHostReads
 
 __all__ = ["fused_moe_quant", "quant_operand"]
@@ -56,6 +57,43 @@ def quant_operand(slots: Mapping[str, Tensor], proj: str, spec: QuantSpec | Fp8S
     biases = slots.get(f"{proj}.biases", scales)   # NF: never read
     code = nf_codebook(spec.bits, str(qweight.device)) if spec.kind == "nf" else scales
     return QuantOperand(qweight, scales, biases, code, spec.bits, spec.group, spec.kind == "nf")
+
+
+def _slot_range(operand: QuantOperand, start: int, count: int) -> QuantOperand:
+    """Slots [start, start + count) of a quantized projection (the codebook is shared, not per slot)."""
+    S = operand.qweight.shape[0]
+
+    def rows(t: Tensor) -> Tensor:
+        return t[start:start + count] if t.dim() and t.shape[0] == S else t
+
+    return dataclasses.replace(operand, qweight=rows(operand.qweight), scales=rows(operand.scales),
+                               biases=rows(operand.biases), code=operand.code if operand.nf else rows(operand.code))
+
+
+def _dequantized_call(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand, slot_ids: Tensor, weights: Tensor,
+                      config, S: int, I: int, reduce: bool, layer_experts: int | None) -> Tensor:
+    """The long calls' path: slots dequantized into the hidden dtype, then the plain grouped GEMMs,
+    `dequant_group_slots(S)` slots at a time into one scratch (a bank of many slots would otherwise
+    hold a dequantized copy of all of them): the routing aligned once, each group's launches running
+    its slots' blocks (`grouped_by_slot_groups`), so the result has the bits of one group."""
+    H = hidden.shape[1]
+    group = dequant_group_slots(S)
+    up_scratch = torch.empty((group, 2 * I, H), dtype=hidden.dtype, device=hidden.device)
+    down_scratch = torch.empty((group, H, I), dtype=hidden.dtype, device=hidden.device)
+
+    def load_group(start: int, count: int) -> tuple[Tensor, Tensor]:
+        whole = count == S   # a bank of at most one group: no views needed
+        up = gate_up if whole else _slot_range(gate_up, start, count)
+        dn = down if whole else _slot_range(down, start, count)
+        return (dequantize_operand(up, H, hidden.dtype, gated=True, out=up_scratch[:count]),
+                dequantize_operand(dn, I, hidden.dtype, gated=False, out=down_scratch[:count]))
+
+    if group == S:
+        plain_up, plain_down = load_group(0, S)
+        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, I,
+                         reduce=reduce, layer_experts=layer_experts)
+    return grouped_by_slot_groups(hidden, slot_ids, weights, S, I, group, load_group, config=config,
+                                  layer_experts=layer_experts, reduce=reduce)
 
 
 @triton.jit
@@ -129,10 +167,7 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
     if long:   # every slot dequantized once, then the plain grouped GEMMs
-        plain_up = dequantize_operand(gate_up, hidden.shape[1], hidden.dtype, gated=True)
-        plain_down = dequantize_operand(down, I, hidden.dtype, gated=False)
-        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, I,
-                         reduce=reduce, layer_experts=layer_experts)
+        return _dequantized_call(hidden, gate_up, down, slot_ids, weights, config, S, I, reduce, layer_experts)
     operands = None
     if host is not None:
         operands = (host_operand(host, slots, "gate_up", spec), host_operand(host, slots, "down", spec))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,7 +167,7 @@ def _moe_grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
     N, K, num_pairs, num_m_blocks,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_sn,
-    stride_bias_e, alpha, limit,
+    stride_bias_e, alpha, limit, slot_lo, slot_hi,
     A_ROW_DIV: tl.constexpr,      # A row of a pair = pair // A_ROW_DIV (top_k for hidden, 1 after)
     GATED: tl.constexpr,          # B holds gate rows [0, N) then up rows [N, 2N); apply activation
     ACTIVATION: tl.constexpr,
@@ -180,7 +181,8 @@ def _moe_grouped_gemm_kernel(
     """C[pair, :] = epilogue(A[pair // A_ROW_DIV, :] @ B[slot]^T) for one (M-block, N-tile).
 
     Every M-block belongs to one slot (see moe_align_block_size); B is a (S, N or 2N, K) bank
-    tensor with K contiguous, read as [BLOCK_K, BLOCK_N] tiles of that slot.
+    tensor with K contiguous, read as [BLOCK_K, BLOCK_N] tiles of that slot. Only the M-blocks of
+    slots [slot_lo, slot_hi) run, B holding those slots from its first (a group of a layer's slots).
     """
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
@@ -193,8 +195,9 @@ def _moe_grouped_gemm_kernel(
     pid_n = (pid % pids_per_group) // group_size
 
     slot = tl.load(block_slot_ptr + pid_m)
-    if slot < 0:                  # unrouted pairs and unused tail blocks: nothing to write
+    if (slot < slot_lo) | (slot >= slot_hi):   # unrouted pairs, unused tail blocks, another group's slots
         return
+    slot -= slot_lo
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pair_ids_ptr + offs_m)
     row_mask = pair < num_pairs
@@ -229,9 +232,12 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
                          block_slot: Tensor, n: int, k: int, num_pairs: int, a_row_div: int,
                          gated: bool, activation_code: int, mul_weight: bool,
                          block_m: int, cfg: GemmConfig, quant: QuantOperand | None = None,
-                         bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0) -> None:
+                         bias: Tensor | None = None, alpha: float = 1.0, limit: float = 0.0,
+                         slot_range: tuple[int, int] | None = None) -> None:
     """One launch of `_moe_grouped_gemm_kernel` over all M-blocks and N-tiles; `bias` (S, N or 2N)
-    per-slot bias rows, or None."""
+    per-slot bias rows, or None. `slot_range` (lo, hi): only the blocks of those slots, which `b`
+    holds from its first (default: every slot of `b`)."""
+    lo, hi = slot_range if slot_range is not None else (0, b.shape[0] if quant is None else quant.qweight.shape[0])
     num_m_blocks = block_slot.numel()
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
     b, s, z, code, stride_se, stride_sn, bits, group, nf, block_k = quant_args(b, quant, cfg.block_k)
@@ -239,7 +245,7 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
         a, b, c, w, pair_ids, block_slot, s, z, code, bias if bias is not None else b,
         n, k, num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        stride_se, stride_sn, bias.stride(0) if bias is not None else 0, float(alpha), float(limit),
+        stride_se, stride_sn, bias.stride(0) if bias is not None else 0, float(alpha), float(limit), lo, hi,
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
@@ -434,11 +440,8 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     H = hidden.shape[1]
     I = intermediate if intermediate is not None else gate_up.shape[1] // 2
     num_pairs = T * k
-    cfg = config if config is not None else select_config(T, k, layer_experts or S, quantized=quant is not None)
-    elt = hidden.element_size()
-    gate_up_cfg = fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES)
-    down_cfg = fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES)
-
+    cfg, gate_up_cfg, down_cfg = _grouped_tiles(T, k, S, H, I, hidden.element_size(), config, quant is not None,
+                                                layer_experts)
     pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
     flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous
     _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
@@ -451,6 +454,55 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
                          activation_code=0, mul_weight=True,
                          block_m=cfg.block_m, cfg=down_cfg, quant=quant[1] if quant else None,
                          bias=biases[1] if biases else None)
+
+
+def _grouped_tiles(T: int, k: int, S: int, H: int, I: int, elt: int, config: MoeConfig | None, quantized: bool,
+                   layer_experts: int | None) -> tuple[MoeConfig, GemmConfig, GemmConfig]:
+    """The grouped path's config and its two launches' tiles (fitted to shared memory)."""
+    cfg = config if config is not None else select_config(T, k, layer_experts or S, quantized=quantized)
+    return (cfg, fit_tile(cfg.gate_up, cfg.block_m, I, H, elt, True, _SMEM_BUDGET_BYTES),
+            fit_tile(cfg.down, cfg.block_m, H, I, elt, False, _SMEM_BUDGET_BYTES))
+
+
+def grouped_by_slot_groups(hidden: Tensor, slot_ids: Tensor, weights: Tensor, num_slots: int, intermediate: int,
+                           group: int, load_group: Callable[[int, int], tuple[Tensor, Tensor]],
+                           config: MoeConfig | None = None, layer_experts: int | None = None,
+                           reduce: bool = True) -> Tensor:
+    """The plain grouped path (SwiGLU, no biases) over `num_slots` slots whose weights exist `group`
+    slots at a time: `load_group(start, count)` gives the (count, 2I, H) gate_up and (count, H, I) down
+    of slots [start, start + count) (the quantized long calls dequantize them into one scratch). The
+    routing is aligned once and each group's two launches run only its slots' M-blocks, so every
+    pair's row, and their sum, are the bits of one call over all the slots. `reduce` False: the
+    (T, k, H) fp32 pair rows instead (zero where unrouted), as `run_paths` gives them."""
+    T, k = slot_ids.shape
+    H = hidden.shape[1]
+    num_pairs = T * k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden) if reduce else hidden.new_zeros((T, k, H), dtype=torch.float32)
+    out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
+    per_pair = (torch.empty if reduce else torch.zeros)((num_pairs, H), dtype=torch.float32, device=hidden.device)
+    activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    cfg, gate_up_cfg, down_cfg = _grouped_tiles(T, k, num_slots, H, intermediate, hidden.element_size(), config,
+                                                False, layer_experts)
+    flat_weights = weights.reshape(-1)
+    with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
+        pair_ids, block_slot = moe_align_block_size(slot_ids, num_slots, cfg.block_m)
+        for start in range(0, num_slots, group):
+            count = min(group, num_slots - start)
+            gate_up, down = load_group(start, count)
+            span = (start, start + count)
+            _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
+                                 n=intermediate, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
+                                 activation_code=0, mul_weight=False, block_m=cfg.block_m, cfg=gate_up_cfg,
+                                 slot_range=span)
+            _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
+                                 n=H, k=intermediate, num_pairs=num_pairs, a_row_div=1, gated=False,
+                                 activation_code=0, mul_weight=True, block_m=cfg.block_m, cfg=down_cfg,
+                                 slot_range=span)
+        if not reduce:
+            return per_pair.view(T, k, H)
+        _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
+    return out
 
 
 def fused_moe(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tensor, weights: Tensor,

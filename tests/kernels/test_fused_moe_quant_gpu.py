@@ -122,3 +122,34 @@ def test_a_long_prompt_through_dequantized_slots(name, T, path):
     weights = torch.rand(T, K, device="cuda", generator=g)
     out = fused_moe_quant(hidden, slots, ids, weights, spec, path=path)
     assert rel(out, quant_moe_reference(hidden, slots, ids, weights, spec)) < 1e-2, name
+
+
+
+@pytest.mark.parametrize("name", ["int4-g64", "fp8"])
+def test_a_long_call_dequantizes_its_slots_a_group_at_a_time_with_the_same_bits(name, monkeypatch):
+    """A bank of more slots than one dequantized group (here 12 slots in groups of 5, 5 and 2) gives the
+    bits of one call over every slot dequantized at once; the plan counts one group's scratch."""
+    from moestream.experts.format import ExpertShape, Fp8Format
+    from moestream.kernels import long_prompts
+    from moestream.kernels.fused_moe_quant_triton import fused_moe_quant
+    from moestream.quant.fp8 import Fp8Spec
+
+    if name == "fp8":
+        spec, g = Fp8Spec(128, 128), torch.Generator().manual_seed(5)
+        fmt = Fp8Format(spec, torch.bfloat16)
+        host = fmt.empty(ExpertShape(H, I), S)
+        for s in range(S):
+            fmt.encode(*[torch.randn(n, k, generator=g) * 0.05 for n, k in ((I, H), (I, H), (H, I))],
+                       {part: t[s] for part, t in host.items()})
+        slots = {part: t.cuda() for part, t in host.items()}
+    else:
+        spec = parse_quant(name)
+        slots = quant_bank(spec, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(1024, H, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(-1, S + 1, (1024, K), device="cuda", generator=g)
+    weights = torch.rand(1024, K, device="cuda", generator=g)
+    whole = fused_moe_quant(hidden, slots, ids, weights, spec, path="dequant")
+    monkeypatch.setattr(long_prompts, "DEQUANT_GROUP_SLOTS", 5)
+    assert torch.equal(fused_moe_quant(hidden, slots, ids, weights, spec, path="dequant"), whole)
+    assert long_prompts.dequant_scratch_bytes(S, H, I, torch.bfloat16) == 5 * 3 * H * I * 2

@@ -75,7 +75,7 @@ def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
                           "code_ptr", "bias_ptr"], bits, nf)
-    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8,
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks", "slot_lo", "slot_hi"], consts, 8,
                       4 if bits == 0 else 2)
     assert kernel.metadata.shared <= SMEM
 
@@ -102,7 +102,7 @@ def test_fp8_grouped_kernel_compiles(scale_rows, group, mode):
               "DOT_PRECISION": "tf32", "BITS": 8, "GROUP": group, "NF": False, "FP8": mode, "SCALE_ROWS": scale_rows}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
                           "code_ptr", "bias_ptr"], 8, False, fp8=True)
-    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts, 8, 2)
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks", "slot_lo", "slot_hi"], consts, 8, 2)
     assert kernel.metadata.shared <= SMEM
 
 
@@ -120,7 +120,7 @@ def test_fp8_grouped_kernel_fits_every_quantized_tile(row):
               "SCALE_ROWS": 128}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
                           "code_ptr", "bias_ptr"], 8, False, fp8=True)
-    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks"], consts,
+    kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks", "slot_lo", "slot_hi"], consts,
                       tile.num_warps, tile.num_stages)
     assert kernel.metadata.shared <= SMEM
 

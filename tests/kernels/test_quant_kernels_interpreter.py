@@ -1,7 +1,8 @@
 """The dequantizing Triton kernels on the CPU, under Triton's interpreter (CI's check of them).
 
 Every format (8/4/3/2-bit affine, NF4, NF3; 4-bit with fp32 scales and biases too) through both MoE paths (decode: GEMV at one pair
-per slot, dot for several; grouped: align + grouped GEMM) and the quantized linear layer, in fp32
+per slot, dot for several; grouped: align + grouped GEMM) and the long calls' dequantized path (in one group
+of slots and in several, which give the same bits) and the quantized linear layer, in fp32
 and fp16 (the interpreter's bf16 `tl.dot` is broken), against the plain-torch references. The
 shapes are small but odd: a ragged last group (96 = 64 + 32 at g64), N not a multiple of the
 tile, -1 and out-of-range slots whose routing weight is NaN (so a kernel that multiplies an
@@ -18,7 +19,7 @@ from triton_interpreter import INTERPRETER_SKIP, run_under_interpreter
 
 _SCRIPT = """
 import torch
-from moestream.kernels import quant_linear_reference, quant_moe_reference
+from moestream.kernels import long_prompts, quant_linear_reference, quant_moe_reference
 from moestream.kernels.dequant_slots_triton import dequantize_operand
 from moestream.kernels.fused_moe_quant_triton import fused_moe_quant, quant_operand
 from moestream.kernels.quant_moe_reference import dequantize_slots as ref_dequantize_slots
@@ -68,6 +69,11 @@ for name in FORMATS:
             none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
             assert torch.equal(none, torch.zeros_like(none)), (name, T, path)
             print(f"{name} T={T} {dtype} {path}: rel_err={err:.1e}")
+            if path == "dequant":   # the 5 slots dequantized 2, 2 and 1 at a time: the bits of one group
+                long_prompts.DEQUANT_GROUP_SLOTS = 2
+                grouped = fused_moe_quant(hidden, slots, ids, weights, spec, path=path)
+                long_prompts.DEQUANT_GROUP_SLOTS = 32
+                assert torch.equal(grouped, out), (name, "groups of 2", float((grouped - out).abs().max()))
     qt = quantize(torch.randn(80, H, generator=g) * 0.05, spec)
     bias = torch.randn(80, generator=g)
     for T in (1, 5, 40):
