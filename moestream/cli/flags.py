@@ -71,12 +71,13 @@ def chunk_tokens(text: str) -> int | str:
 
 
 def add_prefill_chunk_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-chunk", type=chunk_tokens, default=512, metavar="TOKENS|auto",
-                   help="prompt tokens per forward (default 512): the memory plan holds their activations; with a "
+    p.add_argument("--prefill-chunk", type=chunk_tokens, default="auto", metavar="TOKENS|auto",
+                   help="prompt tokens per forward (default auto): the memory plan holds their activations; with a "
                         "bounded bank each forward streams the experts it lacks once, and quantized experts take the "
                         "dequantized path from 1,024 tokens (4-bit) or 3,072 (8-bit), so long prompts run faster in "
                         "larger chunks where memory allows; auto: with a bounded bank the longest of 4096, 2048 "
-                        "and 1024 tokens that costs the bank at most a tenth of its slots (`check` shows the choice)")
+                        "and 1024 tokens that costs the bank at most a tenth of its slots, else (and fully "
+                        "resident) 512 (`check` shows the choice)")
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:

@@ -51,12 +51,12 @@ class RuntimeConfig:
     device: str = "auto"                  # cpu | cuda | cuda:N | auto
     dtype: str | torch.dtype = "auto"     # auto = bf16 on CUDA, fp32 on CPU
     max_context: int | None = None        # KV positions per sequence (default: the model's maximum)
-    prefill_chunk: int | str = 512        # prompt tokens per forward and per step: a longer prompt is prefilled over
+    prefill_chunk: int | str = "auto"     # prompt tokens per forward and per step: a longer prompt is prefilled over
                                           # several steps (cancellable between them, others decoding meanwhile); the
                                           # memory plan sizes the activations for it, and with a bounded bank each
                                           # forward streams the experts it lacks, so larger is faster where it fits;
-                                          # "auto": the longest of 4096/2048/1024 that costs a bounded bank at most a
-                                          # tenth of its slots (plan.auto_prefill_chunk), else 512
+                                          # "auto" (default): the longest of 4096/2048/1024 that costs a bounded bank
+                                          # at most a tenth of its slots (plan.auto_prefill_chunk), else 512
     max_batch: int = 64                   # sequences decoded together; more wait their turn
     cuda_graphs: bool = True
     overlap: str = "auto"                 # launch the next decode step before reading this one's tokens: auto (where

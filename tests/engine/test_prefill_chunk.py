@@ -1,4 +1,4 @@
-"""`--prefill-chunk auto`: a bounded bank's prompts take the longest chunk (4096, 2048, 1024 tokens)
+"""`--prefill-chunk auto` (the default): a bounded bank's prompts take the longest chunk (4096, 2048, 1024 tokens)
 whose activations cost the bank at most a tenth of its slots; a resident model keeps 512; expert-
 parallel ranks keep 512, so every rank splits a prompt alike."""
 
@@ -41,10 +41,12 @@ def planner(experts: str, budget: str, context: int = 32768):
                                      expert_formats=formats, spec=arch, min_capacity=1)
 
 
-@pytest.mark.parametrize("experts,budget,longer", [("bf16", "16GiB", True), ("int4", "16GiB", False)])
+@pytest.mark.parametrize("experts,budget,longer", [("bf16", "16GiB", True), ("int4", "16GiB", True),
+                                                    ("int4", "8GiB", False)])
 def test_auto_takes_the_longest_chunk_that_keeps_nine_tenths_of_the_bank(experts, budget, longer):
-    """bf16 experts at 16 GiB: a 4,096-token chunk costs the bank one slot a layer; int4 experts at 16 GiB: any
-    chunk from 1,024 tokens also holds the dequantized path's scratch, more than a tenth of the bank."""
+    """bf16 experts at 16 GiB: a 4,096-token chunk costs the bank one slot a layer; int4 experts at 16 GiB: a
+    4,096-token chunk also holds the dequantized path's scratch (one group of 32 slots), 8 of 81 slots; at
+    8 GiB (13 slots) any chunk from 1,024 tokens costs more than a tenth of the bank."""
     plan_at = planner(experts, budget)
     base, chosen = plan_at(DEFAULT_PREFILL_CHUNK), auto_prefill_chunk(plan_at, 32768)
     assert not base.fully_resident
@@ -77,13 +79,13 @@ def long_qwen3(tiny_qwen3, tmp_path_factory):
 
 def test_a_bounded_bank_prefills_in_the_chunk_auto_chose_and_gives_the_same_tokens(long_qwen3):
     prompt = [3 + i % 150 for i in range(900)]
-    fixed = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048)
-    auto = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048,
-                          prefill_chunk="auto")
+    fixed = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048,
+                           prefill_chunk=512)
+    auto = moestream.load(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=2048)   # the default
     assert fixed.runner.prefill_chunk == 512 and auto.runner.prefill_chunk == 2048 == auto.plan.memory.prefill_chunk
     assert auto.generate(prompt, max_tokens=6, ignore_eos=True) == fixed.generate(prompt, max_tokens=6, ignore_eos=True)
     assert auto.counters.prefill_chunks == 1 and fixed.counters.prefill_chunks == 2
-    resident = moestream.load(long_qwen3, device="cpu", dtype="float32", max_context=2048, prefill_chunk="auto")
+    resident = moestream.load(long_qwen3, device="cpu", dtype="float32", max_context=2048)
     assert resident.runner.prefill_chunk == DEFAULT_PREFILL_CHUNK
 
 
@@ -103,9 +105,11 @@ def test_a_chunk_that_is_neither_tokens_nor_auto_is_refused(bad):
 def test_check_shows_the_chunk_auto_chose_and_the_flag_refuses_other_words(long_qwen3, capsys):
     from moestream.cli import main as cli_main
 
+    assert cli_main(["check", long_qwen3, "--device", "cpu", "--capacity", "2", "--max-context", "2048"]) == 0
+    assert "prefill chunk     2048 tokens a forward" in capsys.readouterr().out   # auto, the default
     assert cli_main(["check", long_qwen3, "--device", "cpu", "--capacity", "2", "--max-context", "2048",
-                     "--prefill-chunk", "auto"]) == 0
-    assert "prefill chunk     2048 tokens a forward" in capsys.readouterr().out
+                     "--prefill-chunk", "512"]) == 0
+    assert "prefill chunk     512 tokens a forward" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:
         cli_main(["check", long_qwen3, "--prefill-chunk", "lots"])
     assert exit_.value.code != 0 and "--prefill-chunk: must be an integer" in capsys.readouterr().err
