@@ -12,6 +12,8 @@ recorded trace on every rank; `--routing model` keeps the random model's own.
         --bank-share 1 0.25 --batches 1 16 [--allreduce] [--overlap off auto] \\
         [--llama-bin ~/llama.cpp/build/bin --gguf /tmp/q3-bf16.gguf]
 
+`--ckpt` may be the GGUF itself (`--ckpt /tmp/q3.gguf --gguf /tmp/q3.gguf`): both engines then read one file.
+
 Batch 1 is `moestream bench`'s measurement (a 512-token prompt, then `--gen-tokens` decoded, decode
 tok/s after the first token). Batch B decodes B random prompts of `--batch-prompt-tokens` together:
 aggregate tok/s over the decode steps, the median of three differences of two runs that differ
@@ -53,6 +55,7 @@ from benchmarks.common import log, write_result  # noqa: E402
 from benchmarks.llama_cpp import llama_records  # noqa: E402
 from moestream.fileio import write_bytes_atomic  # noqa: E402
 from moestream.bench import apply_routing, run_bench  # noqa: E402
+from moestream.checkpoint.gguf_file import is_gguf, open_gguf  # noqa: E402
 
 
 def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, seed: int = 0,
@@ -80,9 +83,19 @@ def batch_decode_tok_s(engine, batch: int, prompt_tokens: int, gen_tokens: int, 
     return batch * gen_tokens / spans[len(spans) // 2]
 
 
+def shape_of(ckpt: str) -> dict:
+    """The experts per layer, layers and hidden size of a checkpoint folder or a GGUF file."""
+    if is_gguf(ckpt):
+        gguf = open_gguf(ckpt)
+        return dict(num_experts=int(gguf.get("expert_count")), num_hidden_layers=int(gguf.get("block_count")),
+                    hidden_size=int(gguf.get("embedding_length")))
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    return {key: config.get(key) for key in ("num_experts", "num_hidden_layers", "hidden_size")}
+
+
 def measure(args, world: int, share: float, overlap: str = "auto") -> dict:
     devices = [f"cuda:{i}" for i in range(world)]
-    num_experts = json.loads((Path(args.ckpt) / "config.json").read_text()).get("num_experts")
+    num_experts = shape_of(args.ckpt)["num_experts"]
     capacity = None if share >= 1 else max(1, round(num_experts / world * share))
     kwargs = dict(device=devices[0]) if world == 1 else dict(devices=devices)
     if capacity is not None:   # a bank: its miss policy (hybrid: misses computed by each rank's CPU from pinned RAM)
@@ -134,7 +147,7 @@ def llama_rows(args, world: int, share: float) -> list[dict]:
     """llama.cpp's decode tok/s on `world` GPUs, one row per split mode: batch 1 from llama-bench
     (`-p 0 -n gen_tokens -r 3`), larger batches from llama-batched-bench (`-npp batch_prompt_tokens
     -ntg gen_tokens -npl B`, its `speed_tg`: the decode steps' aggregate)."""
-    layers = json.loads((Path(args.ckpt) / "config.json").read_text())["num_hidden_layers"]
+    layers = shape_of(args.ckpt)["num_hidden_layers"]
     n_cpu_moe = 0 if share >= 1 else round(layers * (1 - share))
     modes = ["none"] if world == 1 else args.llama_split
     common = ["-m", args.gguf, "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe)]
@@ -273,7 +286,8 @@ def allreduce_floor(hidden: int, layers: int, batches: list[int], world: int = 2
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help="checkpoint folder, or a GGUF file (e.g. the one --gguf names: "
+                                                   "both engines on the same file)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bank-share", type=float, nargs="+", default=[1.0, 0.25],
@@ -303,7 +317,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"rows": [], "llama_cpp": [], "allreduce": {}}
-    config = json.loads((Path(args.ckpt) / "config.json").read_text())
+    config = shape_of(args.ckpt)
     # One GPU count at a time, ours then its all-reduce floor then llama.cpp's, the table rewritten after
     # each: a run cut short (a machine lent for minutes) still has whole pairs for the counts it reached.
     for world in visible(args.devices):

@@ -124,3 +124,22 @@ def test_the_table_sets_each_row_beside_llama_cpps_best_split_on_as_many_gpus():
                     "| 2 | 1 | 1 | 550.0 | 390.0 (layer) | 1.41× | 28% |",      # 0.5 ms of a 1.82 ms step
                     "| 2 | 1 | 16 | 3,000.0 | 1,750.0 (tensor) | 1.71× | 30% |"]   # 1.6 ms of 5.33 ms
     assert lines[-1] == "Our routing: uniform (synthetic)."
+
+
+def test_a_gguf_gives_its_shape_as_a_checkpoint_folder_does(tmp_path):
+    """`--ckpt` takes the GGUF llama.cpp reads too: experts, layers and width from its metadata."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(6)
+    writer.add_expert_count(16)
+    writer.add_embedding_length(64)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_experts": 16, "num_hidden_layers": 6, "hidden_size": 64}))
+    assert ep.shape_of(str(path)) == ep.shape_of(str(folder)) == dict(num_experts=16, num_hidden_layers=6,
+                                                                       hidden_size=64)
