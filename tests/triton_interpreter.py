@@ -14,7 +14,9 @@ around two interpreter bugs, leaving the kernels' meaning unchanged:
 And one for time: the interpreter patches `triton.language` again at every call of a `@triton.jit`
 helper (with `inspect.getmembers`, about half of a kernel check's time), although the launch around it
 has already patched the same modules, with the same functions; a helper's call now patches only
-modules its launch has not.
+modules its launch has not (and which those are is worked out once per module). The numpy dtype of a
+Triton type, which the interpreter looks up at nearly every operation by building a table, is kept
+once found.
 """
 
 from __future__ import annotations
@@ -83,8 +85,13 @@ _PREAMBLE = textwrap.dedent("""
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
         return _interpreter.TensorHandle(_np.where(nan, _np.uint16(0x7FC0), rounded), _tl.bfloat16)
     _interpreter.InterpreterBuilder.cast_impl = _cast_rounding_bf16   # create_fp_trunc calls it too
+    _lang_ids_of = {}
     def _lang_ids(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in (_tl, _tl.core))
+        key = id(fn.__globals__)   # a module's dict: the language modules it imported stay the same ones
+        if key not in _lang_ids_of:
+            _lang_ids_of[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if _inspect.ismodule(v) and v in (_tl, _tl.core))
+        return _lang_ids_of[key]
     _launch_langs = [frozenset()]
     _patch_lang = _interpreter._patch_lang
     def _patch_lang_for_launch(fn):
@@ -108,6 +115,17 @@ _PREAMBLE = textwrap.dedent("""
         except Exception as e:
             raise _interpreter.InterpreterError(repr(e)) from e
     _interpreter.InterpretedFunction.__call__ = _device_call
+
+    _np_dtypes = {}
+    _get_np_dtype = _interpreter._get_np_dtype
+    def _cached_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, _tl.block_type) else tt_dtype   # blocks: their element's
+        if isinstance(scalar, _tl.pointer_type):
+            return _np.dtype(_np.uint64)
+        if scalar not in _np_dtypes:
+            _np_dtypes[scalar] = _get_np_dtype(scalar)
+        return _np_dtypes[scalar]
+    _interpreter._get_np_dtype = _cached_np_dtype
 """)
 
 
