@@ -1,6 +1,7 @@
 """Run a script of kernel checks on the CPU under Triton's interpreter, in a subprocess.
 
-`TRITON_INTERPRET=1` must be set before Triton is imported, hence the subprocess. The preamble works
+`TRITON_INTERPRET=1` must be set before Triton is imported, hence the subprocess: a child of one
+process per test worker that has imported torch and Triton under it (see `_FORK_SERVER`). The preamble works
 around two interpreter bugs, leaving the kernels' meaning unchanged:
 - Triton 3.6's interpreter turns a scalar into a Python int with `int(array of shape (1,))`, which
   numpy >= 2.4 refuses; the preamble reads the single element instead (the same value under any numpy).
@@ -14,16 +15,24 @@ around two interpreter bugs, leaving the kernels' meaning unchanged:
 And one for time: the interpreter patches `triton.language` again at every call of a `@triton.jit`
 helper (with `inspect.getmembers`, about half of a kernel check's time), although the launch around it
 has already patched the same modules, with the same functions; a helper's call now patches only
-modules its launch has not.
+modules its launch has not (and which those are is worked out once per module). The numpy dtype of a
+Triton type, which the interpreter looks up at nearly every operation by building a table, is kept
+once found.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -83,8 +92,13 @@ _PREAMBLE = textwrap.dedent("""
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
         return _interpreter.TensorHandle(_np.where(nan, _np.uint16(0x7FC0), rounded), _tl.bfloat16)
     _interpreter.InterpreterBuilder.cast_impl = _cast_rounding_bf16   # create_fp_trunc calls it too
+    _lang_ids_of = {}
     def _lang_ids(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if _inspect.ismodule(v) and v in (_tl, _tl.core))
+        key = id(fn.__globals__)   # a module's dict: the language modules it imported stay the same ones
+        if key not in _lang_ids_of:
+            _lang_ids_of[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                          if _inspect.ismodule(v) and v in (_tl, _tl.core))
+        return _lang_ids_of[key]
     _launch_langs = [frozenset()]
     _patch_lang = _interpreter._patch_lang
     def _patch_lang_for_launch(fn):
@@ -108,16 +122,94 @@ _PREAMBLE = textwrap.dedent("""
         except Exception as e:
             raise _interpreter.InterpreterError(repr(e)) from e
     _interpreter.InterpretedFunction.__call__ = _device_call
+
+    _np_dtypes = {}
+    _get_np_dtype = _interpreter._get_np_dtype
+    def _cached_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, _tl.block_type) else tt_dtype   # blocks: their element's
+        if isinstance(scalar, _tl.pointer_type):
+            return _np.dtype(_np.uint64)
+        if scalar not in _np_dtypes:
+            _np_dtypes[scalar] = _get_np_dtype(scalar)
+        return _np_dtypes[scalar]
+    _interpreter._get_np_dtype = _cached_np_dtype
 """)
 
 
+# A process per test worker that has run the preamble and imported torch and Triton (about 3 s a
+# process) under TRITON_INTERPRET=1, and forks a child for each script: the child starts where a
+# fresh `python -c PREAMBLE + script` would be after those imports, with the preamble's names, and
+# exits with the code that process would have. Nothing has run a torch operation before the fork
+# (no thread pools to inherit).
+_FORK_SERVER = """
+import json, os, sys, traceback
+PREAMBLE_GLOBALS = {"__name__": "__main__", "__builtins__": __builtins__}
+exec(compile(_PREAMBLE_TEXT, "<preamble>", "exec"), PREAMBLE_GLOBALS)
+import numpy, torch, triton, triton.language
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.stdin, sys.stdout, sys.stderr = (open(0), open(1, "w", closefd=False), open(2, "w", closefd=False))
+        code = 0
+        try:
+            exec(compile(request["script"], "<string>", "exec"), PREAMBLE_GLOBALS)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, int) and stop.code is not None:
+                print(stop.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+_server: subprocess.Popen | None = None
+
+
+def _fork_server() -> subprocess.Popen:
+    global _server
+    if _server is None or _server.poll() is not None:
+        env = dict(os.environ)
+        env["TRITON_INTERPRET"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        code = f"_PREAMBLE_TEXT = {_PREAMBLE!r}\n" + _FORK_SERVER
+        _server = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, bufsize=1)
+        atexit.register(_server.stdin.close)   # the server ends when its input does
+    return _server
+
+
+def _reply(server: subprocess.Popen, deadline: float) -> str:
+    ready, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    return server.stdout.readline() if ready else ""
+
+
 def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `script` (dedented) with TRITON_INTERPRET=1 and the repository importable."""
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", _PREAMBLE + textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    """Run `script` (dedented) with TRITON_INTERPRET=1 and the repository importable, as
+    `python -c PREAMBLE + script` would (a child of the worker's fork server)."""
+    script = textwrap.dedent(script)
+    server = _fork_server()
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        server.stdin.write(json.dumps({"script": script, "stdout": str(out), "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        pid = int(server.stdout.readline())
+        code = _reply(server, deadline)
+        if not code:
+            os.kill(pid, signal.SIGKILL)
+            server.stdout.readline()   # the server reaps it
+            raise subprocess.TimeoutExpired(["python", "-c", script], timeout)
+        return subprocess.CompletedProcess(["python", "-c", script], int(code), out.read_text(), err.read_text())
 
 
 def run_checks_under_interpreter(checks: Path, body: str, timeout: float = 300) -> None:

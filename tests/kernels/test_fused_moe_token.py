@@ -8,15 +8,17 @@ import pytest
 import torch
 
 from token_moe_checks import check_all
-from triton_interpreter import INTERPRETER_SKIP, check_all_under_interpreter
+from triton_interpreter import INTERPRETER_SKIP, run_checks_under_interpreter
 
 from moestream.kernels import fused_moe_available
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_token_path_under_interpreter():
-    """fp32 only: the interpreter takes ~25 s a dtype; the GPU test takes all three."""
-    check_all_under_interpreter(Path(__file__).parent / "token_moe_checks.py", dtypes="torch.float32")
+    """fp32 only, at the smaller widths of INTERPRETER_SHAPES (the same whole and partial K steps): the
+    interpreter runs every program in Python; the GPU test takes all three dtypes at the full widths."""
+    run_checks_under_interpreter(Path(__file__).parent / "token_moe_checks.py",
+                                 "check_all('cpu', (torch.float32,), **INTERPRETER_SHAPES)")
 
 
 @pytest.mark.skipif(not fused_moe_available(), reason="needs CUDA and Triton")

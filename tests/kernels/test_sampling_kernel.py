@@ -26,10 +26,12 @@ def test_the_kernel_takes_the_common_top_k_and_leaves_large_ones_to_torch():
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_sampling_kernel_under_interpreter():
     """Two cases: several chunks with min-p, and top-p with a bf16 row's ties (the GPU test takes every
-    case in two dtypes)."""
+    case in two dtypes), each on 16 rows instead of 64: the interpreter runs every row's programs in
+    Python, and the rows are alike but for their draws (rows 0 and 1, the best token and the last one
+    kept, are among them; with 16 rows the 97 % agreement asks that every draw agree)."""
     run_checks_under_interpreter(Path(__file__).with_name("sampling_checks.py"), """
-        check_draw("cpu", torch.float32, *CASES[1])
-        check_draw("cpu", torch.bfloat16, *CASES[0])
+        check_draw("cpu", torch.float32, *CASES[1], rows=16)
+        check_draw("cpu", torch.bfloat16, *CASES[0], rows=16)
     """, timeout=600)
 
 

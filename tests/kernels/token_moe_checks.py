@@ -12,6 +12,13 @@ from moestream.kernels import moe_reference
 from moestream.kernels.moe_reference import Activation, HostReads
 
 ACTIVATIONS = [("swiglu", False), (Activation("swiglu_clamped", alpha=1.702, limit=7.0), True), ("geglu_tanh", False)]
+# (H, I, S, E, k) of each activation: whole K steps in both launches (H and I powers of two), partial
+# ones with k = 3 of a K_PAD of 4, partial ones with k = 8
+SHAPES = ((64, 32, 8, 12, 4), (72, 40, 6, 10, 3), (160, 48, 8, 10, 8))
+# The same properties at about half the programs (the interpreter runs each one in Python): widths of
+# the host and shared-pair checks too
+INTERPRETER_SHAPES = dict(shapes=((32, 16, 8, 12, 4), (40, 24, 6, 10, 3), (48, 24, 8, 10, 8)), host=(48, 24),
+                          shared=(48, 32))
 
 
 def _inputs(H: int, I: int, S: int, E: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool):
@@ -33,12 +40,11 @@ def _inputs(H: int, I: int, S: int, E: int, k: int, dtype: torch.dtype, device: 
             biases, slot_map.to(device))
 
 
-def check_token_path(device: str, dtype: torch.dtype) -> None:
+def check_token_path(device: str, dtype: torch.dtype, shapes=SHAPES) -> None:
     from moestream.kernels.fused_moe_triton import fused_moe_with_config, sum_pairs
 
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
-    for (H, I, S, E, k), (activation, bias) in zip(((64, 32, 8, 12, 4), (72, 40, 6, 10, 3), (160, 48, 8, 10, 8)),
-                                                   ACTIVATIONS):
+    for (H, I, S, E, k), (activation, bias) in zip(shapes, ACTIVATIONS, strict=True):
         hidden, gate_up, down, ids, weights, (gub, db), slot_map = _inputs(H, I, S, E, k, dtype, device, H + k, bias)
         slots = slot_map[ids.long()]
         slots[0, -1] = S + 2                                    # out of range: unrouted
@@ -85,12 +91,11 @@ def _host_case(device: str, dtype: torch.dtype, H: int, I: int, seed: int):
     return host_gu, host_down, gate_up, down, hidden, ids, weights, source.to(device)
 
 
-def check_host_reads(device: str, dtype: torch.dtype) -> None:
+def check_host_reads(device: str, dtype: torch.dtype, H: int = 96, I: int = 40) -> None:
     """Experts read in place from a host stack (map values S + e) give the bits of the same experts
     held in slots, and the reference's host form agrees."""
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
 
-    H, I = 96, 40
     host_gu, host_down, gate_up, down, hidden, ids, weights, source = _host_case(device, dtype, H, I, seed=7)
     host = HostReads(host_gu, host_down)
     out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=host)
@@ -118,17 +123,16 @@ def check_host_reads(device: str, dtype: torch.dtype) -> None:
                            moe_reference(hidden, full_gu, full_down, kept, weights))
 
 
-def check_shared_pair(device: str, dtype: torch.dtype) -> None:
+def check_shared_pair(device: str, dtype: torch.dtype, H: int = 96, I: int = 64) -> None:
     """A pair the CPU shares (`HostReads.cpu_cut`): the launches compute its intermediate rows from
     the cut on, reading none below it; that part plus the rows below the cut computed apart give the
     whole expert (to rounding), and the reference's host form agrees with the launches."""
     from moestream.kernels.fused_moe_triton import fused_moe_with_config
     from moestream.kernels.moe_reference import get_activation
 
-    H, I = 96, 64
     host_gu, host_down, gate_up, down, hidden, ids, weights, source = _host_case(device, dtype, H, I, seed=8)
     act = get_activation("swiglu")
-    for take2, cut2, shared, whole_cpu in ((0, 16, 1, []), (1, 48, 3, [1]), (1, 0, None, [1])):
+    for take2, cut2, shared, whole_cpu in ((0, I // 4, 1, []), (1, 3 * I // 4, 3, [1]), (1, 0, None, [1])):
         take = torch.tensor([0, 0, take2, 2, 2, 2, 2], dtype=torch.int32, device=device)
         cut = torch.tensor([0, 0, cut2, 0, 0, 0, 0], dtype=torch.int32, device=device)
         host = HostReads(host_gu, host_down, take, cut)
@@ -151,9 +155,9 @@ def check_shared_pair(device: str, dtype: torch.dtype) -> None:
         assert float((got - full.float()).norm() / full.float().norm()) < 3 * tol, (take2, cut2)
 
 
-def check_all(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+def check_all(device: str, dtypes: tuple[torch.dtype, ...], shapes=SHAPES, host=(96, 40), shared=(96, 64)) -> None:
     for dtype in dtypes:
-        check_token_path(device, dtype)
-        check_host_reads(device, dtype)
+        check_token_path(device, dtype, shapes)
+        check_host_reads(device, dtype, *host)
         if device == "cuda" or dtype == dtypes[0]:   # the interpreter is slow: one dtype there
-            check_shared_pair(device, dtype)
+            check_shared_pair(device, dtype, *shared)
