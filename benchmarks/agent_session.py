@@ -104,12 +104,14 @@ def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: i
         end = time.perf_counter()
         a = got["arrivals"]
         reply = got["ids"]
-        if len(reply) != len(a):   # the server gave no ids: the same number of fresh ones, said in the result
+        # A streamed chunk carries text, and a token whose text is not complete yet (part of a UTF-8
+        # character) sends none: so the ids, not the chunks, count the tokens when the server returns them.
+        if not reply:   # the server gave no ids: one fresh id per chunk, said in the result
             random_replies += 1
             reply = [rng.randrange(1, vocab) for _ in a]
-        row = {"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": got["cached"], "generated": len(a),
+        row = {"turn": turn, "prompt_tokens": len(prompt), "cached_tokens": got["cached"], "generated": len(reply),
                "ttft_ms": 1000 * (a[0] - t0) if a else None,
-               "decode_tok_s": (len(a) - 1) / (a[-1] - a[0]) if len(a) > 1 and a[-1] > a[0] else None,
+               "decode_tok_s": (len(reply) - 1) / (a[-1] - a[0]) if len(a) > 1 and a[-1] > a[0] else None,
                "turn_ms": 1000 * (end - t0)}
         if keep_ids:
             row["prompt_ids"], row["generated_ids"] = list(prompt), list(reply)
