@@ -88,10 +88,6 @@ def _dequantized_call(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand,
         return (dequantize_operand(up, H, hidden.dtype, gated=True, out=up_scratch[:count]),
                 dequantize_operand(dn, I, hidden.dtype, gated=False, out=down_scratch[:count]))
 
-    if group == S:
-        plain_up, plain_down = load_group(0, S)
-        return run_paths(hidden, plain_up, plain_down, slot_ids, weights, 0, config, "grouped", S, I,
-                         reduce=reduce, layer_experts=layer_experts)
     return grouped_by_slot_groups(hidden, slot_ids, weights, S, I, group, load_group, config=config,
                                   layer_experts=layer_experts, reduce=reduce)
 

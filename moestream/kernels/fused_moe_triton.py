@@ -439,21 +439,32 @@ def _grouped_gemms(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_ids: Tens
     S = gate_up.shape[0] if quant is None else quant[0].qweight.shape[0]
     H = hidden.shape[1]
     I = intermediate if intermediate is not None else gate_up.shape[1] // 2
-    num_pairs = T * k
-    cfg, gate_up_cfg, down_cfg = _grouped_tiles(T, k, S, H, I, hidden.element_size(), config, quant is not None,
-                                                layer_experts)
-    pair_ids, block_slot = moe_align_block_size(slot_ids, S, cfg.block_m)
-    flat_weights = weights.reshape(-1)           # a view unless weights is non-contiguous
+    tiles = _grouped_tiles(T, k, S, H, I, hidden.element_size(), config, quant is not None, layer_experts)
+    pair_ids, block_slot = moe_align_block_size(slot_ids, S, tiles[0].block_m)
+    _pair_launches(hidden, gate_up, down, activated, per_pair, weights.reshape(-1), pair_ids, block_slot, tiles,
+                   H, I, k, activation_code, quant, biases, alpha, limit)
+
+
+def _pair_launches(hidden: Tensor, gate_up: Tensor, down: Tensor, activated: Tensor, per_pair: Tensor,
+                   flat_weights: Tensor, pair_ids: Tensor, block_slot: Tensor,
+                   tiles: tuple[MoeConfig, GemmConfig, GemmConfig], H: int, I: int, k: int, activation_code: int = 0,
+                   quant: tuple[QuantOperand, QuantOperand] | None = None, biases: tuple[Tensor, Tensor] | None = None,
+                   alpha: float = 1.0, limit: float = 0.0, slot_range: tuple[int, int] | None = None) -> None:
+    """The grouped path's two launches over aligned pairs: gate_up with the activation into
+    `activated`, then down times each pair's routing weight into `per_pair` (`slot_range`: only
+    those slots' blocks)."""
+    cfg, gate_up_cfg, down_cfg = tiles
+    num_pairs = per_pair.shape[0]
     _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
                          n=I, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
                          activation_code=activation_code, mul_weight=False,
                          block_m=cfg.block_m, cfg=gate_up_cfg, quant=quant[0] if quant else None,
-                         bias=biases[0] if biases else None, alpha=alpha, limit=limit)
+                         bias=biases[0] if biases else None, alpha=alpha, limit=limit, slot_range=slot_range)
     _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
                          n=H, k=I, num_pairs=num_pairs, a_row_div=1, gated=False,
                          activation_code=0, mul_weight=True,
                          block_m=cfg.block_m, cfg=down_cfg, quant=quant[1] if quant else None,
-                         bias=biases[1] if biases else None)
+                         bias=biases[1] if biases else None, slot_range=slot_range)
 
 
 def _grouped_tiles(T: int, k: int, S: int, H: int, I: int, elt: int, config: MoeConfig | None, quantized: bool,
@@ -482,23 +493,15 @@ def grouped_by_slot_groups(hidden: Tensor, slot_ids: Tensor, weights: Tensor, nu
     out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
     per_pair = (torch.empty if reduce else torch.zeros)((num_pairs, H), dtype=torch.float32, device=hidden.device)
     activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
-    cfg, gate_up_cfg, down_cfg = _grouped_tiles(T, k, num_slots, H, intermediate, hidden.element_size(), config,
-                                                False, layer_experts)
+    tiles = _grouped_tiles(T, k, num_slots, H, intermediate, hidden.element_size(), config, False, layer_experts)
     flat_weights = weights.reshape(-1)
     with torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext():
-        pair_ids, block_slot = moe_align_block_size(slot_ids, num_slots, cfg.block_m)
+        pair_ids, block_slot = moe_align_block_size(slot_ids, num_slots, tiles[0].block_m)
         for start in range(0, num_slots, group):
             count = min(group, num_slots - start)
             gate_up, down = load_group(start, count)
-            span = (start, start + count)
-            _launch_grouped_gemm(hidden, gate_up, activated, flat_weights, pair_ids, block_slot,
-                                 n=intermediate, k=H, num_pairs=num_pairs, a_row_div=k, gated=True,
-                                 activation_code=0, mul_weight=False, block_m=cfg.block_m, cfg=gate_up_cfg,
-                                 slot_range=span)
-            _launch_grouped_gemm(activated, down, per_pair, flat_weights, pair_ids, block_slot,
-                                 n=H, k=intermediate, num_pairs=num_pairs, a_row_div=1, gated=False,
-                                 activation_code=0, mul_weight=True, block_m=cfg.block_m, cfg=down_cfg,
-                                 slot_range=span)
+            _pair_launches(hidden, gate_up, down, activated, per_pair, flat_weights, pair_ids, block_slot, tiles,
+                           H, intermediate, k, slot_range=(start, start + count))
         if not reduce:
             return per_pair.view(T, k, H)
         _launch_sum_over_k(per_pair, slot_ids, out, num_slots)
