@@ -172,7 +172,8 @@ def serve_ours(args, started: list | None = None) -> None:
     engine = moestream.load(str(args.ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
                             prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout,
-                            prefill_chunk=getattr(args, "prefill_chunk", 512))
+                            prefill_chunk=getattr(args, "prefill_chunk", 512),
+                            pack_prompts=getattr(args, "pack_prompts", "on") == "on")
     apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
@@ -285,6 +286,8 @@ def main() -> None:
     ap.add_argument("--prefix-cache-memory", default="4GiB")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
     ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512, help="our server's prompt tokens a forward")
+    ap.add_argument("--pack-prompts", choices=["on", "off"], default="on",
+                    help="our server: the prompts admitted in one step as one forward (off: one each, to compare)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)

@@ -204,7 +204,8 @@ def engine_config(args):
                             mla_absorbed=getattr(args, "mla_absorbed", False),
                             dist_backend=getattr(args, "dist_backend", "auto"), kv_layout=args.kv_layout,
                             kv_block_size=args.kv_block_size, kv_cache_memory=args.kv_cache_memory,
-                            overlap=getattr(args, "overlap", "auto"), prefill_chunk=getattr(args, "prefill_chunk", "auto"))
+                            overlap=getattr(args, "overlap", "auto"), prefill_chunk=getattr(args, "prefill_chunk", "auto"),
+                            pack_prompts=getattr(args, "pack_prompts", "on") == "on")
     bank = BankConfig(gpu_memory=args.gpu_memory if args.gpu_memory is not None else args.memory,
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "auto"),

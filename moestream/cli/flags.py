@@ -91,6 +91,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="launch each decode step before the host reads the last one's tokens, so the host's work "
                         "between steps runs while the device computes: auto (default) where a decode step reads "
                         "nothing back on a GPU (whole-step CUDA graphs); on; off")
+    p.add_argument("--pack-prompts", default="on", choices=["on", "off"],
+                   help="on (default): the prompts admitted in one step run as one forward, each layer's experts "
+                        "once for all of them (a bounded bank copies a missing expert once a step, not once a "
+                        "prompt); off: one forward per prompt (for comparison)")
     add_kv_args(p)
     add_budget_args(p)
     p.add_argument("--host-memory", default=None, help="pinned host RAM for experts off the device, e.g. 64GiB (default: 60%% of available RAM; beyond it experts are read from disk)")

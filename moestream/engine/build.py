@@ -330,7 +330,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
                     discovery=discovery, prepack=prepack,
                     prefix_cache=PrefixCache(prefix_bytes) if prefix_bytes and paged is None else None,
                     collectives=experts.collectives if sharded else None, blocks=blocks,
-                    overlap=cfg.runtime.overlap)
+                    overlap=cfg.runtime.overlap, pack_prompts=cfg.runtime.pack_prompts)
     if profile is not None and restored:   # a restored bank keeps its experts; the profile seeds statistics
         apply_profile(bank, profile, refill=False)
     engine.reset_stats()   # filling and seeding are part of loading

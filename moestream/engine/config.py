@@ -58,6 +58,9 @@ class RuntimeConfig:
                                           # "auto" (default): the longest of 4096/2048/1024 that costs a bounded bank
                                           # at most a tenth of its slots (plan.auto_prefill_chunk), else 512
     max_batch: int = 64                   # sequences decoded together; more wait their turn
+    pack_prompts: bool = True             # the prompt chunks of one step in one forward (each layer's experts once
+                                          # for all of them: a bank copies a missing expert once a step); False:
+                                          # one forward per chunk (for comparison)
     cuda_graphs: bool = True
     overlap: str = "auto"                 # launch the next decode step before reading this one's tokens: auto (where
                                           # a step reads nothing back on the GPU) | on (everywhere) | off
@@ -79,7 +82,7 @@ class RuntimeConfig:
 
     def validate(self) -> None:
         _typed(self, {"device": (str, torch.device), "dtype": (str, torch.dtype), "max_context": OPT_INT,
-                      "prefill_chunk": (int, str), "max_batch": INT, "cuda_graphs": (bool,), "overlap": (str,),
+                      "prefill_chunk": (int, str), "max_batch": INT, "pack_prompts": (bool,), "cuda_graphs": (bool,), "overlap": (str,),
                       "prefix_cache_memory": SIZE, "kv_rows": INT, "devices": (list, type(None)),
                       "kv_layout": (str,), "kv_block_size": INT, "kv_cache_memory": SIZE,
                       "rank_timeout_s": (int, float), "mla_absorbed": (bool,), "dist_backend": (str,),

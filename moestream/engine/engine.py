@@ -41,7 +41,7 @@ from moestream.runtime.blocks import BlockManager
 from moestream.runtime.model_runner import ModelRunner
 from moestream.runtime.prefix_cache import PrefixCache
 from moestream.runtime.sampling import SamplingParams, make_generator, sample_rows
-from moestream.runtime.scheduler import Scheduler, StepPlan, TableWrite
+from moestream.runtime.scheduler import PrefillChunk, Scheduler, StepPlan, TableWrite
 from moestream.runtime.sequence import Sequence
 from moestream.warmstart.discovery import DEFAULT_PROMPT as DEFAULT_DISCOVERY_PROMPT
 
@@ -63,20 +63,22 @@ class _Sampled:
 
 @dataclass
 class StepCounters:
-    """What the steps did since the engine started (or since `reset_stats`): prompt chunks and
-    their tokens, decode steps, preemptions. Read between steps, like `stats()`."""
+    """What the steps did since the engine started (or since `reset_stats`): prompt chunks, their
+    tokens and the forwards that ran them, decode steps, preemptions. Read between steps, like `stats()`."""
 
     prefill_chunks: int = 0
     prefill_tokens: int = 0
+    prefill_forwards: int = 0   # the chunks of one step run as one forward where the model packs prompts
     decode_steps: int = 0
     preemptions: int = 0
 
     def reset(self) -> None:
-        self.prefill_chunks = self.prefill_tokens = self.decode_steps = self.preemptions = 0
+        self.prefill_chunks = self.prefill_tokens = self.prefill_forwards = self.decode_steps = self.preemptions = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens,
-                "decode_steps": self.decode_steps, "preemptions": self.preemptions}
+                "prefill_forwards": self.prefill_forwards, "decode_steps": self.decode_steps,
+                "preemptions": self.preemptions}
 
 
 @dataclass
@@ -103,7 +105,7 @@ class Engine:
     def __init__(self, plan: LoadPlan, model: MoECausalLM, bank: ExpertBank, runner: ModelRunner, tokenizer,
                  max_batch: int = 64, discovery=None, prepack=None, prefix_cache: PrefixCache | None = None,
                  collectives: CollectiveStats | None = None, blocks: BlockManager | None = None,
-                 overlap: str = "auto"):
+                 overlap: str = "auto", pack_prompts: bool = True):
         self.plan, self.model, self.bank, self.runner, self.tokenizer = plan, model, bank, runner, tokenizer
         self.collectives = collectives     # this rank's all-reduces, when it is one of an expert-parallel group
         self.prefix_cache = prefix_cache   # rows layout: finished sequences' KV, reused by prompts that extend them
@@ -115,6 +117,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, runner.prefill_chunk, blocks=blocks, prefix_cache=prefix_cache)
         self.counters = StepCounters()
         self.overlap = overlap             # auto | on | off (RuntimeConfig.overlap)
+        self.pack_prompts = pack_prompts and runner.packs_prompts   # a step's chunks in one forward
         self._inflight: _Sampled | None = None   # a decode step launched whose tokens are not read yet
         # One engine, several threads: each call that touches the scheduler or the device holds this
         # lock, so threads interleave at step granularity and each reads only its own sequences.
@@ -339,22 +342,22 @@ class Engine:
         for restore in plan.restores:
             self.prefix_cache.restore(restore.key, restore.length, runner.cache, restore.seq.row)
         ready, first = [], []
-        for chunk in plan.prefills:
+        chunks = [chunk for chunk in plan.prefills if not chunk.seq.finished]   # cancelled ones: no more work
+        for chunk, logits in zip(chunks, self._prefill(chunks)):
             seq = chunk.seq
-            if seq.finished:   # cancelled by its reader while this step ran: no more work for it
+            if logits is None:   # cancelled by its reader while an earlier chunk of this step ran: skipped
                 continue
-            logits = runner.prefill(seq.row, seq.prefill_ids()[:chunk.end], chunk.start)
             counters.prefill_chunks += 1
             counters.prefill_tokens += chunk.tokens
             seq.prefilled = chunk.end
-            if not chunk.last:
+            if not chunk.last or seq.finished:   # finished: cancelled while its chunk ran, no token
                 continue
             if seq.resuming:   # back after preemption: its next token was sampled before, it decodes on
                 seq.resuming = False
                 continue
             ready.append(seq)
             first.append(logits)
-        got = self._take(self._sample(ready, torch.cat(first))) if ready else []
+        got = self._take(self._sample(ready, torch.stack(first))) if ready else []
         decoding = plan.decodes
         if decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
@@ -364,6 +367,23 @@ class Engine:
             else:
                 got += self._take(sampled)
         return got
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> Iterator[torch.Tensor | None]:
+        """A step's prompt chunks, the logits of each one's last position (V,) as each is done: one
+        forward for all of them where the model packs prompts (each layer's experts then run once for
+        every chunk's tokens: a bank brings a missing expert in once a step, not once a prompt), else
+        one forward each, a chunk whose sequence was cancelled meanwhile skipped (None)."""
+        runner = self.runner
+        if len(chunks) > 1 and self.pack_prompts:
+            self.counters.prefill_forwards += 1
+            yield from runner.prefill_packed([(c.seq.row, c.seq.prefill_ids()[:c.end], c.start) for c in chunks])
+            return
+        for c in chunks:
+            if c.seq.finished:
+                yield None
+                continue
+            self.counters.prefill_forwards += 1
+            yield runner.prefill(c.seq.row, c.seq.prefill_ids()[:c.end], c.start)[0]
 
     def _write_tables(self, writes: list[TableWrite]) -> None:
         """A plan's blocks into the model's block tables (a paged cache), in the plan's order."""

@@ -147,6 +147,31 @@ class MoECausalLM(nn.Module):
             x, delta = x[:, -1:], (delta[:, -1:] if delta is not None else None)
         return self.head(x, delta)
 
+    @property
+    def packs_prompts(self) -> bool:
+        """Whether `forward_packed` can run: every layer splits its mixer from its feed-forward part
+        (`DecoderLayer`); Gemma 4's layers run their MoE inside themselves."""
+        return all(isinstance(layer, DecoderLayer) for layer in self.model.layers)
+
+    def forward_packed(self, parts: list[tuple[torch.Tensor, ForwardContext]]) -> torch.Tensor:
+        """Several sequences' prompt chunks in one pass: each part's ids (1, L_i) attend in their own
+        context (their own cache row and positions), and each layer's feed-forward part runs once over
+        every part's tokens, so an MoE layer routes them together and a bounded bank brings each
+        missing expert in once for all of them, not once per sequence. Returns the logits of each
+        part's last position (n, V)."""
+        xs = [self.model.embed_tokens(ids) for ids, _ in parts]
+        lengths = [x.shape[1] for x in xs]
+        deltas: list[torch.Tensor | None] = [None] * len(parts)
+        for layer in self.model.layers:
+            normed = []
+            for i, (_, ctx) in enumerate(parts):
+                xs[i], h = layer.attend_and_norm(xs[i], ctx, deltas[i])
+                normed.append(h)
+            deltas = list(layer.ffn(torch.cat(normed, dim=1)).split(lengths, dim=1))
+        x = torch.cat([x[:, -1:] for x in xs])
+        delta = torch.cat([d[:, -1:] for d in deltas])
+        return self.head(x, delta)[:, -1]
+
 
 def pageable(config: ModelConfig, spec: ArchSpec) -> bool:
     """Whether every layer keeps full-context keys and values, so the whole cache can be paged."""

@@ -333,6 +333,10 @@ class DistributedRunner(ModelRunner):
         self.group.publish("prefill", row, prompt, cached)
         return _checked(super().prefill, row, prompt, cached)
 
+    def prefill_packed(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        self.group.publish("prefill_packed", parts)
+        return _checked(super().prefill_packed, parts)
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Published with what the host knows ahead of the step (the batch size, the positions, the
         attended length), never its tokens: those may still be computing (overlapped decode) and

@@ -202,6 +202,27 @@ class ModelRunner:
             logits = self.forward(chunk, ctx, last_only=True)
         return logits[:, -1]
 
+    @property
+    def packs_prompts(self) -> bool:
+        """Whether `prefill_packed` runs several sequences' chunks in one forward (else one each)."""
+        return self.model.packs_prompts
+
+    @torch.inference_mode()
+    def prefill_packed(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Prompt chunks of several sequences in one forward: part (row, prompt, start) puts the
+        positions start..len(prompt)-1 of `prompt` into cache row `row` (the row holds the ones
+        before). Their tokens together are one forward's (at most `prefill_chunk`, the activations the
+        plan sized). The logits of each part's last position (n, V)."""
+        table = self.rotary_table()
+        inputs = []
+        for row, prompt, start in parts:
+            ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)[None]
+            inputs.append((ids, prefill_context(table, self.cache, row, start, ids.shape[1], self.dtype)))
+        self.bank.begin_step(False)
+        logits = self.model.forward_packed(inputs)
+        self.bank.after_step(sum(ids.numel() for ids, _ in inputs))
+        return logits
+
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Logits (B, V) of one decode step of cache rows 0..B-1: token b at position positions[b].

@@ -168,9 +168,9 @@ def test_cancelling_a_long_prompt_between_chunks_stops_its_prefill_and_frees_the
 
 
 def test_a_prompt_cancelled_while_its_step_runs_gets_no_more_chunks(tiny_qwen3):
-    """Two short prompts share one step's budget; the second is cancelled by its reader while the
-    first one's chunk runs: its chunk is skipped, the first one samples."""
-    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    """Two short prompts share one step's budget, each its own forward; the second is cancelled by
+    its reader while the first one's chunk runs: its chunk is skipped, the first one samples."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", pack_prompts=False)
     first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
     second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
     prefill = engine.runner.prefill
@@ -182,6 +182,24 @@ def test_a_prompt_cancelled_while_its_step_runs_gets_no_more_chunks(tiny_qwen3):
     engine.step()
     assert engine.counters.prefill_chunks == 1 and first.sampled == 1 and not second.sampled
     engine.runner.prefill = prefill
+    engine.step()
+    assert engine.scheduler.running == [first]
+
+
+def test_a_prompt_cancelled_while_its_packed_step_runs_gets_no_token(tiny_qwen3):
+    """Packed, both chunks are one forward: the one cancelled while it runs samples nothing and leaves."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    packed = engine.runner.prefill_packed
+
+    def cancelling(parts):
+        second.finish("cancelled")
+        return packed(parts)
+    engine.runner.prefill_packed = cancelling
+    engine.step()
+    assert engine.counters.prefill_forwards == 1 and first.sampled == 1 and not second.sampled
+    assert second.tokens == [] and second.finish_reason == "cancelled"
     engine.step()
     assert engine.scheduler.running == [first]
 

@@ -1,0 +1,57 @@
+"""Prompts admitted in one step run as one forward: each attends in its own cache row, each layer's
+experts run once over all their tokens. The tokens are those of each prompt run alone, and a bounded
+bank copies each missing expert once for all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+import moestream
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4, 5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+# A plain MoE layer, recurrent layers, a latent cache, sinks and sliding windows, and Gemma 4, whose
+# layers run their experts inside themselves (one forward per prompt).
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "gemma4"])
+@pytest.mark.parametrize("kv_layout", ["auto", "rows"])
+def test_prompts_of_one_step_run_as_one_forward_with_the_tokens_of_each_alone(tiny_checkpoints, arch, kv_layout):
+    engine = moestream.load(tiny_checkpoints[arch][0], device="cpu", dtype="float32", kv_layout=kv_layout)
+    alone = [engine.generate(p, max_tokens=8, ignore_eos=True) for p in PROMPTS]
+    engine.reset_stats()
+    together = engine.generate(PROMPTS, max_tokens=8, ignore_eos=True)
+    assert together == alone
+    counters = engine.counters
+    assert counters.prefill_chunks == len(PROMPTS)
+    assert counters.prefill_forwards == (len(PROMPTS) if arch == "gemma4" else 1)
+
+
+def test_a_bounded_bank_copies_a_steps_missing_experts_once_for_all_its_prompts(tiny_qwen3):
+    def run(pack: bool) -> tuple[list, int]:
+        engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, pack_prompts=pack)
+        tokens = engine.generate(PROMPTS, max_tokens=1, ignore_eos=True)   # the prompts alone
+        return tokens, engine.stats()["bytes_copied"]
+
+    (packed, packed_bytes), (one_each, one_each_bytes) = run(True), run(False)
+    assert packed == one_each
+    assert 0 < packed_bytes < one_each_bytes / 2   # 4 prompts: each layer's experts copied once, not 4 times
+
+
+def test_a_prompt_longer_than_a_steps_budget_is_packed_chunk_by_chunk(tiny_qwen3):
+    """With a 6-token budget, a step packs what fits whole (chunks are never cut to fill a step)."""
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=6)
+    alone = [engine.generate(p, max_tokens=4, ignore_eos=True) for p in PROMPTS]
+    engine.reset_stats()
+    assert engine.generate(PROMPTS, max_tokens=4, ignore_eos=True) == alone
+    assert engine.counters.prefill_forwards < engine.counters.prefill_chunks
+
+
+@pytest.mark.parametrize("flag, packs", [([], True), (["--pack-prompts", "off"], False)])
+def test_the_cli_packs_prompts_unless_told_not_to(tiny_qwen3, flag, packs):
+    from moestream.cli.common import load_engine
+    from moestream.cli.main import build_parser
+
+    args = build_parser().parse_args(["run", str(tiny_qwen3), "--device", "cpu", "-p", "x", *flag])
+    engine, _ = load_engine(args)
+    engine.generate(PROMPTS, max_tokens=1, ignore_eos=True)
+    assert engine.counters.prefill_forwards == (1 if packs else len(PROMPTS))
