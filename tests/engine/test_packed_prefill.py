@@ -11,10 +11,11 @@ import moestream
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [3, 4, 5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 
 
-# A plain MoE layer, recurrent layers, a latent cache, sinks and sliding windows, and Gemma 4, whose
-# layers run their experts inside themselves (one forward per prompt).
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss", "gemma4"])
-@pytest.mark.parametrize("kv_layout", ["auto", "rows"])
+# A plain MoE layer with a paged cache and with rows, recurrent layers, a latent cache, sinks and
+# sliding windows (rows: their only layout), and Gemma 4, whose layers run their experts inside
+# themselves (one forward per prompt).
+@pytest.mark.parametrize("arch, kv_layout", [("qwen3_moe", "paged"), ("qwen3_moe", "rows"), ("qwen3_next", "auto"),
+                                             ("deepseek_v3", "auto"), ("gpt_oss", "auto"), ("gemma4", "auto")])
 def test_prompts_of_one_step_run_as_one_forward_with_the_tokens_of_each_alone(tiny_checkpoints, arch, kv_layout):
     engine = moestream.load(tiny_checkpoints[arch][0], device="cpu", dtype="float32", kv_layout=kv_layout)
     alone = [engine.generate(p, max_tokens=8, ignore_eos=True) for p in PROMPTS]
