@@ -78,8 +78,9 @@ for spec in SPECS:
             assert out.dtype == dtype and not out.isnan().any(), (spec.name, T, path)
             err = rel(out, ref)
             assert err < tol, (spec.name, T, path, err)
-            none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
-            assert torch.equal(none, torch.zeros_like(none)), (spec.name, T, path)
+            if T == 6:   # every path once: nothing routed gives exact zeros
+                none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
+                assert torch.equal(none, torch.zeros_like(none)), (spec.name, T, path)
             print(f"{spec.name} T={T} {dtype} {path}: rel_err={err:.1e}")
     # a dense linear kept in FP8 (QuantLinear's kernel): the decode launch for a few rows (one row
     # included), the dequantize-then-GEMM path for prompts

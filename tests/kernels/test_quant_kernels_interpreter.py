@@ -66,8 +66,9 @@ for name in FORMATS:
             assert out.dtype == dtype and not out.isnan().any(), (name, T, path)
             err = rel(out, ref)
             assert err < tol, (name, T, path, err)
-            none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
-            assert torch.equal(none, torch.zeros_like(none)), (name, T, path)
+            if T == 6:   # every path once: nothing routed gives exact zeros
+                none = fused_moe_quant(hidden, slots, torch.full_like(ids, -1), weights, spec, path=path)
+                assert torch.equal(none, torch.zeros_like(none)), (name, T, path)
             print(f"{name} T={T} {dtype} {path}: rel_err={err:.1e}")
             if path == "dequant":   # the 5 slots dequantized 2, 2 and 1 at a time: the bits of one group
                 long_prompts.DEQUANT_GROUP_SLOTS = 2
