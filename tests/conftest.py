@@ -41,10 +41,12 @@ def pytest_addoption(parser):
                      help="run only the tests that need a GPU (those skipped without one): the GPU machine's check")
 
 
-# The long tests `-m "not slow"` leaves out: kernels under Triton's interpreter, end-to-end servers,
-# expert-parallel groups of processes, and whole-model checks of every family.
+# The long tests `-m "not slow"` leaves out: kernels under Triton's interpreter and compiled for the
+# H100, end-to-end servers and benchmark scripts, expert-parallel groups of processes, pytest run
+# inside pytest, and whole-model checks of every family.
 SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_cli.py", "tests/test_convert.py",
-              "tests/quant/test_int_checkpoints.py", "tests/warmstart/")
+              "tests/quant/test_int_checkpoints.py", "tests/warmstart/", "tests/scripts/",
+              "tests/kernels/test_kernels_compile.py", "tests/test_gpu_only_option.py")
 SLOW_NAMES = re.compile(r"interpreter|perplexity_matches_the_model_card")
 
 
