@@ -374,16 +374,20 @@ class Engine:
         every chunk's tokens: a bank brings a missing expert in once a step, not once a prompt), else
         one forward each, a chunk whose sequence was cancelled meanwhile skipped (None)."""
         runner = self.runner
+
+        def part(c: PrefillChunk) -> tuple[int, list[int], int]:
+            return c.seq.row, c.seq.prefill_ids()[:c.end], c.start
+
         if len(chunks) > 1 and self.pack_prompts:
             self.counters.prefill_forwards += 1
-            yield from runner.prefill_packed([(c.seq.row, c.seq.prefill_ids()[:c.end], c.start) for c in chunks])
+            yield from runner.prefill_packed([part(c) for c in chunks])
             return
         for c in chunks:
             if c.seq.finished:
                 yield None
                 continue
             self.counters.prefill_forwards += 1
-            yield runner.prefill(c.seq.row, c.seq.prefill_ids()[:c.end], c.start)[0]
+            yield runner.prefill(*part(c))[0]
 
     def _write_tables(self, writes: list[TableWrite]) -> None:
         """A plan's blocks into the model's block tables (a paged cache), in the plan's order."""

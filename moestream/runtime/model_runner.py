@@ -214,13 +214,14 @@ class ModelRunner:
         before). Their tokens together are one forward's (at most `prefill_chunk`, the activations the
         plan sized). The logits of each part's last position (n, V)."""
         table = self.rotary_table()
-        inputs = []
-        for row, prompt, start in parts:
-            ids = torch.tensor(prompt[start:], dtype=torch.long).to(self.device, non_blocking=True)[None]
-            inputs.append((ids, prefill_context(table, self.cache, row, start, ids.shape[1], self.dtype)))
+        lengths = [len(prompt) - start for _, prompt, start in parts]
+        flat = [t for _, prompt, start in parts for t in prompt[start:]]
+        ids = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)   # one copy for all
+        inputs = [(part_ids[None], prefill_context(table, self.cache, row, start, n, self.dtype))
+                  for part_ids, (row, _, start), n in zip(ids.split(lengths), parts, lengths)]
         self.bank.begin_step(False)
         logits = self.model.forward_packed(inputs)
-        self.bank.after_step(sum(ids.numel() for ids, _ in inputs))
+        self.bank.after_step(len(flat))
         return logits
 
     @torch.inference_mode()
