@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import serve_throughput as st  # noqa: E402
-from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
+from benchmarks.common import checkpoint_args, ensure_checkpoint, log, model_config  # noqa: E402
 from benchmarks.headline_table import machine  # noqa: E402
 from moestream.cli.flags import chunk_tokens  # noqa: E402
 from moestream.fileio import write_bytes_atomic, write_json_atomic  # noqa: E402
@@ -271,7 +271,7 @@ def main() -> None:
         ap.error("--llama-server needs --gguf (the same model as a GGUF file)")
     if not args.no_write:
         ensure_checkpoint(args.ckpt, args.shape, args.layers, device="cpu" if args.tiny else "cuda", tiny=args.tiny)
-    config = json.loads((args.ckpt / "config.json").read_text())
+    config = model_config(args.ckpt)
     vocab = config["vocab_size"]
     experts = next((config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if config.get(k)), "?")
     args.out.mkdir(parents=True, exist_ok=True)

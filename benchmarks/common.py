@@ -43,11 +43,20 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def model_config(ckpt: Path) -> dict:
+    """The config.json fields of a checkpoint folder, or of a GGUF file (its metadata as moestream reads it)."""
+    from moestream.checkpoint.gguf_file import is_gguf, open_gguf
+    if is_gguf(ckpt):
+        return open_gguf(ckpt).hf_config()
+    return json.loads((ckpt / "config.json").read_text())
+
+
 def ensure_checkpoint(ckpt: Path, shape: str = "qwen3-30b-a3b", layers: int | None = 24, device: str = "cuda",
                       tiny: bool = False) -> None:
     """Write the random checkpoint of `shape` with `layers` layers (None: the real model's) unless it is
-    there already (`tiny`: the shape shrunk, for a smoke test of a benchmark on any machine)."""
-    if (ckpt / "model.safetensors.index.json").exists() or (ckpt / "model.safetensors").exists():
+    there already (a GGUF file, or a folder with weights; `tiny`: the shape shrunk, for a smoke test of a
+    benchmark on any machine)."""
+    if ckpt.is_file() or (ckpt / "model.safetensors.index.json").exists() or (ckpt / "model.safetensors").exists():
         return
     t0 = time.perf_counter()
     subprocess.run([sys.executable, str(ROOT / "scripts/make_random_checkpoint.py"), "--shape", shape,

@@ -43,7 +43,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import checkpoint_args, ensure_checkpoint, log  # noqa: E402
+from benchmarks.common import checkpoint_args, ensure_checkpoint, log, model_config  # noqa: E402
 from moestream.bench import apply_routing  # noqa: E402
 from moestream.cli.flags import chunk_tokens  # noqa: E402
 from moestream.fileio import write_json_atomic  # noqa: E402
@@ -55,9 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 1200) -> None:
+def wait_healthy(url: str, timeout: float = 1200, proc: subprocess.Popen | None = None) -> None:
+    """Wait for `url`'s /health; a server process (`proc`) that exits first ends the wait with its code."""
     deadline = time.monotonic() + timeout
     while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with code {proc.returncode} before it was healthy")
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
@@ -200,7 +203,7 @@ def our_server(args, script: Path):
         proc = subprocess.Popen([sys.executable, str(Path(script).resolve()), *child])
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url)
+        wait_healthy(url, proc=proc)
         yield url
     finally:
         if proc is not None:
@@ -223,7 +226,7 @@ def server_stats(url: str) -> dict:
 def run_ours(args, ckpt: Path) -> dict:
     """Our server (`our_server`), driven over HTTP."""
     with our_server(args, Path(__file__)) as url:
-        vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+        vocab = model_config(ckpt)["vocab_size"]
         rows = []
         for n in args.streams:
             rows.append(measured_streams(stream_ours, url, n, args, vocab))
@@ -266,7 +269,7 @@ def _with_llama(cmd: list[str], port: int, work):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout=600)
+        wait_healthy(url, timeout=600, proc=proc)
         return work(url)
     finally:
         proc.terminate()
@@ -313,7 +316,7 @@ def main() -> None:
     if not args.peer_only:
         result["ours"] = run_ours(args, args.ckpt)
     if args.llama_server:
-        vocab = json.loads((args.ckpt / "config.json").read_text())["vocab_size"]
+        vocab = model_config(args.ckpt)["vocab_size"]
         result["llama_server"] = run_llama(args, vocab)
     write_json_atomic(args.out / "serve_throughput.json", result, indent=2)
     log(json.dumps(result, indent=2))

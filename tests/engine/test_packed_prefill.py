@@ -56,3 +56,18 @@ def test_the_cli_packs_prompts_unless_told_not_to(tiny_qwen3, flag, packs):
     engine, _ = load_engine(args)
     engine.generate(PROMPTS, max_tokens=1, ignore_eos=True)
     assert engine.counters.prefill_forwards == (1 if packs else len(PROMPTS))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch, capacity, policy", [("qwen3_moe", None, None), ("qwen3_moe", 3, "fetch"),
+                                                    ("qwen3_moe", 3, "hybrid"), ("qwen3_next", 3, "fetch"),
+                                                    ("gpt_oss", None, None)])
+def test_packed_prompts_on_the_gpu_give_the_tokens_of_each_alone(tiny_checkpoints, arch, capacity, policy):
+    """The device's kernels (paged decode attention, grouped MoE, a bounded bank's staging or hybrid
+    misses) on a packed step: fp32, so a different call shape cannot flip a token by rounding."""
+    kwargs = {"capacity": capacity, "miss_policy": policy} if capacity else {}
+    engine = moestream.load(tiny_checkpoints[arch][0], device="cuda", dtype="float32", **kwargs)
+    alone = [engine.generate(p, max_tokens=8, ignore_eos=True) for p in PROMPTS]
+    engine.reset_stats()
+    assert engine.generate(PROMPTS, max_tokens=8, ignore_eos=True) == alone
+    assert engine.counters.prefill_forwards == 1
