@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import checkpoint_args, ensure_checkpoint, log, model_config  # noqa: E402
 from moestream.bench import apply_routing  # noqa: E402
-from moestream.cli.flags import chunk_tokens  # noqa: E402
+from moestream.cli.flags import chunk_tokens, share_or_auto  # noqa: E402
 from moestream.fileio import write_json_atomic  # noqa: E402
 
 
@@ -176,7 +176,8 @@ def serve_ours(args, started: list | None = None) -> None:
                             kv_rows=max_batch, max_context=args.max_context,
                             prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout,
                             prefill_chunk=getattr(args, "prefill_chunk", 512),
-                            pack_prompts=getattr(args, "pack_prompts", "on") == "on")
+                            pack_prompts=getattr(args, "pack_prompts", "on") == "on",
+                            cpu_misses=getattr(args, "cpu_misses", None))
     apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
@@ -219,8 +220,8 @@ def server_stats(url: str) -> dict:
     """The bank's hit rate and the prefix cache's state, from `/v1/cache/stats`."""
     stats = httpx.get(f"{url}/v1/cache/stats", timeout=60).json()
     prefix = stats.get("prefix_cache") or {}
-    return {"bank": stats["bank"]["hit_rate"], "kv_layout": "paged" if "blocks" in prefix else "rows",
-            "prefix_cache": prefix}
+    return {"bank": stats["bank"]["hit_rate"], "bank_stats": stats["bank"],
+            "kv_layout": "paged" if "blocks" in prefix else "rows", "prefix_cache": prefix}
 
 
 def run_ours(args, ckpt: Path) -> dict:
@@ -236,7 +237,7 @@ def run_ours(args, ckpt: Path) -> dict:
             turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab)
             log("moestream second turn", turn)
         return {"streams": rows, "second_turn": turn, **server_stats(url), "routing": args.routing,
-                "capacity": args.capacity}
+                "capacity": args.capacity, "cpu_misses": args.cpu_misses}
 
 
 def run_llama(args, vocab: int) -> dict:
@@ -291,6 +292,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512, help="our server's prompt tokens a forward")
     ap.add_argument("--pack-prompts", choices=["on", "off"], default="on",
                     help="our server: the prompts admitted in one step as one forward (off: one each, to compare)")
+    ap.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
+                    help="our hybrid misses' CPU share (default: auto, moved while decoding; 1: the CPU takes every miss)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)

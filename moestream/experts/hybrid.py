@@ -19,9 +19,13 @@ the same routing (the device's table is the only one: each post hands the worker
 and cut), so every row is served once, and the two sides' work stays balanced however many of a
 token's experts miss. Quantized experts split in whole experts (take[m] = round(cpu_share × m)):
 the GPU's dequantizing launches read their packed bytes in place, the worker decodes 8/4/2-bit,
-NF4, FP8 and MXFP4 experts as the host tier stores them. The share moves while decoding (`SplitBalance`) unless the user fixes it. Calls of
-more than one token (a batch of streams), and experts with biases, leave every miss to the CPU:
-the kernels of larger calls read slots only. Rows past the live ones of a captured batch (its
+NF4, FP8 and MXFP4 experts as the host tier stores them. A call of several tokens (a batch of
+streams) splits by expert instead: each layer's batch map sends a share of the experts outside the
+bank to the CPU (-1) and the rest to the GPU, which reads them in place (S + e) in the decode
+launches, where one program reads an expert once for every token routed to it; so each missing
+expert is read once a step, by one side. Each share (one-token calls, batches) moves while decoding
+(`SplitBalance`) unless the user fixes it. Experts with biases and MXFP4 experts leave every miss
+to the CPU (their kernels read slots only). Rows past the live ones of a captured batch (its
 padding) get no experts computed. Calls larger than the mailboxes (prompts) go through the fetch
 policy, whose staging leaves the bank as it is.
 
@@ -278,7 +282,7 @@ class HybridMisses:
         self.layer_index = {layer: i for i, layer in enumerate(slots)}
         self.expert_counts = torch.zeros(len(self.layer_index), 2, E, dtype=torch.int32, device=device)
         self.pair_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int64, device=device)
-        self.balance_counts = torch.zeros(len(self.layer_index), 5, dtype=torch.int32, device=device)
+        self.balance_counts = torch.zeros(len(self.layer_index), 9, dtype=torch.int32, device=device)
         self._window = np.zeros((len(self.layer_index), 2, E), dtype=np.int64)   # (use, miss) since the last refresh
         self.gauges = {layer: PromotionGauge() for layer in slots}
         self.handoffs = {layer: LayerHandoff.create(box, *self.expert_counts[self.layer_index[layer]],
@@ -286,6 +290,9 @@ class HybridMisses:
                                                     self.balance_counts[self.layer_index[layer]])
                          for layer, box in self.mailboxes.items()}
         self.one_token_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
+        # A batch's map: the bank's slots, S + e for the experts outside it that the GPU reads in place, -1
+        # for those the CPU computes (`batch_balance`'s share of them, spread evenly over the expert ids).
+        self.batch_maps = {layer: torch.full((E + 1,), -1, dtype=torch.int32, device=device) for layer in slots}
         # The split of a one-token call's m missing pairs, as rows of tables indexed by m: dense experts
         # take[m] whole and the intermediate rows [0, cut[m]) of the next on the CPU (the first in
         # routing order), quantized ones whole experts only (round(share × m), no cut). The device's
@@ -296,6 +303,8 @@ class HybridMisses:
         quantized = any(isinstance(fmt, QuantizedFormat) for fmt in slots.formats.values())
         start = QUANTIZED_CPU_SHARE if quantized else DEFAULT_CPU_SHARE
         self.balance = SplitBalance(start if auto else float(cpu_share), auto and self.gpu_reads, top_k)
+        self.batch_balance = SplitBalance(start if auto else float(cpu_share), auto and self.gpu_reads, top_k)
+        self._batch_share = self.batch_balance.share   # the share the batch maps were built with
         I = shape.intermediate
         self.quantum = next((q for q in (64, 16, 8) if I % q == 0 and I >= 2 * q), 0)   # a cut's granularity
         self.split_host = torch.tensor(self._split_tables(), dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -303,6 +312,8 @@ class HybridMisses:
         self.take, self.cut, self.take_whole, self.no_cut = self.split.unbind(0)
         self.host_reads = {layer: self._host_reads(slots.formats[layer], stack)
                            for layer, stack in host_stacks.items()} if self.gpu_reads else {}
+        self.batch_host_reads = {layer: self._host_reads(slots.formats[layer], stack, split=False)
+                                 for layer, stack in host_stacks.items()} if self.gpu_reads else {}
         # each layer's (take, cut): views of `split`, so a move of the share reaches them in place
         self.layer_tables = {layer: (self.take_whole, self.no_cut) if isinstance(fmt, QuantizedFormat)
                              else (self.take, self.cut) for layer, fmt in slots.formats.items()}
@@ -320,6 +331,7 @@ class HybridMisses:
         self._snapshot: _Snapshot | None = None   # taken, not yet folded
         self._due_tokens = 0                      # tokens folded into the window, not yet refreshed on
         self._balance_window = [0, 0, 0, 0]       # split calls, those that waited, µs waited, µs post to answer
+        self._batch_window = [0, 0, 0, 0]         # the same of split batches
         self._before_prompt: dict[int, np.ndarray] | None = None   # use counts when the last prompt began
         self.sync_maps()
         specs = {layer: fmt.spec for layer, fmt in slots.formats.items()
@@ -340,10 +352,13 @@ class HybridMisses:
         """The dense experts' take table as last set (host copy)."""
         return self.split_host[0]
 
-    def _host_reads(self, fmt: ExpertFormat, stack: dict[str, Tensor]) -> HostReads | QuantHostReads:
-        """What a layer's one-token dispatch reads in place: its pinned stacks, less the CPU's part."""
+    def _host_reads(self, fmt: ExpertFormat, stack: dict[str, Tensor], split: bool = True) -> HostReads | QuantHostReads:
+        """What a layer's dispatch reads in place: its pinned stacks, less the CPU's part of a one-token
+        call (`split`; a batch's map names the CPU's experts itself)."""
         if isinstance(fmt, QuantizedFormat):
-            return QuantHostReads(stack, self.take_whole)
+            return QuantHostReads(stack, self.take_whole if split else None)
+        if not split:
+            return HostReads(stack["gate_up"], stack["down"])
         return HostReads(stack["gate_up"], stack["down"], self.take, self.cut)
 
     def close(self) -> None:
@@ -357,11 +372,17 @@ class HybridMisses:
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         """Post the call to the CPU worker, run the bank's and the GPU-read experts, add the CPU's rows."""
         ls, h = self.slots[layer], self.handoffs[layer]
-        one = hidden.shape[0] == 1 and self.gpu_reads
-        source = self.one_token_maps[layer] if one else ls.slot_map
-        take, cut = self.layer_tables[layer] if one else (None, None)
+        take = cut = None
+        extra = {}
+        if not self.gpu_reads:
+            source = ls.slot_map
+        elif hidden.shape[0] == 1:   # split by the tables, in routing order
+            source, (take, cut) = self.one_token_maps[layer], self.layer_tables[layer]
+            extra = {"host": self.host_reads[layer]}
+        else:                        # split by expert: the batch map
+            source = self.batch_maps[layer]
+            extra = {"host": self.batch_host_reads[layer]}
         handoff.post(h, hidden, expert_ids, weights, source, self.slots.capacity, self.live, take, cut)
-        extra = {"host": self.host_reads[layer]} if one else {}
         out = self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=source, **extra)
         return handoff.collect(h, out, self.error, self.live)
 
@@ -388,23 +409,28 @@ class HybridMisses:
 
     # ---- between steps ------------------------------------------------------------------
     def sync_maps(self) -> None:
-        """Rebuild the one-token map (experts outside the bank: S + e) of every layer whose residency
-        changed since the last call, from the host mirror (no read-back). The copies queue on the
+        """Rebuild the one-token map (experts outside the bank: S + e) and the batch map (the CPU's share
+        of those -1) of every layer whose residency changed since the last call, and every layer's
+        batch map when the batch share moved, from the host mirror (no read-back). The copies queue on the
         compute stream behind the step in flight, which still reads the old maps, so nobody waits:
         `after_step` calls this while the device runs a step, and the next step starts from the bank
         as it is then; `begin_step` calls it again for changes made between steps (a prompt through
         the fetch policy, a fill). The worker keeps no map of its own: each post names its pairs."""
         if self.closed:
             raise RuntimeError("this engine was closed: its CPU expert worker has stopped; load it again")
-        if self.slots.version == self._version:
+        share_moved = self._batch_share != self.batch_balance.share
+        if self.slots.version == self._version and not share_moved:
             return
         S, E = self.slots.capacity, self.slots.num_experts
         pin = self.device.type == "cuda"
+        self._batch_share = self.batch_balance.share
         for layer, version in self.slots.layer_version.items():
-            if self._layer_version.get(layer) == version:
+            if self._layer_version.get(layer) == version and not share_moved:
                 continue                                         # only the layers that changed
             one_map = self.slots[layer].host_map(E, outside=S)
-            self.one_token_maps[layer].copy_(one_map.pin_memory() if pin else one_map, non_blocking=pin)
+            batch_map = batch_split(one_map, S, self._batch_share if self.gpu_reads else 1.0)
+            for dst, src in ((self.one_token_maps[layer], one_map), (self.batch_maps[layer], batch_map)):
+                dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
             self._layer_version[layer] = version
         self._version = self.slots.version
 
@@ -461,18 +487,23 @@ class HybridMisses:
         """The CPU's share of a one-token call's misses now (1 where the device reads none)."""
         return self.balance.share if self.gpu_reads else 1.0
 
+    @property
+    def batch_cpu_share(self) -> float:
+        """The CPU's share of the experts outside the bank in a batch's map now (1 where the device reads none)."""
+        return self.batch_balance.share if self.gpu_reads else 1.0
+
     def describe(self) -> str:
         """--stats: how one-token calls split their misses now."""
         if not self.gpu_reads:
             return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
         how = "moved while decoding, by how long the device waits" if self.balance.adaptive else "fixed by --cpu-misses"
         takes, cuts = self.split_host[0].tolist(), self.split_host[1].tolist()
-        waited, share = self.balance.wait_us_per_call, self.balance.wait_share
         return (f"hybrid misses: the CPU takes {self.cpu_share:.0%} of a one-token call's misses ({how}), the device "
                 f"reads the rest in place; of m misses the CPU computes take[m] = {takes} whole and the "
                 f"intermediate rows [0, cut[m]) of the next, cut[m] = {cuts} (of {self.shape.intermediate})"
-                + (f"; the device waited {waited:.0f} µs per split call for the CPU's rows"
-                   + (f" ({share:.0%} of the call)" if share is not None else "") if waited is not None else ""))
+                + _waited(self.balance, "split call")
+                + f"; in a batch the CPU computes {self.batch_cpu_share:.0%} of the experts outside the bank, the "
+                  f"device reads the others in place" + _waited(self.batch_balance, "split batch"))
 
     def _rebalance(self) -> None:
         """Move the split as the balance says. The device's table is the only one (each post tells
@@ -481,6 +512,8 @@ class HybridMisses:
         window, self._balance_window = self._balance_window, [0, 0, 0, 0]
         if self.balance.observe(*window):
             self.write_split()
+        window, self._batch_window = self._batch_window, [0, 0, 0, 0]
+        self.batch_balance.observe(*window)   # a moved share rebuilds the batch maps at the next `sync_maps`
 
     def write_split(self) -> None:
         """Rewrite the split tables from the balance's share (and `quantum`), copied behind the step
@@ -542,7 +575,9 @@ class HybridMisses:
         snap, self._snapshot = self._snapshot, None
         self.check(int(snap.error[0]))
         self._window += snap.expert_counts.numpy()
-        self._balance_window = [a + b for a, b in zip(self._balance_window, snap.balance_counts[:, 1:].sum(0).tolist())]
+        totals = snap.balance_counts[:, 1:].sum(0).tolist()
+        self._balance_window = [a + b for a, b in zip(self._balance_window, totals[:4])]
+        self._batch_window = [a + b for a, b in zip(self._batch_window, totals[4:])]
         for layer, pairs in zip(self.layer_index, snap.pair_counts.tolist()):
             self._fold(layer, pairs)
         self._due_tokens += snap.tokens
@@ -559,3 +594,25 @@ class HybridMisses:
         if self._snapshot.done is not None:
             self._snapshot.done.synchronize()
         self._fold_snapshot()
+
+
+def batch_split(one_map: Tensor, num_slots: int, cpu_share: float) -> Tensor:
+    """A batch's map from the one-token map (slot, or S + e outside the bank): of the experts outside
+    the bank, in id order, expert i of n is the CPU's (-1) where floor((i + 1) × share) passes
+    floor(i × share), so the CPU's share of them is spread evenly over the ids, and the device reads
+    the rest in place (S + e)."""
+    out = one_map.clone()
+    outside = (one_map[:-1] >= num_slots).nonzero().flatten()
+    i = torch.arange(outside.numel(), dtype=torch.float64)
+    cpu = torch.floor((i + 1) * cpu_share) > torch.floor(i * cpu_share)
+    out[outside[cpu]] = -1
+    return out
+
+
+def _waited(balance: SplitBalance, what: str) -> str:
+    """--stats: how long the device last waited for the CPU's rows per split call of a kind."""
+    waited, share = balance.wait_us_per_call, balance.wait_share
+    if waited is None:
+        return ""
+    return f"; the device waited {waited:.0f} µs per {what} for the CPU's rows" + (
+        f" ({share:.0%} of the call)" if share is not None else "")

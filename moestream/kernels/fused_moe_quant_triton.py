@@ -30,7 +30,7 @@ from moestream.quant import QuantSpec
 from moestream.quant.fp8 import Fp8Spec
 from moestream.quant.normal import codebook
 
-from .fused_moe_triton import DecodeConfig, MoeConfig, grouped_by_slot_groups, resolve_path, run_paths
+from .fused_moe_triton import DecodeConfig, MoeConfig, grouped_by_slot_groups, host_path, resolve_path, run_paths
 from .dequant_slots_triton import dequantize_operand
 from .fused_moe_decode import HostOperand, QuantOperand
 from .fused_moe_token import TokenConfig, host_offset
@@ -152,6 +152,8 @@ def fused_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tenso
         raise ValueError("experts read from host stacks take the decode path, not the dequant path")
     I = two_i // 2
     if not long:
+        if host is not None:   # host stacks: a call larger than one token takes the decode path
+            path = host_path(path, config, T, k)
         path = resolve_path(path, config, T, k, one_token=takes_token_path(spec, hidden.shape[1], I))
         if path == "token":
             reads = None

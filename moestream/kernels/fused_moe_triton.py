@@ -63,7 +63,7 @@ from .fused_moe_decode import (
     launch_decode_gemms,
     quant_args,
 )
-from .fused_moe_token import TokenConfig, token_moe
+from .fused_moe_token import TokenConfig, host_offset, token_moe
 from .pdl import pdl_args, release_consumer, wait_for_producer
 from .moe_activation import ACTIVATION_CODES as _ACTIVATION_CODES
 from .moe_activation import activate
@@ -336,21 +336,40 @@ def fused_moe_with_config(hidden: Tensor, gate_up: Tensor, down: Tensor, slot_id
                     ("weights", weights), ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    path = resolve_path(path, config, T, k)
+    path = resolve_path(host_path(path, config, T, k) if host is not None else path, config, T, k)
     biases = None if gate_up_bias is None else (gate_up_bias, down_bias)
     if slot_map is not None and slot_map.device != hidden.device:
         raise ValueError(f"slot_map is on {slot_map.device} but hidden is on {hidden.device}")
-    if host is not None and (path != "token" or biases is not None):
-        raise ValueError("experts read from a host stack take the one-token path, without biases; "
+    if host is not None and (path == "grouped" or biases is not None):
+        raise ValueError("experts read from a host stack take the one-token or decode path, without biases; "
                          f"this call takes the {path} path{' with biases' if biases is not None else ''}")
+    if host is not None and path == "decode" and host.cpu_take is not None:
+        raise ValueError("a split by cpu_take is a one-token call's; a larger call's map splits its pairs")
     if path == "token":
         return token_moe(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], I,
                          slot_map=slot_map, biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce,
                          config=config, host=host)
     if slot_map is not None:
         slot_ids = slot_map[slot_ids.long()]
+    operands = None
+    if host is not None:   # slot ids S + e: expert e of the pinned stacks, read in place
+        E = host.gate_up.shape[0]
+        operands = (HostOperand(E, host_offset(host.gate_up, gate_up)), HostOperand(E, host_offset(host.down, down)))
     return run_paths(hidden, gate_up, down, slot_ids, weights, _ACTIVATION_CODES[act.name], config, path, S, I,
-                     biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce, layer_experts=layer_experts)
+                     biases=biases, alpha=act.alpha, limit=act.limit, reduce=reduce, host=operands,
+                     layer_experts=layer_experts)
+
+
+def host_path(path: str, config, num_tokens: int, top_k: int) -> str:
+    """The path of a call that reads experts from host stacks in place: the one-token path for one token,
+    else the decode path (its owner programs read each expert once for all its tokens), at any pair
+    count it handles, where the caller named none."""
+    if path != "auto" or config is not None or num_tokens == 1:
+        return path
+    if num_tokens * top_k > _DECODE_FORCED_MAX_PAIRS:
+        raise ValueError(f"experts read from host stacks take at most {_DECODE_FORCED_MAX_PAIRS} (token, expert) "
+                         f"pairs a call, got {num_tokens * top_k}")
+    return "decode"
 
 
 def resolve_path(path: str, config, num_tokens: int, top_k: int, one_token: bool = True) -> str:

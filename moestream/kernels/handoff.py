@@ -8,14 +8,17 @@ missing experts (`cpu_moe.StreamWorker`). Two launches per MoE layer make the ha
   the only record of what is resident, read here) and routing weights into the layer's pinned
   `Mailbox`, counts the routed pairs by where they are served (bank, read from host memory by the
   GPU, computed by the CPU) and per expert (used, missed: the bank's refresh reads them), then,
-  after a system-scope fence, publishes the sequence number. The worker polls for it.
+  after a system-scope fence, publishes the sequence number. The worker polls for it. Which pairs
+  are the worker's: in a one-token call split by tables (`cpu_take` / `cpu_cut`), the first of
+  those outside the bank, as the tables say; otherwise those whose source in the map is -1 (a
+  batch's map names the experts the GPU reads in place, S + e, and leaves the rest to the CPU).
 * `collect` (one program per block of the output): waits on the device until the worker's answer
   carries the sequence number (volatile loads of pinned memory, a bounded number of polls: a
   worker that never answers sets the error flag instead of hanging the GPU), then adds the CPU's
   fp32 rows to the layer's output in place. Where the post split its misses between both sides,
   it counts the call, whether the answer was not there yet (the device waited for the CPU), for
-  how long, and how long the call took from its post to the answer: the hybrid policy moves the
-  split until the wait is a small share of the call.
+  how long, and how long the call took from its post to the answer, apart for one-token calls and
+  batches: the hybrid policy moves each split until the wait is a small share of the call.
 
 Mailboxes live in pinned host memory, which shares the device's virtual address space; the
 kernels get CUDA aliases of those tensors (`device_alias`). On the CPU (tests, CPU-only runs) the
@@ -81,8 +84,9 @@ class LayerHandoff:
     miss: Tensor         # (E,) int32: of those, pairs not served by the bank
     pairs: Tensor        # (5,) int64: pairs served by the bank, read from host memory (shared ones too),
                          # computed by the CPU; pairs shared by both, and the CPU's intermediate rows of those
-    balance: Tensor      # (5,) int32: the last post split its misses between both sides (0/1); calls that
-                         # did; of those, calls whose device side waited for the CPU's answer, the µs it
+    balance: Tensor      # (9,) int32: whether the last post split its misses between both sides (0: no,
+                         # 1: a one-token call, 2: a batch); then per kind ([1:5] one-token, [5:9] batches):
+                         # calls that did, those whose device side waited for the CPU's answer, the µs it
                          # waited in all, and the µs from their posts to their answers in all
     stamp: Tensor        # (1,) int64: when the last post was published (ns; the device's clock on CUDA)
     alias: dict[str, Tensor] | None = None   # CUDA aliases of the box's tensors
@@ -125,13 +129,19 @@ if triton is not None:
         valid = pm & (e >= 0)
         src = tl.load(map_ptr + tl.maximum(e, 0), mask=valid, other=-1)
         in_bank = valid & (src >= 0) & (src < num_slots)
-        tl.store(box_ids_ptr + p, tl.where(in_bank, -1, e), mask=pm)   # the worker's pairs: those outside the bank
+        read = valid & (src >= num_slots)
+        # the worker's pairs: split by tables, every one outside the bank (the header's take picks);
+        # else those the map leaves to nobody on the device (-1)
+        if SPLIT:
+            device_side = in_bank
+        else:
+            device_side = in_bank | read
+        tl.store(box_ids_ptr + p, tl.where(device_side, -1, e), mask=pm)
         tl.store(box_w_ptr + p, tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32), mask=pm)
         tl.store(hdr_ptr + 1, T)
         tl.atomic_add(use_ptr + e, 1, mask=valid)
         tl.atomic_add(miss_ptr + e, 1, mask=valid & ~in_bank)
         tl.atomic_add(pairs_ptr, tl.sum(in_bank.to(tl.int64)))
-        read = valid & (src >= num_slots)
         take = -1                        # every pair outside the bank is the CPU's, unless split:
         cut = 0
         shared = 0
@@ -151,7 +161,11 @@ if triton is not None:
         tl.atomic_add(pairs_ptr + 2, n_cpu.to(tl.int64))
         tl.atomic_add(pairs_ptr + 3, shared.to(tl.int64))
         tl.atomic_add(pairs_ptr + 4, (shared * cut).to(tl.int64))
-        tl.store(balance_ptr, ((n_read > 0) & ((n_cpu + shared) > 0)).to(tl.int32))   # both sides have work
+        both = ((n_read > 0) & ((n_cpu + shared) > 0)).to(tl.int32)   # both sides have work: which kind of call
+        if SPLIT:
+            tl.store(balance_ptr, both)
+        else:
+            tl.store(balance_ptr, 2 * both)
         seq = _fence_sys(seq)            # every thread's writes to host memory before the flag
         tl.debug_barrier()
         tl.store(hdr_ptr, seq)
@@ -168,12 +182,14 @@ if triton is not None:
         while (flag != seq) & (polls < max_polls):
             flag = tl.load(hdr_ptr, volatile=True)
             polls += 1
-        if (tl.program_id(0) == 0) & (tl.load(balance_ptr) != 0):   # a split call: who finished first, by how much
+        kind = tl.load(balance_ptr)
+        if (tl.program_id(0) == 0) & (kind != 0):   # a split call: who finished first, by how much
             t1 = globaltimer()
-            tl.atomic_add(balance_ptr + 1, 1)
-            tl.atomic_add(balance_ptr + 2, (polls > 0).to(tl.int32))
-            tl.atomic_add(balance_ptr + 3, ((t1 - t0 + 500) // 1000).to(tl.int32))
-            tl.atomic_add(balance_ptr + 4, ((t1 - tl.load(stamp_ptr) + 500) // 1000).to(tl.int32))
+            base = balance_ptr + 1 + 4 * (kind - 1)
+            tl.atomic_add(base, 1)
+            tl.atomic_add(base + 1, (polls > 0).to(tl.int32))
+            tl.atomic_add(base + 2, ((t1 - t0 + 500) // 1000).to(tl.int32))
+            tl.atomic_add(base + 3, ((t1 - tl.load(stamp_ptr) + 500) // 1000).to(tl.int32))
         flag = _fence_sys(flag)          # the answer's rows after its flag
         if flag != seq:
             tl.atomic_max(error_ptr, 1)
@@ -189,10 +205,10 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
          live: Tensor, cpu_take: Tensor | None = None, cpu_cut: Tensor | None = None) -> None:
     """Hand a layer's call to the worker: (T, H) hidden rows, (T, k) expert ids and weights, of which
     the first `live` ((1,) int32 on the device) rows are real (a captured batch pads the rest);
-    `source_map` is the map the GPU's dispatch reads (a slot, or num_slots + e: outside the bank)
-    and `cpu_take` / `cpu_cut` the one-token split (`HostReads`), which sort the pairs for the
-    counters and which the post hands the worker (header [2] take, [3] cut; a shared pair counts as
-    read by the device)."""
+    `source_map` is the map the GPU's dispatch reads (a slot, or num_slots + e: outside the bank,
+    read in place; -1: the CPU's) and `cpu_take` / `cpu_cut` the one-token split (`HostReads`), which
+    sort the pairs for the counters and which the post hands the worker (header [2] take, [3] cut; a
+    shared pair counts as read by the device). Without them the map alone splits the call."""
     T, H = hidden.shape
     k = ids.shape[-1]
     if T * H > h.box.hidden.numel() or T * k > h.box.ids.numel():
@@ -216,11 +232,12 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     h.seq[0] = seq
     flat = ids[:T].reshape(-1).to(torch.int32)
     src = torch.where(flat >= 0, source_map[flat.long().clamp_min(0)], -2).view(T, -1)
-    box.ids[:n_pairs].copy_(torch.where(((src >= 0) & (src < num_slots)).reshape(-1), -1, flat))
+    split = cpu_take is not None and T == 1
+    device_side = ((src >= 0) & (src < num_slots)) if split else (src >= 0)
+    box.ids[:n_pairs].copy_(torch.where(device_side.reshape(-1), -1, flat))
     box.weights[:n_pairs].copy_(weights[:T].reshape(-1).float())
     box.hidden[:T * H].copy_(hidden[:T].reshape(-1))
     box.post[1] = T
-    split = cpu_take is not None and T == 1
     m = int((src >= num_slots).sum())
     take = int(cpu_take[m]) if split else -1
     cut = int(cpu_cut[m]) if split and cpu_cut is not None else 0
@@ -235,7 +252,7 @@ def post(h: LayerHandoff, hidden: Tensor, ids: Tensor, weights: Tensor, source_m
     n_read = read.sum()
     n_cpu = valid.sum() - in_bank.sum() - n_read
     h.pairs += torch.stack((in_bank.sum(), n_read, n_cpu, torch.tensor(shared), torch.tensor(shared * cut)))
-    h.balance[0] = int(n_read > 0 and n_cpu + shared > 0)
+    h.balance[0] = int(n_read > 0 and n_cpu + shared > 0) * (1 if split else 2)
     cpu_moe.publish(box.post, seq)
     h.stamp[0] = time.perf_counter_ns()
 
@@ -251,13 +268,14 @@ def collect(h: LayerHandoff, out: Tensor, error: Tensor, live: Tensor) -> Tensor
                                                               BLOCK=COLLECT_BLOCK, num_warps=4)
         return out
     seq = int(h.seq[0])
-    split, t0 = bool(h.balance[0]), time.perf_counter_ns()
-    late = split and not cpu_moe.answered(h.box.result, seq)
+    kind, t0 = int(h.balance[0]), time.perf_counter_ns()
+    late = kind and not cpu_moe.answered(h.box.result, seq)
     if not cpu_moe.wait_answer(h.box.result, seq, timeout_s=10.0):
         raise RuntimeError("the CPU expert worker did not answer within 10 s; it may have stopped")
-    if split:
+    if kind:
         t1 = time.perf_counter_ns()
-        h.balance[1:] += torch.tensor([1, int(late), round((t1 - t0) / 1e3) if late else 0,
+        base = 1 + 4 * (kind - 1)
+        h.balance[base:base + 4] += torch.tensor([1, int(late), round((t1 - t0) / 1e3) if late else 0,
                                        round((t1 - int(h.stamp[0])) / 1e3)], dtype=h.balance.dtype)
     T = min(T, int(live[0]))
     if int(h.box.result[1]) > 0:

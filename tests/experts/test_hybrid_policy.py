@@ -34,11 +34,11 @@ def test_hybrid_policy_gives_the_resident_tokens(tiny_qwen3, resident, share):
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want               # a batch of two
         stats = engine.stats()
         assert stats["misses"] > 0 and stats["hits"] > 0
-        # One-stream steps split the misses as asked; batched steps leave them all to the CPU.
-        assert stats["cpu_served"] > 0
+        # Every step splits its misses as asked: one-stream steps by the tables, batched ones by expert.
+        assert (stats["cpu_served"] > 0) == (share > 0.0)
         assert (stats["host_read"] > 0) == (share < 1.0)
         assert stats["cpu_served"] + stats["host_read"] == stats["misses"] - _prompt_misses(engine)
-        assert stats["cpu_bytes"] > 0 and (stats["host_read_bytes"] > 0) == (share < 1.0)
+        assert (stats["cpu_bytes"] > 0) == (share > 0.0) and (stats["host_read_bytes"] > 0) == (share < 1.0)
     finally:
         engine.close()
 
@@ -62,8 +62,32 @@ def test_the_split_is_the_same_rule_for_every_side(tiny_qwen3):
             ls = engine.bank.slots[layer]
             one_map = hybrid.one_token_maps[layer].tolist()
             assert one_map[:E] == [ls.where.get(e, S + e) for e in range(E)] and one_map[E] == -1
+            # a batch's map: the bank's slots as they are, every other expert either the CPU's or read in place
+            batch_map = hybrid.batch_maps[layer].tolist()
+            outside = [e for e in range(E) if e not in ls.where]
+            assert [batch_map[e] for e in ls.where] == list(ls.where.values()) and batch_map[E] == -1
+            assert all(batch_map[e] in (-1, S + e) for e in outside)
+            assert sum(batch_map[e] == -1 for e in outside) == int(0.5 * len(outside))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.5, 0.75, 1.0])
+def test_a_batch_map_gives_the_cpu_its_share_of_the_experts_outside_the_bank_spread_over_the_ids(share):
+    from moestream.experts.hybrid import batch_split
+
+    S, E = 4, 40
+    one_map = torch.tensor([S + e for e in range(E)] + [-1], dtype=torch.int32)
+    one_map[[3, 17, 20, 31]] = torch.tensor([0, 1, 2, 3], dtype=torch.int32)   # the bank's four
+    out = batch_split(one_map, S, share)
+    outside = [e for e in range(E) if one_map[e] >= S]
+    cpu = [e for e in outside if out[e] == -1]
+    assert out[[3, 17, 20, 31]].tolist() == [0, 1, 2, 3] and out[E] == -1
+    assert all(out[e] == S + e for e in outside if e not in cpu)
+    assert len(cpu) == int(share * len(outside))
+    if 0 < share < 1:   # spread: each half of the ids holds about its part of the CPU's experts
+        low = sum(e < E // 2 for e in cpu)
+        assert abs(low - len(cpu) / 2) <= 2
 
 
 def test_promotions_turn_to_one_probe_at_a_time_where_they_do_not_pay():
@@ -201,6 +225,7 @@ def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident,
     the kernels read the same table after every move, so the tokens stay the resident model's."""
     import time
 
+    from moestream.experts.hybrid import batch_split
     from moestream.kernels import cpu_moe
 
     _, want = resident
@@ -216,14 +241,20 @@ def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident,
     engine = _hybrid(tiny_qwen3)
     try:
         hybrid = engine.bank.hybrid_misses
-        hybrid.balance.least_calls = 4
-        start = hybrid.cpu_share
+        hybrid.balance.least_calls = hybrid.batch_balance.least_calls = 4
+        start, batch_start = hybrid.cpu_share, hybrid.batch_cpu_share
         assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want      # batches: their own share
         assert (hybrid.cpu_share < start) if answer_late else (hybrid.cpu_share > start)
+        assert (hybrid.batch_cpu_share < batch_start) if answer_late else (hybrid.batch_cpu_share > batch_start)
         takes, cuts = hybrid.balance.split(engine.config.top_k, engine.bank.store.shape.intermediate, hybrid.quantum)
         assert hybrid.split_host.tolist()[:2] == [takes, cuts]
         assert torch.equal(hybrid.split.cpu(), hybrid.split_host)
         assert all(read.cpu_take is hybrid.take and read.cpu_cut is hybrid.cut for read in hybrid.host_reads.values())
+        hybrid.sync_maps()
+        S = engine.bank.capacity
+        for layer, batch_map in hybrid.batch_maps.items():   # rebuilt at the share the balance moved to
+            assert torch.equal(batch_map.cpu(), batch_split(hybrid.one_token_maps[layer].cpu(), S, hybrid.batch_cpu_share))
     finally:
         engine.close()
 
@@ -259,7 +290,8 @@ def test_one_miss_is_shared_by_both_sides(tiny_qwen3, resident, monkeypatch):
 
 def test_each_post_names_the_pairs_outside_the_bank_by_the_map_it_was_given(tiny_qwen3, resident, monkeypatch):
     """The worker keeps no view of the bank: a post writes -1 for every pair the map it serves puts
-    in a slot and the expert id for the others, so the bank can change behind any step."""
+    on the device and the expert id for the others, so the bank can change behind any step. On the
+    device: a slot; in a batch's map (no split tables) also an expert the device reads in place (S + e)."""
     from moestream.kernels import handoff
 
     _, want = resident
@@ -270,7 +302,9 @@ def test_each_post_names_the_pairs_outside_the_bank_by_the_map_it_was_given(tiny
         post(h, hidden, ids, weights, source_map, num_slots, *args, **kwargs)
         flat = ids.reshape(-1).tolist()
         src = [int(source_map[e]) if e >= 0 else -1 for e in flat]
-        assert h.box.ids[:len(flat)].tolist() == [-1 if 0 <= s < num_slots else e for e, s in zip(flat, src)]
+        tables = (args[1] if len(args) > 1 else kwargs.get("cpu_take")) is not None
+        on_device = [0 <= s < num_slots if tables else s >= 0 for s in src]
+        assert h.box.ids[:len(flat)].tolist() == [-1 if d else e for e, d in zip(flat, on_device)]
         checked.append(any(0 <= s < num_slots for s in src) and any(s < 0 or s >= num_slots for s in src))
 
     monkeypatch.setattr(handoff, "post", spy)
@@ -451,7 +485,7 @@ def test_hybrid_policy_on_the_gpu_gives_the_resident_tokens(tiny_qwen3, share):
         assert [engine.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
         assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
         stats = engine.stats()
-        assert (stats["host_read"] > 0) == (share < 1.0) and stats["cpu_served"] > 0
+        assert (stats["host_read"] > 0) == (share < 1.0) and (stats["cpu_served"] > 0) == (share > 0.0)
     finally:
         engine.close()
 

@@ -18,7 +18,7 @@ SHAPES = ((64, 32, 8, 12, 4), (72, 40, 6, 10, 3), (160, 48, 8, 10, 8))
 # The same properties at about half the programs (the interpreter runs each one in Python): widths of
 # the host and shared-pair checks too
 INTERPRETER_SHAPES = dict(shapes=((32, 16, 8, 12, 4), (40, 24, 6, 10, 3), (48, 24, 8, 10, 8)), host=(48, 24),
-                          shared=(48, 32))
+                          shared=(48, 32), batches=(3,))
 
 
 def _inputs(H: int, I: int, S: int, E: int, k: int, dtype: torch.dtype, device: str, seed: int, bias: bool):
@@ -155,9 +155,43 @@ def check_shared_pair(device: str, dtype: torch.dtype, H: int = 96, I: int = 64)
         assert float((got - full.float()).norm() / full.float().norm()) < 3 * tol, (take2, cut2)
 
 
-def check_all(device: str, dtypes: tuple[torch.dtype, ...], shapes=SHAPES, host=(96, 40), shared=(96, 64)) -> None:
+def check_batch_host_reads(device: str, dtype: torch.dtype, H: int = 96, I: int = 40, batches=(3, 12)) -> None:
+    """A batch reads the experts its map sends to the host stacks (S + e) in place, on the decode path
+    at any pair count (12 tokens x 6 pairs: past the decode path's usual 64), and leaves those the map
+    gives nobody (-1: the CPU's) out: the bits of the same experts held in slots, minus the CPU's."""
+    import pytest
+
+    from moestream.kernels.fused_moe_triton import fused_moe_with_config
+
+    host_gu, host_down, gate_up, down, _, _, _, source = _host_case(device, dtype, H, I, seed=9)
+    source[6] = -1                                              # outside the bank, the CPU's (as 11 and others)
+    source[8] = 4 + 8                                           # outside the bank, read in place (as 2 and 5)
+    full_gu, full_down = host_gu.to(device), host_down.to(device)
+    g = torch.Generator().manual_seed(10)
+    E, k = host_gu.shape[0], 6
+    for T in batches:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device, torch.int32)
+        hidden = torch.randn(T, H, generator=g).to(device, dtype)
+        weights = torch.rand(T, k, generator=g).softmax(dim=1).to(device)
+        out = fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source, host=HostReads(host_gu, host_down))
+        kept = torch.where(source[ids.long()] >= 0, ids, -1)      # the same experts, all in slots, less the CPU's
+        want = fused_moe_with_config(hidden, full_gu, full_down, kept, weights, path="decode")
+        assert torch.equal(out, want), (T, "a batch's experts read from the host stacks give the bits of slots")
+        ref = moe_reference(hidden, gate_up, down, ids, weights, slot_map=source, host=HostReads(host_gu, host_down))
+        assert torch.equal(ref, moe_reference(hidden, full_gu, full_down, kept, weights)), T
+        tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
+        assert float((out.float() - ref.float()).norm() / ref.float().norm()) < tol, T
+    take = torch.zeros(k + 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="one-token"):            # tables split one token's pairs, not a batch's
+        fused_moe_with_config(hidden, gate_up, down, ids, weights, slot_map=source,
+                              host=HostReads(host_gu, host_down, take))
+
+
+def check_all(device: str, dtypes: tuple[torch.dtype, ...], shapes=SHAPES, host=(96, 40), shared=(96, 64),
+              batches=(3, 12)) -> None:
     for dtype in dtypes:
         check_token_path(device, dtype, shapes)
         check_host_reads(device, dtype, *host)
+        check_batch_host_reads(device, dtype, *host, batches=batches)
         if device == "cuda" or dtype == dtypes[0]:   # the interpreter is slow: one dtype there
             check_shared_pair(device, dtype, *shared)
