@@ -320,7 +320,7 @@ class Engine:
                 return self._run_ahead(ahead)
         got = self._drain()
         self._retire()   # cancelled since the last step, or ended by the step just read
-        got += self._execute(self.scheduler.schedule())
+        got += self._execute(self.scheduler.schedule(fill=self.pack_prompts))
         if self._inflight is None:
             self._retire()
         self.scheduler.seal()

@@ -255,6 +255,35 @@ def test_the_plan_admits_up_to_the_batch_and_takes_whole_chunks_within_one_budge
     assert [s.row for s in sched.running] == [0, 1, 2]
 
 
+def test_a_step_whose_chunks_are_one_forward_cuts_the_next_prompt_to_fill_its_budget():
+    """With `fill` (the engine packs a step's chunks into one forward) every step but the last takes a
+    whole budget of prompt tokens, the chunks in row order: 4 prompts of 6 in budgets of 8 are 3 steps.
+    Without it each prompt that fits a chunk goes whole: 4 steps, 2 tokens of each budget unused."""
+    def steps(fill: bool) -> list[list[tuple[int, int, int]]]:
+        sched = Scheduler(max_batch=4, prefill_chunk=8)
+        seqs = [seq_of(6) for _ in range(4)]
+        for s in seqs:
+            sched.add(s)
+        out = []
+        while any(s.prefilling for s in sched.running) or sched.waiting:
+            plan = sched.schedule(fill=fill)
+            out.append([(seqs.index(c.seq), c.start, c.end) for c in plan.prefills])
+            execute(sched, plan)
+        return out
+
+    assert steps(True) == [[(0, 0, 6), (1, 0, 2)], [(1, 2, 6), (2, 0, 4)], [(2, 4, 6), (3, 0, 6)]]
+    assert steps(False) == [[(0, 0, 6)], [(1, 0, 6)], [(2, 0, 6)], [(3, 0, 6)]]
+
+
+def test_packed_steps_cut_prompts_to_fill_them_and_keep_each_prompts_tokens(tiny_qwen3):
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=8)
+    prompts = [torch.randint(2, 160, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    alone = [engine.generate(p, max_tokens=4, ignore_eos=True) for p in prompts]
+    engine.reset_stats()
+    assert engine.generate(prompts, max_tokens=4, ignore_eos=True) == alone
+    assert engine.counters.prefill_forwards == 3 and engine.counters.prefill_tokens == 24   # 8 + 8 + 8
+
+
 def test_the_plan_reserves_decode_blocks_and_preempts_the_newest_when_the_pool_runs_dry():
     blocks = BlockManager(num_blocks=7, block_size=4)                    # 6 blocks; a whole sequence needs 5
     sched = Scheduler(max_batch=2, prefill_chunk=16, blocks=blocks)

@@ -11,15 +11,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_both_modes_run_the_same_prompts_and_packing_copies_fewer_experts(tiny_qwen3, tmp_path):
+def test_the_modes_run_the_same_prompts_and_filled_packed_steps_copy_fewest_experts(tiny_qwen3, tmp_path):
+    """4 prompts of 6 tokens in steps of 8: filled packed steps are 3 forwards (8, 8, 8), packed steps of
+    whole prompts 4 (one prompt a step: the next does not fit what is left), one forward each 4."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_prompts.py"), "--ckpt", str(tiny_qwen3),
                           "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--streams", "4",
-                          "--prompt-tokens", "6", "--rounds", "1", "--routing", "uniform"],
+                          "--prompt-tokens", "6", "--prefill-chunk", "8", "--rounds", "1", "--routing", "uniform"],
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "packed_prompts.json").read_text())
-    packed, each = result["modes"]["packed"], result["modes"]["one each"]
-    assert packed["forwards"] == 1 and each["forwards"] == 4
-    assert 0 < packed["gb_copied"] < each["gb_copied"]
+    packed, whole, each = (result["modes"][m] for m in ("packed", "packed, whole", "one each"))
+    assert (packed["forwards"], whole["forwards"], each["forwards"]) == (3, 4, 4)
+    assert 0 < packed["gb_copied"] < whole["gb_copied"] and packed["gb_copied"] < each["gb_copied"]
+    assert result["fill_speedup"] > 0
     assert result["routing"].startswith("uniform") and result["speedup"] > 0
     assert "packed" in run.stdout and "one forward each" in run.stdout
