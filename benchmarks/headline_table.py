@@ -12,7 +12,8 @@ this machine:
   75% of the layers on the CPU) decoding under uniform routing (and, for bf16 and int4, under trace
   replay), and its 512-token prompt (`moestream bench --json`, `llama-bench -o json`);
 * served, bf16 resident: 1/16/64 concurrent streams and an agent's second turn with its prefix
-  cached, the same requests to our server and to llama-server (`benchmarks/serve_throughput.py`).
+  cached, the same requests to our server and to llama-server (`benchmarks/serve_throughput.py`);
+  and served at the 25% bank (llama-server `--n-cpu-moe`): 4 and 16 concurrent streams.
 
 It prints one table (markdown) and writes it with its raw results as JSON: each row with our figure,
 llama.cpp's, the ratio, our routing, the machine, the date and the commands that made it. A row
@@ -459,22 +460,31 @@ def _gguf_path(args, ggufs: dict, qtype: str) -> Path:
 
 
 def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: dict, why: str,
-                results: Results) -> dict[str, Run]:
+                results: Results, bank: bool = False) -> dict[str, Run]:
     """benchmarks/serve_throughput.py, ours and then llama-server's (each its own run, so one failing
-    keeps the other), bf16 resident, uniform routing."""
+    keeps the other), bf16, uniform routing: resident, with the agent's second turn; or (`bank`) at the
+    25% bank beside llama-server's `--n-cpu-moe`, `--bank-streams` streams only."""
     runs: dict[str, Run] = {}
     ckpt = made["ckpt"].get("bf16")
+    streams = args.bank_streams if bank else args.streams
+    prefix = 0 if bank else args.prefix_tokens
+    context = args.serve_prompt_tokens + args.serve_gen_tokens + 64 if bank else args.prefix_tokens + 2 * args.new_tokens + 64
     base = [sys.executable, str(ROOT / "benchmarks/serve_throughput.py"), "--ckpt", str(ckpt), "--no-write",
-            "--routing", "uniform", "--streams", *map(str, args.streams), "--prompt-tokens", str(args.serve_prompt_tokens),
-            "--gen-tokens", str(args.serve_gen_tokens), "--prefix-tokens", str(args.prefix_tokens),
-            "--new-tokens", str(args.new_tokens), "--max-context", str(args.prefix_tokens + 2 * args.new_tokens + 64)]
+            "--routing", "uniform", "--streams", *map(str, streams), "--prompt-tokens", str(args.serve_prompt_tokens),
+            "--gen-tokens", str(args.serve_gen_tokens), "--prefix-tokens", str(prefix),
+            "--new-tokens", str(args.new_tokens), "--max-context", str(context)]
+    if bank:
+        base += ["--capacity", str(made["capacity"])]
     if args.tiny:
         base += ["--prefix-cache-memory", "64MiB"]
     if runner.in_process:
         base += ["--server-thread"]
-    for key, extra in (("served-ours", []),
-                       ("served-llama", ["--peer-only", "--llama-server", str((bin_dir or Path("LLAMA_CPP_BIN")) / "llama-server"),
-                                         "--gguf", str(_gguf_path(args, ggufs, "bf16")), "--peer-n-cpu-moe", "0"])):
+    suffix = "-bank" if bank else ""
+    for key, extra in ((f"served-ours{suffix}", []),
+                       (f"served-llama{suffix}", ["--peer-only", "--llama-server",
+                                                  str((bin_dir or Path("LLAMA_CPP_BIN")) / "llama-server"),
+                                                  "--gguf", str(_gguf_path(args, ggufs, "bf16")),
+                                                  "--peer-n-cpu-moe", str(args.n_cpu_moe if bank else 0)])):
         out = args.work / "results" / key
         cmd = [*base, "--out", str(out), *extra]
         run = runs[key] = Run(key, cmd)
@@ -484,7 +494,7 @@ def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: d
         if ckpt is None:
             run.error = made["errors"].get("bf16", "no checkpoint")
             continue
-        if key == "served-llama":
+        if key.startswith("served-llama"):
             if bin_dir is None:
                 run.error = why
                 continue
@@ -498,11 +508,11 @@ def served_runs(args, runner: Runner, made: dict, bin_dir: Path | None, ggufs: d
         err = runner.call(key, cmd, args.timeout_serve)
         run.seconds = time.perf_counter() - t0
         if err:
-            run.error = err if key == "served-ours" else f"failed: {err}"
+            run.error = err if key.startswith("served-ours") else f"failed: {err}"
         else:
             data = _read_json(out / "serve_throughput.json", run)
             if data is not None:
-                run.result = data.get("llama_server" if key == "served-llama" else "ours")
+                run.result = data.get("llama_server" if key.startswith("served-llama") else "ours")
                 if run.result is None:
                     run.error = "no result in serve_throughput.json"
         results.save(run)
@@ -546,7 +556,8 @@ def _cell(run: Run | None, pick) -> tuple[float | None, str]:
 
 
 def make_rows(ours: dict[str, Run], peer: dict[str, Run], served: dict[str, Run], trace_label: str,
-              n_cpu_moe: int, layers: int, streams: list[int], formats: list[Format] | None = None) -> list[Row]:
+              n_cpu_moe: int, layers: int, streams: list[int], formats: list[Format] | None = None,
+              bank_streams: list[int] | None = None) -> list[Row]:
     """Every headline row from the runs (a run that failed leaves its rows' cells empty, with why)."""
     rows: list[Row] = []
 
@@ -580,6 +591,10 @@ def make_rows(ours: dict[str, Run], peer: dict[str, Run], served: dict[str, Run]
     for turn, key in (("cached", "ttft_cached_ms"), ("cold", "ttft_cold_ms")):
         pick = lambda r, k=key: r["second_turn"][k]  # noqa: E731
         add(f"agent's second turn, prefix {turn} (time to first token)", "bf16 / BF16", UNIFORM, "ms", so, pick, sp, pick)
+    so, sp = served.get("served-ours-bank"), served.get("served-llama-bank")
+    for n in bank_streams or []:
+        pick = lambda r, n=n: next(s["aggregate_decode_tok_s"] for s in r["streams"] if s["streams"] == n)  # noqa: E731
+        add(f"served at a {bank}, {n} streams (aggregate decode)", "bf16 / BF16", UNIFORM, "tok/s", so, pick, sp, pick)
     return rows
 
 
@@ -647,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=None, help="routing trace to replay (default: the demo model's)")
     ap.add_argument("--repetitions", type=int, default=3, help="llama-bench -r")
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 16, 64], help="concurrent streams of the served rows")
+    ap.add_argument("--bank-streams", type=int, nargs="*", default=[4, 16],
+                    help="concurrent streams of the served rows at the 25%% bank")
     ap.add_argument("--serve-prompt-tokens", type=int, default=128, help="prompt of each served stream")
     ap.add_argument("--serve-gen-tokens", type=int, default=128, help="tokens generated per served stream")
     ap.add_argument("--prefix-tokens", type=int, default=8192, help="the agent turn's cached prefix")
@@ -675,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(args, name, value)
         if args.streams == ap.get_default("streams"):
             args.streams = [1, 4]
+        if args.bank_streams == ap.get_default("bank_streams"):
+            args.bank_streams = [2]
     args.device = "cpu" if args.cpu else "cuda"
     args.work = args.work or args.out / "work"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -705,12 +724,14 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(args.work / "runs", args.resume)
     ours = bench_runs(args, runner, made, results)
     peer_r = peer_runs(args, runner, bin_dir, ggufs, why, results)
-    served = served_runs(args, runner, made, bin_dir, ggufs, why, results)
+    served = {**served_runs(args, runner, made, bin_dir, ggufs, why, results),
+              **served_runs(args, runner, made, bin_dir, ggufs, why, results, bank=True)}
 
     trace = made.get("trace")
     trace_label = ("trace replay (demo model)" if trace and Path(trace).name == "demo_heldout_trace.json"
                    else f"trace replay ({Path(trace).name if trace else '?'})")
-    rows = make_rows(ours, peer_r, served, trace_label, args.n_cpu_moe, layers, args.streams, args.formats)
+    rows = make_rows(ours, peer_r, served, trace_label, args.n_cpu_moe, layers, args.streams, args.formats,
+                     args.bank_streams)
     all_runs = {**ours, **peer_r, **served}
     shape = f"{args.shape}{' (tiny)' if args.tiny else ''}, {layers} layers, {experts} experts"
     table = {"date": time.strftime("%Y-%m-%d"), "machine": info, "command": command, "shape": shape,

@@ -61,8 +61,11 @@ def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
     assert "peer-q4_0.gguf" in gguf_run and gguf_run.startswith("python -m moestream bench")
     assert {r["routing"] for r in bench_rows if "bank" in r["row"] and r["row"].endswith("decode")} == {
         "uniform (synthetic)", "trace replay (random_trace_16x8.json)"}
+    bank = f"25% bank (llama.cpp --n-cpu-moe {table['n_cpu_moe']} of 2)"
     assert [n for n in names if n.startswith("served")] == ["served, 1 stream (aggregate decode)",
-                                                            "served, 4 streams (aggregate decode)"]
+                                                            "served, 4 streams (aggregate decode)",
+                                                            f"served at a {bank}, 2 streams (aggregate decode)"]
+    assert "--capacity 8" in table["runs"]["served-ours-bank"]["command"]
     assert [r["unit"] for r in rows if r["row"].startswith("agent")] == ["ms", "ms"]
     for r in rows:   # every row of ours measured; no peer, so no llama.cpp figure and no ratio
         assert r["ours"] is not None and r["ours"] > 0, r
