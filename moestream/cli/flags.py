@@ -94,7 +94,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack-prompts", default="on", choices=["on", "off"],
                    help="on (default): the prompts admitted in one step run as one forward, each layer's experts "
                         "once for all of them (a bounded bank copies a missing expert once a step, not once a "
-                        "prompt), the next prompt cut to fill the step's --prefill-chunk; off: one forward per "
+                        "prompt), the next prompt cut to fill the step's --prefill-chunk, and at a bounded bank "
+                        "the decoding streams' tokens in that forward too; off: one forward per "
                         "prompt, each whole where it fits a chunk (for comparison)")
     add_kv_args(p)
     add_budget_args(p)

@@ -61,6 +61,11 @@ class _Sampled:
     done: torch.cuda.Event | None      # when `host` has landed (None: it already has)
 
 
+def _chunk_part(c: PrefillChunk) -> tuple[int, list[int], int]:
+    """A prompt chunk as the runner's prefill takes it: (row, the ids up to its end, its start)."""
+    return c.seq.row, c.seq.prefill_ids()[:c.end], c.start
+
+
 @dataclass
 class StepCounters:
     """What the steps did since the engine started (or since `reset_stats`): prompt chunks, their
@@ -70,15 +75,17 @@ class StepCounters:
     prefill_tokens: int = 0
     prefill_forwards: int = 0   # the chunks of one step run as one forward where the model packs prompts
     decode_steps: int = 0
+    decodes_packed: int = 0     # of those, steps whose decodes rode in the step's packed prompt forward
     preemptions: int = 0
 
     def reset(self) -> None:
-        self.prefill_chunks = self.prefill_tokens = self.prefill_forwards = self.decode_steps = self.preemptions = 0
+        self.prefill_chunks = self.prefill_tokens = self.prefill_forwards = self.decode_steps = 0
+        self.decodes_packed = self.preemptions = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"prefill_chunks": self.prefill_chunks, "prefill_tokens": self.prefill_tokens,
                 "prefill_forwards": self.prefill_forwards, "decode_steps": self.decode_steps,
-                "preemptions": self.preemptions}
+                "decodes_packed": self.decodes_packed, "preemptions": self.preemptions}
 
 
 @dataclass
@@ -320,7 +327,7 @@ class Engine:
                 return self._run_ahead(ahead)
         got = self._drain()
         self._retire()   # cancelled since the last step, or ended by the step just read
-        got += self._execute(self.scheduler.schedule(fill=self.pack_prompts))
+        got += self._execute(self.scheduler.schedule(fill=self.pack_prompts, ride=self.decodes_ride))
         if self._inflight is None:
             self._retire()
         self.scheduler.seal()
@@ -343,7 +350,14 @@ class Engine:
             self.prefix_cache.restore(restore.key, restore.length, runner.cache, restore.seq.row)
         ready, first = [], []
         chunks = [chunk for chunk in plan.prefills if not chunk.seq.finished]   # cancelled ones: no more work
-        for chunk, logits in zip(chunks, self._prefill(chunks)):
+        decoding = plan.decodes
+        riding = bool(chunks and decoding and self.decodes_ride)
+        if riding:   # one forward: the chunks, then each decoding sequence's token as a part of one
+            logits = self._packed_forward(chunks, decoding)
+            chunk_logits, decode_logits = iter(logits[:len(chunks)]), logits[len(chunks):]
+        else:
+            chunk_logits = self._prefill(chunks)
+        for chunk, logits in zip(chunks, chunk_logits):
             seq = chunk.seq
             if logits is None:   # cancelled by its reader while an earlier chunk of this step ran: skipped
                 continue
@@ -358,8 +372,11 @@ class Engine:
             ready.append(seq)
             first.append(logits)
         got = self._take(self._sample(ready, torch.stack(first))) if ready else []
-        decoding = plan.decodes
-        if decoding:
+        if riding:
+            self.counters.decode_steps += 1
+            self.counters.decodes_packed += 1
+            got += self._take(self._sample(decoding, decode_logits))
+        elif decoding:
             tokens = torch.tensor([s.last_token for s in decoding], dtype=torch.long).to(self.device, non_blocking=True)
             sampled = self._decode(decoding, tokens)
             if self._can_run_ahead(decoding):
@@ -373,21 +390,32 @@ class Engine:
         forward for all of them where the model packs prompts (each layer's experts then run once for
         every chunk's tokens: a bank brings a missing expert in once a step, not once a prompt), else
         one forward each, a chunk whose sequence was cancelled meanwhile skipped (None)."""
-        runner = self.runner
-
-        def part(c: PrefillChunk) -> tuple[int, list[int], int]:
-            return c.seq.row, c.seq.prefill_ids()[:c.end], c.start
-
         if len(chunks) > 1 and self.pack_prompts:
-            self.counters.prefill_forwards += 1
-            yield from runner.prefill_packed([part(c) for c in chunks])
+            yield from self._packed_forward(chunks, [])
             return
         for c in chunks:
             if c.seq.finished:
                 yield None
                 continue
             self.counters.prefill_forwards += 1
-            yield runner.prefill(*part(c))[0]
+            yield self.runner.prefill(*_chunk_part(c))[0]
+
+    @property
+    def decodes_ride(self) -> bool:
+        """Whether a step's decodes run inside its packed prompt forward, as parts of one token: where
+        prompts are packed and the bank streams experts. A decode step at a bank pays for its missing
+        experts (copied, or computed from host RAM) while the prompt's forward has just streamed nearly
+        every expert of each layer, so the decode tokens ride along for the price of their attention
+        (the scheduler counts them in the step's budget: a forward stays within `prefill_chunk`);
+        fully resident, the decode graph is the cheaper way."""
+        return self.pack_prompts and not self.plan.memory.fully_resident
+
+    def _packed_forward(self, chunks: list[PrefillChunk], decoding: list[Sequence]) -> torch.Tensor:
+        """The logits (n, V) of one packed forward: each chunk's last position, then each decoding
+        sequence's next token (its last sampled token, at its last position: a part of one token)."""
+        self.counters.prefill_forwards += 1
+        parts = [_chunk_part(c) for c in chunks] + [(s.row, s.id_range(0, s.length), s.length - 1) for s in decoding]
+        return self.runner.prefill_packed(parts)
 
     def _write_tables(self, writes: list[TableWrite]) -> None:
         """A plan's blocks into the model's block tables (a paged cache), in the plan's order."""

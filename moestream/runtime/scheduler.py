@@ -118,18 +118,20 @@ class Scheduler:
         self.waiting.append(seq)
 
     # ---- the plan of a step ----------------------------------------------------------------
-    def schedule(self, fill: bool = False) -> StepPlan:
+    def schedule(self, fill: bool = False, ride: bool = False) -> StepPlan:
         """Plan one step: admit, reserve the decode tokens' blocks (preempting the newest sequences
         when the pool is dry), then take prompt chunks, oldest prompt first, within one chunk's budget
-        (`fill`: the last one cut to what the budget has left, for a step whose chunks are one forward).
-        The sequences decoding are those that were decoding before this step's admissions."""
+        (`fill`: the last one cut to what the budget has left, for a step whose chunks are one forward;
+        `ride`: the decode tokens join that forward, so they count against the budget, which keeps at
+        least one prompt token). The sequences decoding are those that were decoding before this step's
+        admissions."""
         plan = StepPlan()
         decoding = [s for s in self.running if not s.prefilling]   # rows 0..B-1
         plan.admitted = self.admit(self._fits if self.blocks is not None else None)
         plan.rows = len(self.running)
         if self.blocks is not None:
             decoding = self._reserve_decode(decoding, plan)
-        budget = self.prefill_chunk
+        budget = max(self.prefill_chunk - len(decoding), 1) if ride else self.prefill_chunk
         for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break

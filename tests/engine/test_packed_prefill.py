@@ -47,6 +47,28 @@ def test_a_prompt_longer_than_a_steps_budget_is_packed_chunk_by_chunk(tiny_qwen3
     assert engine.counters.prefill_forwards < engine.counters.prefill_chunks
 
 
+@pytest.mark.parametrize("arch, capacity", [("qwen3_moe", 3), ("qwen3_moe", None), ("qwen3_next", 3), ("deepseek_v3", 3),
+                                            ("gpt_oss", 3)])
+def test_at_a_bank_decodes_ride_in_a_steps_packed_prompt_forward_with_the_tokens_of_each_alone(
+        tiny_checkpoints, arch, capacity):
+    """A prompt arriving while others decode: at a bounded bank the step's decode tokens are parts of one
+    token in the prompt's packed forward (which has just streamed the experts they need); fully resident
+    they keep their decode step. Either way each sequence's tokens are its own alone."""
+    from moestream.runtime.sampling import SamplingParams
+
+    engine = moestream.load(tiny_checkpoints[arch][0], device="cpu", dtype="float32", capacity=capacity, prefill_chunk=8)
+    alone = [engine.generate(p, max_tokens=6, ignore_eos=True) for p in PROMPTS]
+    engine.reset_stats()
+    seqs = [engine.add_request(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))]
+    engine.step()
+    engine.step()                                              # the first one decodes now
+    seqs += [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in PROMPTS[1:]]
+    while not engine.scheduler.idle:
+        engine.step()
+    assert [s.tokens for s in seqs] == alone
+    assert (engine.counters.decodes_packed > 0) == (capacity is not None)
+
+
 @pytest.mark.parametrize("flag, packs", [([], True), (["--pack-prompts", "off"], False)])
 def test_the_cli_packs_prompts_unless_told_not_to(tiny_qwen3, flag, packs):
     from moestream.cli.common import load_engine

@@ -275,6 +275,31 @@ def test_a_step_whose_chunks_are_one_forward_cuts_the_next_prompt_to_fill_its_bu
     assert steps(False) == [[(0, 0, 6)], [(1, 0, 6)], [(2, 0, 6)], [(3, 0, 6)]]
 
 
+def test_decodes_riding_in_a_steps_forward_count_against_its_budget():
+    """`ride`: the decoding sequences' tokens join the step's prompt forward, so that forward stays within
+    `prefill_chunk` tokens: 2 decoding leave 6 of 8 for prompts; never less than one prompt token."""
+    sched = Scheduler(max_batch=4, prefill_chunk=8)
+    a, b = seq_of(3), seq_of(3)
+    for s in (a, b):
+        sched.add(s)
+    execute(sched, sched.schedule(fill=True, ride=True))               # both prompts in, both decode now
+    c = seq_of(20)
+    sched.add(c)
+    plan = sched.schedule(fill=True, ride=True)
+    assert plan.decodes == [a, b] and spans(plan) == [(c.id, 0, 6)]
+    assert plan.prefill_tokens + len(plan.decodes) == 8
+    execute(sched, plan)
+    sched = Scheduler(max_batch=12, prefill_chunk=8)
+    seqs = [seq_of(1) for _ in range(9)]
+    for s in seqs:
+        sched.add(s)
+    while any(s.prefilling for s in seqs):
+        execute(sched, sched.schedule(fill=True, ride=True))
+    late = seq_of(5)
+    sched.add(late)
+    assert spans(sched.schedule(fill=True, ride=True)) == [(late.id, 0, 1)]   # 9 decoding: one prompt token still
+
+
 def test_packed_steps_cut_prompts_to_fill_them_and_keep_each_prompts_tokens(tiny_qwen3):
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=8)
     prompts = [torch.randint(2, 160, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
