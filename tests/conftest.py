@@ -56,7 +56,9 @@ SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_c
 SLOW_NAMES = re.compile(r"interpreter|perplexity_matches_the_model_card")
 
 
-GPU_WORKERS = 4   # --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side)
+# --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side);
+# the environment may set another count (the check of this option starts two, each a torch import).
+GPU_WORKERS = int(os.environ.get("MOESTREAM_TEST_GPU_WORKERS", "4"))
 
 
 def pytest_cmdline_main(config):
