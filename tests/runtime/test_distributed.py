@@ -50,15 +50,17 @@ def test_two_ranks_equal_one_process(tiny_checkpoints, arch):
         check_two_ranks_equal_one_process(engine, folder)
 
 
+@pytest.fixture(scope="class")
+def group(tiny_qwen3):
+    """TestOneGroup's resident two-rank group (class scope: closed when a worker leaves the class)."""
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        yield engine
+
+
 class TestOneGroup:
     """Tests that only read a resident two-rank group of tiny_qwen3 share one: each group costs a
     follower process's start. One expert-parallel engine per process, so the group lives in this
     class alone (a worker closes it before it runs any other test)."""
-
-    @pytest.fixture(scope="class")
-    def group(self, tiny_qwen3):
-        with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
-            yield engine
 
     def test_two_ranks_equal_one_process(self, group, tiny_qwen3):
         check_two_ranks_equal_one_process(group, tiny_qwen3)
@@ -428,17 +430,19 @@ def test_heterogeneous_budgets_give_banks_in_proportion(tiny_qwen3):
     assert [r.placement.count for r in equal] == [E // 2, E // 2]
 
 
+@pytest.fixture(scope="class")
+def engines(tiny_qwen3):
+    """TestRoutedGroup's one-process engine and two-rank group (class scope, as `group`)."""
+    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
+        yield single, engine
+
+
 class TestRoutedGroup:
     """A benchmark's routing is swapped in on every rank (the followers take rank 0's draws or replay):
     two CPU ranks under it give the one-process engine's tokens under the same routing, bit for bit,
     and a reset starts every rank's draws again. Both routings share one group (and one single-process
     engine): a routing swapped in replaces the one before it, on every rank."""
-
-    @pytest.fixture(scope="class")
-    def engines(self, tiny_qwen3):
-        single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-        with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
-            yield single, engine
 
     @pytest.mark.parametrize("kind", ["uniform", "trace"])
     def test_benchmark_routings_reach_every_rank(self, engines, kind):
