@@ -78,16 +78,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the long tests slow (and under pytest-xdist runs them first); --gpu-only keeps the tests
-    whose skip condition names a GPU (the rest run in CI anyway)."""
+    """Marks the long tests slow; --gpu-only keeps the tests whose skip condition names a GPU (the rest
+    run in CI anyway)."""
     for item in items:
         path = item.nodeid.split("::")[0]
         if path.startswith(SLOW_FILES) or SLOW_NAMES.search(item.name):
             item.add_marker(pytest.mark.slow)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Workers take tests in this order: the long ones first, so the short ones fill the end of the run
-        # instead of one worker finishing a benchmark script alone (stable: a file's tests keep their order).
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.getoption("--gpu-only"):
         return
     needs_gpu = [item for item in items
