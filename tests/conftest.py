@@ -29,8 +29,14 @@ _hide_fla_from_transformers()
 from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint  # noqa: E402
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):   # worker processes share the cores: no more torch threads than their share
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Worker processes share the cores: no more torch threads than their share, in the worker and in
+    # every process it starts (expert-parallel followers, the CLI, benchmark scripts), whose torch
+    # would otherwise take a thread per core. A follower rank that spins its threads while rank 0
+    # waits on their all-reduce turns every all-reduce on a busy machine into tens of milliseconds.
+    _THREAD_SHARE = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_THREAD_SHARE)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREAD_SHARE))
 
 
 GPU_REASON = re.compile(r"^(?!.*\bno GPU).*needs .*\b(CUDA|GPUs?)\b")   # "needs a CUDA GPU", not "... and no GPU"
@@ -50,7 +56,9 @@ SLOW_FILES = ("tests/serve/", "tests/runtime/test_distributed.py", "tests/test_c
 SLOW_NAMES = re.compile(r"interpreter|perplexity_matches_the_model_card")
 
 
-GPU_WORKERS = 4   # --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side)
+# --gpu-only's worker processes on the one GPU (kernel compiles dominate; they run side by side);
+# the environment may set another count (the check of this option starts two, each a torch import).
+GPU_WORKERS = int(os.environ.get("MOESTREAM_TEST_GPU_WORKERS", "4"))
 
 
 def pytest_cmdline_main(config):

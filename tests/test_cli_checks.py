@@ -198,30 +198,32 @@ def test_bench_table_names_its_routing(tiny_qwen3, capsys, routing, says):
 
 # ---- threads, Ctrl-C, progress ----------------------------------------------------------------
 
-THREADS = ("import sys, torch\n"
+THREADS = ("import json, sys, torch\n"
            "from moestream.cli import main\n"
-           "torch.set_num_threads(7)\n"
-           "sys.argv[0] = 'moestream'\n"
-           "rc = main()\n"
-           "print('threads', torch.get_num_threads())\n")
+           "for argv in json.loads(sys.argv[1]):\n"
+           "    torch.set_num_threads(7)\n"
+           "    sys.argv = ['moestream', *argv]\n"
+           "    assert main() == 0\n"
+           "    print('threads', torch.get_num_threads())\n")
 
 
-def _threads_after_run(folder, *extra: str) -> int:
-    """torch's threads after `moestream run` as the process's own command (7 before it)."""
+def _threads_after_runs(folder, *extras: list[str]) -> list[int]:
+    """torch's threads after each `moestream run` (with each of `extras`) as the process's own command
+    (7 before each), run one after the other in one process: each a torch import less."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    argv = ["run", str(folder), "-p", "3 4", "--max-tokens", "1", "--device", "cpu", *extra]
-    proc = subprocess.run([sys.executable, "-c", THREADS, *argv], capture_output=True, text=True, env=env, timeout=300)
+    runs = [["run", str(folder), "-p", "3 4", "--max-tokens", "1", "--device", "cpu", *extra] for extra in extras]
+    proc = subprocess.run([sys.executable, "-c", THREADS, json.dumps(runs)], capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.split("threads")[-1])
+    return [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("threads ")]
 
 
 def test_cpu_threads_sets_torchs_threads(tiny_qwen3):
     from moestream.kernels import cpu_moe
 
     default = max(1, len(cpu_moe.usable_cpus()) - 1)   # every core but one
-    assert _threads_after_run(tiny_qwen3, "--cpu-threads", "3") == 3
-    assert _threads_after_run(tiny_qwen3) == default
+    assert _threads_after_runs(tiny_qwen3, ["--cpu-threads", "3"], []) == [3, default]
 
 
 def test_omp_num_threads_where_set_sizes_torchs_threads(monkeypatch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +22,16 @@ def test_gpu_only_keeps_the_tests_that_need_a_gpu():
 
 
 def test_gpu_only_runs_in_worker_processes_and_the_workers_start_none_of_their_own():
-    """--gpu-only starts conftest.GPU_WORKERS workers (pytest-xdist) unless -n is given; a worker, which
-    sees --gpu-only too, runs what it is sent instead of starting workers itself."""
-    workers = int(re.search(r"^GPU_WORKERS = (\d+)", (ROOT / "tests/conftest.py").read_text(), re.M).group(1))
+    """--gpu-only starts conftest.GPU_WORKERS workers (pytest-xdist; MOESTREAM_TEST_GPU_WORKERS where set)
+    unless -n is given; a worker, which sees --gpu-only too, runs what it is sent instead of starting
+    workers itself."""
+    workers = 2   # fewer than conftest's default (each worker is a torch import); the count set is the count started
+    env = {**os.environ, "MOESTREAM_TEST_GPU_WORKERS": str(workers)}
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpu-only", "tests/kernels/test_sampling_kernel.py"]
-    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]   # every GPU test skipped here, none failed
     assert f"created: {workers}/{workers} workers" in run.stdout
     assert run.stdout.count("created:") == 1                          # no worker started workers of its own
-    serial = subprocess.run([*args, "-n", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    serial = subprocess.run([*args, "-n", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+                            env=env)
     assert serial.returncode == 0 and "created:" not in serial.stdout   # -n 0 keeps one process
