@@ -163,7 +163,8 @@ def clustered_from(num_experts: int) -> float:
 
 
 class SplitBalance:
-    """The CPU's share of a one-token call's misses, moved until both sides finish together.
+    """The CPU's share of a kind of call's misses (one-token calls, batches: one balance each), moved
+    until both sides finish together.
 
     Where a call split its misses (each side had some), the device's last launch notes how long it
     waited for the CPU's answer and how long the call took from its post to that answer. Every
@@ -428,8 +429,10 @@ class HybridMisses:
             if self._layer_version.get(layer) == version and not share_moved:
                 continue                                         # only the layers that changed
             one_map = self.slots[layer].host_map(E, outside=S)
-            batch_map = batch_split(one_map, S, self._batch_share if self.gpu_reads else 1.0)
-            for dst, src in ((self.one_token_maps[layer], one_map), (self.batch_maps[layer], batch_map)):
+            maps = [(self.batch_maps[layer], batch_split(one_map, S, self._batch_share))] if self.gpu_reads else []
+            if self._layer_version.get(layer) != version:   # not only the batch share moved
+                maps.append((self.one_token_maps[layer], one_map))
+            for dst, src in maps:
                 dst.copy_(src.pin_memory() if pin else src, non_blocking=pin)
             self._layer_version[layer] = version
         self._version = self.slots.version
@@ -493,7 +496,7 @@ class HybridMisses:
         return self.batch_balance.share if self.gpu_reads else 1.0
 
     def describe(self) -> str:
-        """--stats: how one-token calls split their misses now."""
+        """--stats: how one-token calls and batches split their misses now."""
         if not self.gpu_reads:
             return "hybrid misses: the CPU computes every miss (the device reads none in place here)"
         how = "moved while decoding, by how long the device waits" if self.balance.adaptive else "fixed by --cpu-misses"
