@@ -15,7 +15,7 @@ import triton.language as tl
 _BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _count_mapped_kernel(ids_ptr, table_ptr, counter_ptr, n, BLOCK: tl.constexpr):
     total = tl.zeros((), tl.int64)
     for start in range(0, n, BLOCK):

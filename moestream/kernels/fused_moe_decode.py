@@ -77,7 +77,7 @@ DEFAULT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 128, 4, 4),
 QUANT_DECODE_CONFIG = DecodeConfig(gate_up=DecodeTile(16, 512, 4, 1), down=DecodeTile(32, 256, 4, 1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "num_host"])
 def _moe_decode_kernel(
     a_ptr, b_ptr, c_ptr, slot_ptr, w_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
     N, K, num_pairs, num_slots, num_host, host_b, host_s, host_z, top_k,

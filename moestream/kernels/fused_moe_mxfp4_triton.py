@@ -140,7 +140,7 @@ def _grouped_dot(a_ptr, a_rows, a_mask, a_stride, blocks_ptr, scales_ptr, rows, 
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _grouped_gate_up_kernel(x_ptr, pair_ptr, block_slot_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr, P, K, I,
                             TOP_K, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, alpha, limit,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -167,7 +167,7 @@ def _grouped_gate_up_kernel(x_ptr, pair_ptr, block_slot_ptr, blocks_ptr, scales_
                  mask=pmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _grouped_down_kernel(h_ptr, pair_ptr, block_slot_ptr, weight_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr,
                          P, K, H, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):

@@ -92,7 +92,7 @@ def _dequantized_call(hidden: Tensor, gate_up: QuantOperand, down: QuantOperand,
                                   layer_experts=layer_experts, reduce=reduce)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _split_slots_kernel(slot_ptr, take_ptr, out_ptr, n, top_k, num_slots, PAIRS: tl.constexpr):
     """`split_outside` in one launch: per row of top_k pairs, of its m slots at or past num_slots
     (experts read from host stacks) the first take[m] become -1 (the CPU computes them)."""

@@ -162,7 +162,10 @@ _QUANT_CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = tuple(
     (limit, _QUANT_TUNED.get(limit) or _register_tiles(config)) for limit, config in _CONFIG_TABLE)
 
 
-@triton.jit
+# Sizes that change with every call (pairs, blocks, a staged group's slot range) are not specialized: Triton would
+# compile a variant for each new pattern of them (divisible by 16, equal to 1), a stall of seconds the first time a
+# served step of a new token count meets one. ARCHITECTURE.md, rules of the hot path, 9.
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "slot_lo", "slot_hi"])
 def _moe_grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, w_ptr, pair_ids_ptr, block_slot_ptr, s_ptr, z_ptr, code_ptr, bias_ptr,
     N, K, num_pairs, num_m_blocks,
@@ -256,7 +259,7 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _sum_over_k_kernel(
     src_ptr, slot_ptr, out_ptr, N, num_slots, top_k,
     stride_sm, stride_st, stride_sj, stride_om,

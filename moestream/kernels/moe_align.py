@@ -91,7 +91,7 @@ def _group_keys(slot_ptr, pair, num_pairs, num_slots, top_k, stride_st, stride_s
     return tl.where(in_range, key, BINS - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "num_blocks", "pairs_per_program"])
 def _moe_align_kernel(
     slot_ptr, pair_ids_ptr, block_slot_ptr,
     num_pairs, num_slots, top_k, num_blocks, pairs_per_program, stride_st, stride_sj,

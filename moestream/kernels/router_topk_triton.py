@@ -70,7 +70,7 @@ def router_topk(logits: torch.Tensor, k: int, mode: int, renormalise: bool) -> t
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _uniform_topk_kernel(logits_ptr, weights_ptr, ids_ptr, draws_ptr, E, stride, seed, K: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """k distinct experts drawn uniformly (the k largest of E uniform numbers), weighted by the

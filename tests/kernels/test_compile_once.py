@@ -1,0 +1,91 @@
+"""A kernel compiles once per model shape, not once per token count (ARCHITECTURE.md, rules of the hot path, 9).
+
+Triton compiles a variant of a kernel for each pattern of its integer arguments (divisible by 16 or
+not, equal to 1 or not) unless they are `do_not_specialize`. A served step's token count changes with
+every step (prompts cut to fill it, decodes riding in it, a staged group's experts), so a size that
+follows it must not pick variants: the first step of each new pattern would stall for seconds while
+the variant compiles. These tests run new token counts after a first one of the same tile row and
+count the variants every moestream kernel has compiled.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from moestream.kernels import fused_moe, fused_moe_available
+
+pytestmark = pytest.mark.skipif(not fused_moe_available(), reason="needs a CUDA GPU and Triton")
+
+
+def compiled_variants() -> dict[str, int]:
+    """Kernel name → variants compiled so far, for every Triton kernel of moestream's kernel modules."""
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("moestream.kernels") or module is None:
+            continue
+        for attr, fn in vars(module).items():
+            if isinstance(fn, JITFunction):
+                counts[f"{name}.{attr}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+def routed(T: int, k: int, slots: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = torch.randn(T, 128, generator=generator, device="cuda").to(torch.bfloat16)
+    slot_ids = torch.stack([torch.randperm(slots, generator=generator, device="cuda")[:k] for _ in range(T)]).to(torch.int32)
+    slot_ids[0, 0] = -1   # an unrouted pair (another rank's expert, a CPU-served miss)
+    weights = torch.softmax(torch.randn(T, k, generator=generator, device="cuda"), dim=-1)
+    return hidden, slot_ids, weights
+
+
+def test_the_grouped_path_compiles_nothing_for_a_new_token_count_of_its_tile_row():
+    from moestream.kernels.fused_moe_triton import choose_path, grouped_by_slot_groups, select_config
+
+    S, k, H, I = 64, 4, 128, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(S, 2 * I, H, generator=g, device="cuda") / 8).to(torch.bfloat16)
+    down = (torch.randn(S, H, I, generator=g, device="cuda") / 8).to(torch.bfloat16)
+    counts = [17, 18, 24, 31, 32, 33, 47, 48, 63, 64]   # T·k > the decode path's pairs, T·k / S <= 4: one tile row
+    assert {choose_path(T, k) for T in counts} == {"grouped"}
+    assert len({select_config(T, k, S) for T in counts}) == 1
+
+    def call(T: int, group: int) -> None:
+        hidden, slot_ids, weights = routed(T, k, S, g)
+        fused_moe(hidden, gate_up, down, slot_ids, weights)
+        # a layer's slots a group at a time (slot ranges [0, 16), [16, 32), ... or [0, 5), [5, 10), ...)
+        grouped_by_slot_groups(hidden, slot_ids, weights, S, I, group,
+                               lambda start, count: (gate_up[start:start + count], down[start:start + count]))
+
+    call(counts[0], 16)
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    for T in counts[1:]:
+        call(T, 5 if T % 2 else 16)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
+
+
+def test_an_engine_at_a_bank_compiles_nothing_for_prompts_of_new_lengths(tiny_qwen3):
+    """Prompts of one tile row through a bounded bank (each layer's missing experts staged in groups),
+    packed two at a time and alone, each followed by decode steps."""
+    import moestream
+
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", capacity=3)
+    vocab = engine.config.vocab_size
+
+    def prompt(n: int, seed: int) -> list[int]:
+        return [(seed * 31 + 7 * i) % (vocab - 2) + 2 for i in range(n)]
+
+    engine.generate(prompt(40, 0), max_tokens=3, ignore_eos=True)   # 40 tokens · 2 of 8 experts: 10 rows a slot
+    engine.generate([prompt(20, 1), prompt(21, 2)], max_tokens=3, ignore_eos=True)
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    for n in (33, 37, 41, 44, 47):
+        engine.generate(prompt(n, n), max_tokens=3, ignore_eos=True)
+    engine.generate([prompt(17, 3), prompt(19, 4)], max_tokens=3, ignore_eos=True)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
