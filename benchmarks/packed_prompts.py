@@ -51,14 +51,12 @@ def run(args) -> dict:
     vocab = engine.config.vocab_size
     rng = random.Random(0)
     modes = {"packed": (True, True), "packed, whole": (True, False), "one each": (False, False)}
-    schedule = engine.scheduler.schedule
     rows: dict[str, dict[str, list]] = {m: {"seconds": [], "bytes_copied": [], "forwards": []} for m in modes}
     for rnd in range(args.rounds + 1):   # round 0 warms up (kernels compiled for these shapes), unrecorded
         for mode, (pack, fill) in modes.items():
             prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
             engine.pack_prompts = pack and engine.runner.packs_prompts
-            # the engine fills packed steps; "packed, whole" plans them as unpacked ones are
-            engine.scheduler.schedule = lambda *_, planned=fill, **__: schedule(fill=planned)
+            engine.fill_steps = fill   # "packed, whole": no prompt cut to fill a step
             engine.reset_stats()
             seconds = first_tokens(engine, prompts)
             if rnd:

@@ -125,6 +125,9 @@ class Engine:
         self.counters = StepCounters()
         self.overlap = overlap             # auto | on | off (RuntimeConfig.overlap)
         self.pack_prompts = pack_prompts and runner.packs_prompts   # a step's chunks in one forward
+        # Where prompts are packed: the next prompt cut to fill a step's budget, and at a bank the step's
+        # decodes riding in its forward (both on unless a benchmark compares them with their absence).
+        self.fill_steps, self.ride_decodes = True, True
         self._inflight: _Sampled | None = None   # a decode step launched whose tokens are not read yet
         # One engine, several threads: each call that touches the scheduler or the device holds this
         # lock, so threads interleave at step granularity and each reads only its own sequences.
@@ -327,7 +330,8 @@ class Engine:
                 return self._run_ahead(ahead)
         got = self._drain()
         self._retire()   # cancelled since the last step, or ended by the step just read
-        got += self._execute(self.scheduler.schedule(fill=self.pack_prompts, ride=self.decodes_ride))
+        got += self._execute(self.scheduler.schedule(fill=self.pack_prompts and self.fill_steps,
+                                                            ride=self.decodes_ride))
         if self._inflight is None:
             self._retire()
         self.scheduler.seal()
@@ -408,7 +412,7 @@ class Engine:
         every expert of each layer, so the decode tokens ride along for the price of their attention
         (the scheduler counts them in the step's budget: a forward stays within `prefill_chunk`);
         fully resident, the decode graph is the cheaper way."""
-        return self.pack_prompts and not self.plan.memory.fully_resident
+        return self.ride_decodes and self.pack_prompts and not self.plan.memory.fully_resident
 
     def _packed_forward(self, chunks: list[PrefillChunk], decoding: list[Sequence]) -> torch.Tensor:
         """The logits (n, V) of one packed forward: each chunk's last position, then each decoding

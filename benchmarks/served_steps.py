@@ -1,0 +1,162 @@
+"""Concurrent streams stepped as the server steps them, one line per step: what each step ran, how long it
+took, and which kernels it compiled.
+
+`--streams` requests of `--prompt-tokens` random tokens arrive at once and generate `--gen-tokens` each
+(temperature 1, no EOS). The engine is loaded as `moestream serve` loads it (`warm_up`: decode graphs
+captured), then, as `serve_throughput.py` drives a server, each measured round follows an unmeasured
+one of the same prompts and 16 generated tokens. Every step is logged: its prompt chunks and prompt
+tokens, the streams decoding (riding in the step's packed prompt forward, or a decode step of their
+own), its wall time and the Triton kernel variants it compiled (a step of a token count not seen
+before should compile none: ARCHITECTURE.md, rules of the hot path, 9). Per mode: aggregate decode
+tok/s (tokens after each stream's first over the span from the first first-token to the last token, as
+`serve_throughput.py` counts them), time to first token p50 and last, the steps over `--slow-ms`.
+
+Modes (`--modes`): `default` (prompts packed into one forward a step, each step filled, decodes riding
+in it at a bank), `no-ride` (decodes in a step of their own), `whole` (packed, prompts never cut to
+fill a step), `one-each` (a forward per prompt). The routing is stated: the model's own (a
+token-routed GGUF spreads it near-uniformly), uniform, or a replayed trace.
+
+    python benchmarks/served_steps.py --ckpt /tmp/q3.gguf --out /tmp/steps --capacity 32 --routing model --streams 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import log, write_result  # noqa: E402
+
+import moestream  # noqa: E402
+from moestream.bench.routing import apply_routing  # noqa: E402
+from moestream.runtime.sampling import SamplingParams  # noqa: E402
+
+MODES = ("default", "no-ride", "whole", "one-each")
+
+
+def compiled_variants() -> dict[str, int]:
+    """Kernel → Triton variants compiled so far, over moestream's kernel modules ({} without Triton)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    counts = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("moestream.kernels") and module is not None:
+            for attr, fn in vars(module).items():
+                if isinstance(fn, JITFunction):
+                    counts[attr] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+def use_mode(engine, mode: str) -> None:
+    """Plan the engine's steps as `mode` says (the engine's own plan is `default`)."""
+    engine.pack_prompts = mode != "one-each" and engine.runner.packs_prompts
+    engine.fill_steps, engine.ride_decodes = mode in ("default", "no-ride"), mode in ("default", "whole")
+
+
+def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list | None) -> dict:
+    """All prompts added at once, the engine stepped until every stream is done."""
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    params = SamplingParams(max_tokens=gen_tokens, temperature=1.0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    sync()
+    t0 = time.perf_counter()
+    while not all(s.finished for s in seqs):
+        before = compiled_variants()
+        plans = []
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda **kw: plans.append(schedule(**kw)) or plans[-1]
+        start = time.perf_counter()
+        engine.step()
+        end = time.perf_counter()
+        engine.scheduler.schedule = schedule
+        for i, s in enumerate(seqs):
+            if s.sampled:
+                first.setdefault(i, end - t0)
+                last[i] = end - t0
+        if steps_log is not None:
+            after = compiled_variants()
+            plan = plans[0] if plans else None   # none: a decode step launched ahead of the plan
+            steps_log.append({"ms": 1000 * (end - start),
+                              "prompt_chunks": len(plan.prefills) if plan else 0,
+                              "prompt_tokens": plan.prefill_tokens if plan else 0,
+                              "decoding": len(plan.decodes) if plan else None,
+                              "compiled": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
+    sync()
+    span = max(last.values()) - min(first.values())
+    tokens_after_first = sum(s.sampled - 1 for s in seqs)
+    return {"decode_tok_s": tokens_after_first / span if span > 0 else 0.0,
+            "ttft_p50_ms": 1000 * statistics.median(first.values()), "ttft_last_ms": 1000 * max(first.values()),
+            "seconds": time.perf_counter() - t0}
+
+
+def run(args) -> dict:
+    engine = moestream.load(str(args.ckpt), device=args.device, dtype=args.dtype, capacity=args.capacity,
+                            gpu_memory=args.gpu_memory, max_batch=args.streams, kv_rows=args.streams,
+                            max_context=args.max_context, prefill_chunk=args.prefill_chunk)
+    routing = apply_routing(engine, args.routing, args.trace)
+    engine.warm_up(8)   # as `moestream serve` starts
+    vocab = engine.config.vocab_size
+    rng = random.Random(0)
+    modes = {}
+    for mode in args.modes:
+        use_mode(engine, mode)
+        prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
+        warm_log: list = []
+        one_round(engine, prompts, 16, warm_log)
+        engine.reset_stats()
+        steps: list = []
+        result = one_round(engine, [[rng.randrange(1, vocab) for _ in p] for p in prompts], args.gen_tokens, steps)
+        stats, counters = engine.stats(), engine.counters.as_dict()
+        modes[mode] = {**result, "forwards": counters["prefill_forwards"], "decode_steps": counters["decode_steps"],
+                       "decodes_packed": counters["decodes_packed"], "gb_copied": stats.get("bytes_copied", 0) / 1e9,
+                       "compiled_unmeasured": sum(sum(s["compiled"].values()) for s in warm_log),
+                       "compiled_measured": sum(sum(s["compiled"].values()) for s in steps),
+                       "slow_steps": [s for s in steps if s["ms"] > args.slow_ms or s["compiled"]], "steps": steps}
+    return {"streams": args.streams, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+            "capacity": args.capacity, "routing": routing.label if routing is not None else "the model's own",
+            "device": str(engine.device), "prefill_chunk": engine.runner.prefill_chunk, "modes": modes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, required=True, help="a checkpoint folder or a GGUF file")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (none: every expert resident)")
+    ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="a step's prompt tokens (as serve_throughput.py)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--slow-ms", type=float, default=1000.0, help="steps longer than this are listed")
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
+    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
+    args = ap.parse_args()
+    result = run(args)
+    for mode, r in result["modes"].items():
+        log(f"{mode:>9}: {r['decode_tok_s']:.1f} tok/s decode, first token p50 {r['ttft_p50_ms']:.0f} ms "
+            f"(last {r['ttft_last_ms']:.0f}), {r['forwards']} prompt forwards, {r['decodes_packed']} decode steps "
+            f"riding, {r['gb_copied']:.1f} GB copied, kernel variants compiled: {r['compiled_unmeasured']} "
+            f"unmeasured, {r['compiled_measured']} measured; {len(r['slow_steps'])} steps over {args.slow_ms:g} ms")
+    log(f"{result['streams']} streams of {result['prompt_tokens']} prompt tokens, routing {result['routing']}, "
+        f"capacity {result['capacity']}, {result['device']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_result(args.out, "served_steps", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
