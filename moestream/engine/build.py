@@ -9,6 +9,7 @@ warm up, and a snapshot get saved for the next start.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,6 +254,20 @@ def build(cfg: EngineConfig, rank: int = 0, world: int = 1, gather: Callable[[in
     return _build(cfg, rank, world, None, gather)
 
 
+def share_host_threads(cfg: EngineConfig, device: torch.device) -> int | None:
+    """A CPU rank of an expert-parallel group on a host with others: torch's threads on this rank's share
+    of the cores (`host_share`), as its expert kernel's team already is; returns the count set (None:
+    left alone). Every rank taking a thread per core oversubscribes the host, and each all-reduce then
+    waits on threads that spin for a core (a 12-token generate on two CPU ranks took 1-11 s, 0.2 s
+    with a thread each). `OMP_NUM_THREADS` or `cpu_threads`, when given, decide instead."""
+    index, count = cfg.runtime.host_share
+    if device.type != "cpu" or count <= 1 or cfg.bank.cpu_threads is not None or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    threads = len(cpu_moe.cpu_share(cpu_moe.process_cpus(), index, count))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _check_expert_parallel(cfg: EngineConfig, num_experts: int) -> None:
     """What expert parallel cannot do (or not yet), refused by name before any process starts."""
     check_world(len(cfg.runtime.devices), num_experts)
@@ -278,6 +293,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
         placement = (Placement.balanced(rank, world, config.num_experts, profile_seed(profile), counts)
                      if profile is not None else Placement(rank, world, config.num_experts, counts=counts))
     plan = plan_load(cfg, experts_here=placement.count if sharded else None)
+    share_host_threads(cfg, plan.device)
     profile, pinned = prepare_profile(warm.profile, plan.config, warm.pin_top_k, warm.pin_threshold, cfg.bank.pinned)
     tokenizer = (load_tokenizer(plan.folder) if plan.gguf is None   # a GGUF: the files beside it, else its metadata's
                  else load_tokenizer(plan.folder.parent) if has_tokenizer(plan.folder.parent)

@@ -150,11 +150,15 @@ def supports(dtype: torch.dtype, activation: str | Activation) -> bool:
 _share: tuple[int, int] = (0, 1)   # (index, count): this process's share of the CPUs (`use_share`)
 
 
+def process_cpus() -> list[int]:
+    """The CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def usable_cpus() -> list[int]:
     """The CPUs this process's kernel team may run on: those it may run on, or its share of them
     (`use_share`)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return cpu_share(cpus, *_share)
+    return cpu_share(process_cpus(), *_share)
 
 
 def cpu_share(cpus: list[int], index: int, count: int) -> list[int]:
