@@ -62,8 +62,8 @@ class _Sampled:
 
 
 def _chunk_part(c: PrefillChunk) -> tuple[int, list[int], int]:
-    """A prompt chunk as the runner's prefill takes it: (row, the ids up to its end, its start)."""
-    return c.seq.row, c.seq.prefill_ids()[:c.end], c.start
+    """A prompt chunk as the runner's prefill takes it: (row, the chunk's ids, its start)."""
+    return c.seq.row, c.seq.id_range(c.start, c.end), c.start
 
 
 @dataclass
@@ -418,7 +418,8 @@ class Engine:
         """The logits (n, V) of one packed forward: each chunk's last position, then each decoding
         sequence's next token (its last sampled token, at its last position: a part of one token)."""
         self.counters.prefill_forwards += 1
-        parts = [_chunk_part(c) for c in chunks] + [(s.row, s.id_range(0, s.length), s.length - 1) for s in decoding]
+        parts = [_chunk_part(c) for c in chunks] + [(s.row, s.id_range(s.length - 1, s.length), s.length - 1)
+                                                   for s in decoding]
         return self.runner.prefill_packed(parts)
 
     def _write_tables(self, writes: list[TableWrite]) -> None:

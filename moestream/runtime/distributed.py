@@ -329,9 +329,9 @@ class DistributedRunner(ModelRunner):
         self.group.publish("move_row", src, dst, length)
         super().move_row(src, dst, length)
 
-    def prefill(self, row: int, prompt: list[int], cached: int = 0) -> torch.Tensor:
-        self.group.publish("prefill", row, prompt, cached)
-        return _checked(super().prefill, row, prompt, cached)
+    def prefill(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        self.group.publish("prefill", row, ids, start)
+        return _checked(super().prefill, row, ids, start)
 
     def prefill_packed(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
         self.group.publish("prefill_packed", parts)

@@ -190,15 +190,16 @@ class ModelRunner:
         return self.forward(input_ids, ctx)
 
     @torch.inference_mode()
-    def prefill(self, row: int, prompt: list[int], cached: int = 0) -> torch.Tensor:
-        """Run one prompt through the model chunk by chunk into cache row `row`, from position `cached`
-        on (the row already holds the first `cached`); last position's logits (1, V)."""
+    def prefill(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Positions start..start+len(ids)-1 of a sequence (`ids` theirs) into cache row `row`, chunk by
+        chunk (the row already holds the positions before `start`); the last position's logits (1, V).
+        Only the new ids travel: a long context's earlier ones are never rebuilt on the host."""
         table = self.rotary_table()
-        ids = torch.tensor(prompt[cached:], dtype=torch.long).to(self.device, non_blocking=True)
+        tensor = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         logits = None
-        for start in range(cached, len(prompt), self.prefill_chunk):
-            chunk = ids[start - cached:start - cached + self.prefill_chunk][None]
-            ctx = prefill_context(table, self.cache, row, start, chunk.shape[1], self.dtype)
+        for offset in range(0, len(ids), self.prefill_chunk):
+            chunk = tensor[offset:offset + self.prefill_chunk][None]
+            ctx = prefill_context(table, self.cache, row, start + offset, chunk.shape[1], self.dtype)
             logits = self.forward(chunk, ctx, last_only=True)
         return logits[:, -1]
 
@@ -209,13 +210,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_packed(self, parts: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """Prompt chunks of several sequences in one forward: part (row, prompt, start) puts the
-        positions start..len(prompt)-1 of `prompt` into cache row `row` (the row holds the ones
-        before). Their tokens together are one forward's (at most `prefill_chunk`, the activations the
-        plan sized). The logits of each part's last position (n, V)."""
+        """Prompt chunks of several sequences in one forward: part (row, ids, start) puts positions
+        start..start+len(ids)-1 (`ids` theirs) into cache row `row` (the row holds the ones before).
+        Their tokens together are one forward's (at most `prefill_chunk`, the activations the plan
+        sized). The logits of each part's last position (n, V)."""
         table = self.rotary_table()
-        lengths = [len(prompt) - start for _, prompt, start in parts]
-        flat = [t for _, prompt, start in parts for t in prompt[start:]]
+        lengths = [len(ids) for _, ids, _ in parts]
+        flat = [t for _, ids, _ in parts for t in ids]
         ids = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)   # one copy for all
         inputs = [(part_ids[None], prefill_context(table, self.cache, row, start, n, self.dtype))
                   for part_ids, (row, _, start), n in zip(ids.split(lengths), parts, lengths)]

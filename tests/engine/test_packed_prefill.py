@@ -93,3 +93,33 @@ def test_packed_prompts_on_the_gpu_give_the_tokens_of_each_alone(tiny_checkpoint
     engine.reset_stats()
     assert engine.generate(PROMPTS, max_tokens=8, ignore_eos=True) == alone
     assert engine.counters.prefill_forwards == 1
+
+
+def test_a_packed_forward_is_handed_only_the_new_ids_of_each_part(tiny_qwen3):
+    """A chunk's part carries its own ids and a riding decode's its one token: never the context before them
+    (host work per step stays the step's tokens, however long the contexts)."""
+    from moestream.runtime.sampling import SamplingParams
+
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, prefill_chunk=8)
+    seen: list[list[tuple[int, int]]] = []
+    packed = engine.runner.prefill_packed
+
+    def recording(parts):
+        seen.append([(len(ids), start) for _, ids, start in parts])
+        return packed(parts)
+    engine.runner.prefill_packed = recording
+    first = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()   # 8 of its 9 prompt tokens (one forward, alone: no packing)
+    engine.step()   # the last one; it samples
+    engine.step()   # it decodes
+    later = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS[:2]]
+    while not engine.scheduler.idle:
+        engine.step()
+    assert engine.counters.decodes_packed > 0
+    riding = [parts for parts in seen if len(parts) > 2]
+    assert riding and all(n >= 1 for parts in seen for n, _ in parts)
+    for parts in seen:
+        assert sum(n for n, _ in parts) <= 8   # a step's tokens: chunks and riders, nothing before them
+    decode_parts = [part for parts in riding for part in parts if part[1] >= len(PROMPTS[3])]
+    assert decode_parts and all(n == 1 for n, _ in decode_parts)
+    assert first.sampled == 6 and all(s.sampled == 4 for s in later)
