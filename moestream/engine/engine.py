@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream import kernels
 from moestream.engine.config import EngineConfig
 from moestream.engine.plan import LoadPlan
 from moestream.errors import BudgetError, InputError, NumericsError
@@ -234,7 +235,21 @@ class Engine:
         rows = self.plan.memory.kv_rows
         if rows > 1:   # a server: every padded batch size's decode graphs, for the first context lengths
             self.runner.capture_batches(rows, WARM_CONTEXT)
+        if not bank_is_warm:
+            self._compile_prompt_tiles()
         self.reset_stats()
+
+    def _compile_prompt_tiles(self) -> None:
+        """A prompt of each grouped-path tile row a step can take (up to `prefill_chunk` tokens), so the
+        kernels of every step size are compiled before the first request (rules of the hot path, 9): on
+        an empty Triton cache a served step that first met a tile row stalled for seconds. A bank
+        restored from a snapshot skips it (the prompts would stream experts through the warm bank)."""
+        if self.device.type != "cuda" or not kernels.fused_moe_available():
+            return
+        vocab = self.config.vocab_size
+        longest = min(self.runner.prefill_chunk, self.max_context - 1)
+        for n in kernels.prompt_tile_rows(self.config.top_k, self.config.num_experts, longest):
+            self.generate([i % (vocab - 1) + 1 for i in range(n)], max_tokens=1, ignore_eos=True)
 
     # ---- inputs -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -26,7 +26,7 @@ from .switch import Switch
 
 __all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "paged_kv_write",
            "paged_decode_attention", "paged_kv_write_reference", "paged_decode_attention_reference",
-           "fused_moe", "fused_moe_available", "linear", "fused_moe_quant", "fused_moe_quant_available"]
+           "fused_moe", "fused_moe_available", "prompt_tile_rows", "linear", "fused_moe_quant", "fused_moe_quant_available"]
 
 
 @functools.cache
@@ -83,6 +83,12 @@ def fused_moe_available() -> bool:
     """True when `fused_moe` can run here: a CUDA device is visible and Triton imports."""
     return cuda_module_available("triton")
 
+
+
+def prompt_tile_rows(top_k: int, layer_experts: int, max_tokens: int) -> list[int]:
+    """Token counts whose grouped calls, one each, compile every tile row the grouped path can take
+    (Triton, CUDA): see `fused_moe_triton.prompt_tile_rows`."""
+    return _triton_module("fused_moe").prompt_tile_rows(top_k, layer_experts, max_tokens)
 
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True,
                     host=None, slot_map: Tensor | None = None, layer_experts: int | None = None) -> Tensor:

@@ -162,6 +162,19 @@ _QUANT_CONFIG_TABLE: tuple[tuple[float, MoeConfig], ...] = tuple(
     (limit, _QUANT_TUNED.get(limit) or _register_tiles(config)) for limit, config in _CONFIG_TABLE)
 
 
+def prompt_tile_rows(top_k: int, layer_experts: int, max_tokens: int) -> list[int]:
+    """The least token count of each tile row (each config of `_CONFIG_TABLE` or `_QUANT_CONFIG_TABLE`) a
+    grouped call of up to `max_tokens` tokens over a layer of `layer_experts` experts can take: one call of
+    each compiles every variant the grouped path will use (rules of the hot path, 9), so a server can
+    compile them at start rather than stall its first step of each size."""
+    counts, seen = [], set()
+    for tokens in range(DECODE_MAX_PAIRS // top_k + 1, max_tokens + 1):
+        configs = (select_config(tokens, top_k, layer_experts), select_config(tokens, top_k, layer_experts, True))
+        if any(c not in seen for c in configs):
+            seen.update(configs)
+            counts.append(tokens)
+    return counts
+
 # Sizes that change with every call (pairs, blocks, a staged group's slot range) are not specialized: Triton would
 # compile a variant for each new pattern of them (divisible by 16, equal to 1), a stall of seconds the first time a
 # served step of a new token count meets one. ARCHITECTURE.md, rules of the hot path, 9.

@@ -89,3 +89,24 @@ def test_an_engine_at_a_bank_compiles_nothing_for_prompts_of_new_lengths(tiny_qw
     engine.generate([prompt(17, 3), prompt(19, 4)], max_tokens=3, ignore_eos=True)
     torch.cuda.synchronize()
     assert compiled_variants() == before
+
+
+def test_a_warmed_up_server_compiles_nothing_for_its_first_prompts(tiny_qwen3):
+    """`warm_up` (as `moestream serve` starts) runs a prompt of each tile row up to the step's budget: the
+    first requests, whatever their lengths, find every grouped-path kernel compiled."""
+    import moestream
+    from moestream.kernels import prompt_tile_rows
+
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", capacity=3, prefill_chunk=64,
+                            max_batch=4, kv_rows=4)
+    assert prompt_tile_rows(engine.config.top_k, engine.config.num_experts, 63) == [33, 49]   # two rows of 8 experts, k = 2
+    engine.warm_up(4)
+    vocab = engine.config.vocab_size
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    for n in (34, 40, 47, 50, 57, 63):
+        engine.generate([(5 * n + 3 * i) % (vocab - 2) + 2 for i in range(n)], max_tokens=2, ignore_eos=True)
+    engine.generate([[(7 * i) % (vocab - 2) + 2 for i in range(30)], [(11 * i) % (vocab - 2) + 2 for i in range(31)]],
+                    max_tokens=1, ignore_eos=True)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
