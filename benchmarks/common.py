@@ -31,6 +31,22 @@ def checkpoint_args(doc: str, run: bool = True) -> argparse.ArgumentParser:
     return ap
 
 
+
+def engine_args(doc: str, streams: int, routing: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that loads an engine in its own process and steps it: the checkpoint
+    as it is (a folder or a GGUF file), where results go, device, dtype, bank, streams and routing."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, required=True, help="a checkpoint folder or a GGUF file")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (none: every expert resident)")
+    ap.add_argument("--gpu-memory", default=None)
+    ap.add_argument("--streams", type=int, default=streams)
+    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default=routing)
+    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
+    return ap
+
 def run_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The prompt and generation lengths of a timed run, and its sampling temperature."""
     ap.add_argument("--prompt-tokens", type=int, default=512)

@@ -13,7 +13,6 @@ the model's own, uniform (the worst case for a bank) or a replayed trace.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, write_result  # noqa: E402
+from common import engine_args, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench.routing import apply_routing  # noqa: E402
@@ -77,19 +76,10 @@ def run(args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (none: every expert resident)")
-    ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--streams", type=int, default=16)
+    ap = engine_args(__doc__, streams=16, routing="uniform")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--prefill-chunk", default="auto", help="a step's prompt tokens (every prompt must fit in one step)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform")
-    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     args = ap.parse_args()
     if args.prefill_chunk != "auto":
         args.prefill_chunk = int(args.prefill_chunk)

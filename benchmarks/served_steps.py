@@ -21,7 +21,6 @@ token-routed GGUF spreads it near-uniformly), uniform, or a replayed trace.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, write_result  # noqa: E402
+from common import engine_args, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench.routing import apply_routing  # noqa: E402
@@ -128,22 +127,13 @@ def run(args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", type=Path, required=True, help="a checkpoint folder or a GGUF file")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (none: every expert resident)")
-    ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--streams", type=int, default=16)
+    ap = engine_args(__doc__, streams=16, routing="model")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="a step's prompt tokens (as serve_throughput.py)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--slow-ms", type=float, default=1000.0, help="steps longer than this are listed")
-    ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="model")
-    ap.add_argument("--trace", type=Path, default=Path("benchmarks/traces/demo_heldout_trace.json"))
     args = ap.parse_args()
     result = run(args)
     for mode, r in result["modes"].items():
