@@ -137,9 +137,43 @@ def concurrent_streams(send, url: str, streams: int, prompt_tokens: int, gen_tok
 
 
 def measured_streams(send, url: str, streams: int, args, vocab: int) -> dict:
-    """One unmeasured round of `streams` shorter streams, then the measured round."""
+    """One unmeasured round of `streams` shorter streams, then the measured round (with our server's
+    engine steps during it: `steps`)."""
     concurrent_streams(send, url, streams, args.prompt_tokens, 16, vocab, seed=10_000 + streams)
-    return concurrent_streams(send, url, streams, args.prompt_tokens, args.gen_tokens, vocab, seed=streams)
+    before = step_histogram(url)
+    result = concurrent_streams(send, url, streams, args.prompt_tokens, args.gen_tokens, vocab, seed=streams)
+    after = step_histogram(url)
+    if after:
+        result["steps"] = {kind: {"count": int(after[kind]["count"] - before.get(kind, {}).get("count", 0)),
+                                  "seconds": after[kind]["sum"] - before.get(kind, {}).get("sum", 0.0),
+                                  "over_1s": int(after[kind]["over_1s"] - before.get(kind, {}).get("over_1s", 0))}
+                           for kind in after}
+    return result
+
+
+def step_histogram(url: str) -> dict[str, dict[str, float]]:
+    """Our server's engine steps so far by kind (prompt / decode): count, summed seconds, and steps over a
+    second (`moestream_step_seconds`); {} from a server without them (llama-server)."""
+    try:
+        text = _client().get(f"{url}/metrics").text
+    except httpx.HTTPError:
+        return {}
+    steps: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("moestream_step_seconds"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        kind = name.split('kind="')[1].split('"')[0]
+        entry = steps.setdefault(kind, {"count": 0.0, "sum": 0.0, "le_1": 0.0})
+        if name.startswith("moestream_step_seconds_count"):
+            entry["count"] = float(value)
+        elif name.startswith("moestream_step_seconds_sum"):
+            entry["sum"] = float(value)
+        elif name.startswith("moestream_step_seconds_bucket") and 'le="1.0"' in name:
+            entry["le_1"] = float(value)
+    for entry in steps.values():
+        entry["over_1s"] = entry["count"] - entry.pop("le_1")
+    return steps
 
 
 def second_turn(send, url: str, prefix_tokens: int, new_tokens: int, vocab: int) -> dict:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry, so several servers in one process stay apart).
 
 Request counts by API and status, tokens in / out / reused, time to first token and between
-tokens, queue depth and running sequences (sampled after every step), and the state of the
+tokens, each engine step's wall time (prompt steps and decode steps apart: a stall shows as a step
+of seconds), queue depth and running sequences (sampled after every step), and the state of the
 prefix cache and the expert bank, read when `/metrics` is scraped; with several devices, each
 rank's bank and all-reduces (calls, bytes, seconds) labelled by rank.
 """
@@ -14,6 +15,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 # An agent's first turn on an offloaded model prefills tens of thousands of tokens: minutes, up to
 # the half hour after which agents give up anyway.
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900, 1200, 1800)
+# A step: a decode step in milliseconds, a prompt chunk's in tenths of a second; seconds mean a stall.
+_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
 class ServerMetrics:
@@ -31,6 +34,9 @@ class ServerMetrics:
                               buckets=_TTFT_BUCKETS)
         self.itl = Histogram("moestream_inter_token_seconds", "Time between a sequence's tokens", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        self.step_seconds = Histogram("moestream_step_seconds", "Wall time of one engine step, as the server's worker "
+                                      "runs it: steps with prompt chunks, and steps of decodes alone", ["kind"],
+                                      registry=r, buckets=_STEP_BUCKETS)
         self.queue_depth = Gauge("moestream_queue_depth", "Requests waiting for a place in the batch", registry=r)
         self.running = Gauge("moestream_running_sequences", "Sequences in the decode batch", registry=r)
         self.kv_rows = Gauge("moestream_kv_cache_rows", "Sequence rows the KV cache holds (each a full context, or "
@@ -68,6 +74,10 @@ class ServerMetrics:
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def step(self, seconds: float, prompt: bool) -> None:
+        """One engine step's wall time; `prompt`: it ran prompt chunks (decodes may have ridden in them)."""
+        self.step_seconds.labels("prompt" if prompt else "decode").observe(seconds)
 
     def after_step(self, worker) -> None:
         self._gauge_queue(worker)

@@ -140,11 +140,14 @@ class EngineWorker:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            forwards, started = engine.counters.prefill_forwards, time.perf_counter()
             try:
                 engine.step()
             except Exception as exc:   # one bad step must not take the server down: fail who was in it
                 log.exception("engine step failed")
                 self._fail_all(f"the engine failed: {exc}")
+            if self.metrics is not None:
+                self.metrics.step(time.perf_counter() - started, engine.counters.prefill_forwards > forwards)
             self._deliver()
             if self.metrics is not None:
                 self.metrics.after_step(self)

@@ -66,6 +66,8 @@ def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
                                                             "served, 4 streams (aggregate decode)",
                                                             f"served at a {bank}, 2 streams (aggregate decode)"]
     assert "--capacity 8" in table["runs"]["served-ours-bank"]["command"]
+    served = table["runs"]["served-ours-bank"]["result"]["streams"][0]
+    assert served["steps"]["prompt"]["count"] >= 1 and served["steps"]["decode"]["count"] >= 1   # our server's steps
     assert [r["unit"] for r in rows if r["row"].startswith("agent")] == ["ms", "ms"]
     for r in rows:   # every row of ours measured; no peer, so no llama.cpp figure and no ratio
         assert r["ours"] is not None and r["ours"] > 0, r

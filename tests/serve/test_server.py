@@ -268,6 +268,9 @@ def test_health_metrics_and_cache_stats(server, oai):
                  "moestream_queue_depth", "moestream_bank_hit_rate", "moestream_prefix_cache_hit_rate",
                  "moestream_kv_cache_rows", "moestream_inter_token_seconds_bucket"):
         assert name in metrics
+    steps = {kind: float(line.split()[1]) for line in metrics.splitlines() for kind in ("prompt", "decode")
+             if line.startswith(f'moestream_step_seconds_count{{kind="{kind}"}}')}
+    assert steps["prompt"] >= 1 and steps["decode"] >= 1   # the prompt's step, then the second token's
     stats = httpx.get(f"{server.url}/v1/cache/stats").json()
     assert stats["prefix_cache"]["entries"] >= 1 and "hit_rate" in stats["bank"]
     prefix = stats["prefix_cache"]
