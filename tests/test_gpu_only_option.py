@@ -11,20 +11,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_only_keeps_the_tests_that_need_a_gpu():
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-                          "--gpu-only", "tests/experts/test_hybrid_policy.py", "tests/kernels/test_fused_moe_token.py"],
+    """Run in one process (-n 0: no workers started), each kept test named on its line (-v)."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--gpu-only", "-n", "0",
+                          "tests/experts/test_hybrid_policy.py", "tests/kernels/test_fused_moe_token.py"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    kept = [line for line in run.stdout.splitlines() if "::" in line]
-    assert kept and all("gpu" in line for line in kept), kept          # the GPU tests of both files
-    assert not any("under_interpreter" in line for line in kept)   # "needs Triton and no GPU": the CPU's check
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]   # every GPU test skipped here, none failed
+    kept = [line.split()[0] for line in run.stdout.splitlines() if "::" in line]
+    assert {k.split("::")[0] for k in kept} == {"tests/experts/test_hybrid_policy.py",
+                                                 "tests/kernels/test_fused_moe_token.py"}, kept
+    assert all("gpu" in k for k in kept), kept                      # the GPU tests of both files
+    assert not any("under_interpreter" in k for k in kept)          # "needs Triton and no GPU": the CPU's check
     assert "deselected" in run.stdout
+    assert "created:" not in run.stdout                             # -n 0 keeps one process
 
 
 def test_gpu_only_runs_in_worker_processes_and_the_workers_start_none_of_their_own():
     """--gpu-only starts conftest.GPU_WORKERS workers (pytest-xdist; MOESTREAM_TEST_GPU_WORKERS where set)
-    unless -n is given; a worker, which sees --gpu-only too, runs what it is sent instead of starting
-    workers itself."""
+    unless -n is given (-n 0: the test above); a worker, which sees --gpu-only too, runs what it is sent
+    instead of starting workers itself."""
     workers = 2   # fewer than conftest's default (each worker is a torch import); the count set is the count started
     env = {**os.environ, "MOESTREAM_TEST_GPU_WORKERS": str(workers)}
     args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--gpu-only", "tests/kernels/test_sampling_kernel.py"]
@@ -32,6 +36,3 @@ def test_gpu_only_runs_in_worker_processes_and_the_workers_start_none_of_their_o
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]   # every GPU test skipped here, none failed
     assert f"created: {workers}/{workers} workers" in run.stdout
     assert run.stdout.count("created:") == 1                          # no worker started workers of its own
-    serial = subprocess.run([*args, "-n", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                            env=env)
-    assert serial.returncode == 0 and "created:" not in serial.stdout   # -n 0 keeps one process

@@ -17,7 +17,9 @@ helper (with `inspect.getmembers`, about half of a kernel check's time), althoug
 has already patched the same modules, with the same functions; a helper's call now patches only
 modules its launch has not (and which those are is worked out once per module). The numpy dtype of a
 Triton type, which the interpreter looks up at nearly every operation by building a table, is kept
-once found.
+once found. Every int32 add, sub and mul builds the interpreter's overflow check (a dozen interpreted
+operations) whose only effect is a device assert, which without `debug` (the interpreter's default,
+and these scripts') does nothing; the check is built only where `debug` is on.
 """
 
 from __future__ import annotations
@@ -133,6 +135,13 @@ _PREAMBLE = textwrap.dedent("""
             _np_dtypes[scalar] = _get_np_dtype(scalar)
         return _np_dtypes[scalar]
     _interpreter._get_np_dtype = _cached_np_dtype
+
+    _semantic = _interpreter.interpreter_semantic
+    _sanitize_overflow = _semantic.binary_op_sanitize_overflow_impl
+    def _sanitize_overflow_where_asserted(lhs, rhs, binary_op):
+        if _semantic.builder.options.debug:   # device_assert returns at once otherwise
+            _sanitize_overflow(lhs, rhs, binary_op)
+    _semantic.binary_op_sanitize_overflow_impl = _sanitize_overflow_where_asserted
 """)
 
 

@@ -17,6 +17,7 @@ from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.attention import MIXERS
 from moestream.model.cache import BlockTables, ModelCache
 from moestream.model.context import ForwardContext
+from moestream.model.embedding import Embedding
 from moestream.model.gemma4_layer import Gemma4DecoderLayer, ScaledEmbedding
 from moestream.model.mlp import SwiGLU
 from moestream.model.moe import MoEBlock, RoutedExperts
@@ -76,7 +77,7 @@ MOE_BLOCKS = (MoEBlock, Gemma4DecoderLayer)
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, spec: ArchSpec):
         super().__init__()
-        embedding = ScaledEmbedding if spec.embed_scale else nn.Embedding
+        embedding = ScaledEmbedding if spec.embed_scale else Embedding
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         layer = LAYERS[spec.layer]
         self.layers = nn.ModuleList(layer(config, spec, i) for i in range(config.num_layers))

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from moestream.archs.spec import ArchSpec, ModelConfig
 from moestream.model.attention import MIXERS
 from moestream.model.context import ForwardContext
+from moestream.model.embedding import Embedding
 from moestream.model.moe import RoutedExperts
 from moestream.model.norms import GemmaRMSNorm
 from moestream.model.projections import Linear
@@ -48,7 +49,7 @@ class GeGLU(nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
-class ScaledEmbedding(nn.Embedding):
+class ScaledEmbedding(Embedding):
     """Embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first, as
     transformers' Gemma4TextScaledWordEmbedding does (in bf16 sqrt(2816) is 53.0, not 53.07).
     `embed_scale` is a plain float so that the meta-device build and quantize_modules keep it."""
