@@ -154,25 +154,28 @@ def measured_streams(send, url: str, streams: int, args, vocab: int) -> dict:
 def step_histogram(url: str) -> dict[str, dict[str, float]]:
     """Our server's engine steps so far by kind (prompt / decode): count, summed seconds, and steps over a
     second (`moestream_step_seconds`); {} from a server without them (llama-server)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
-        text = _client().get(f"{url}/metrics").text
+        answer = _client().get(f"{url}/metrics")
     except httpx.HTTPError:
         return {}
+    if answer.status_code != 200:
+        return {}
     steps: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if not line.startswith("moestream_step_seconds"):
+    for family in text_string_to_metric_families(answer.text):
+        if family.name != "moestream_step_seconds":
             continue
-        name, value = line.rsplit(" ", 1)
-        kind = name.split('kind="')[1].split('"')[0]
-        entry = steps.setdefault(kind, {"count": 0.0, "sum": 0.0, "le_1": 0.0})
-        if name.startswith("moestream_step_seconds_count"):
-            entry["count"] = float(value)
-        elif name.startswith("moestream_step_seconds_sum"):
-            entry["sum"] = float(value)
-        elif name.startswith("moestream_step_seconds_bucket") and 'le="1.0"' in name:
-            entry["le_1"] = float(value)
+        for sample in family.samples:
+            entry = steps.setdefault(sample.labels["kind"], {"count": 0.0, "sum": 0.0, "at_most_1s": 0.0})
+            if sample.name.endswith("_count"):
+                entry["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                entry["sum"] = sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == 1.0:
+                entry["at_most_1s"] = sample.value
     for entry in steps.values():
-        entry["over_1s"] = entry["count"] - entry.pop("le_1")
+        entry["over_1s"] = entry["count"] - entry.pop("at_most_1s")
     return steps
 
 

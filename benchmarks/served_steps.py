@@ -34,24 +34,10 @@ from common import engine_args, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench.routing import apply_routing  # noqa: E402
+from moestream.kernels import compiled_variants  # noqa: E402
 from moestream.runtime.sampling import SamplingParams  # noqa: E402
 
 MODES = ("default", "no-ride", "whole", "one-each")
-
-
-def compiled_variants() -> dict[str, int]:
-    """Kernel → Triton variants compiled so far, over moestream's kernel modules ({} without Triton)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return {}
-    counts = {}
-    for name, module in list(sys.modules.items()):
-        if name.startswith("moestream.kernels") and module is not None:
-            for attr, fn in vars(module).items():
-                if isinstance(fn, JITFunction):
-                    counts[attr] = sum(len(cache[0]) for cache in fn.device_caches.values())
-    return counts
 
 
 def use_mode(engine, mode: str) -> None:
@@ -67,29 +53,31 @@ def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list
     seqs = [engine.add_request(p, params) for p in prompts]
     first: dict[int, float] = {}
     last: dict[int, float] = {}
+    plans: list = []   # each step's plan (none for a decode step launched ahead of its plan)
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda **kw: plans.append(schedule(**kw)) or plans[-1]
     sync()
     t0 = time.perf_counter()
-    while not all(s.finished for s in seqs):
-        before = compiled_variants()
-        plans = []
-        schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = lambda **kw: plans.append(schedule(**kw)) or plans[-1]
-        start = time.perf_counter()
-        engine.step()
-        end = time.perf_counter()
+    try:
+        while not all(s.finished for s in seqs):
+            before, plans[:] = compiled_variants(), []
+            start = time.perf_counter()
+            engine.step()
+            end = time.perf_counter()
+            for i, s in enumerate(seqs):
+                if s.sampled:
+                    first.setdefault(i, end - t0)
+                    last[i] = end - t0
+            if steps_log is not None:
+                after, plan = compiled_variants(), plans[0] if plans else None
+                steps_log.append({"ms": 1000 * (end - start),
+                                  "prompt_chunks": len(plan.prefills) if plan else 0,
+                                  "prompt_tokens": plan.prefill_tokens if plan else 0,
+                                  "decoding": len(plan.decodes) if plan else None,
+                                  "compiled": {k.rsplit(".", 1)[1]: v - before.get(k, 0) for k, v in after.items()
+                                               if v != before.get(k, 0)}})
+    finally:
         engine.scheduler.schedule = schedule
-        for i, s in enumerate(seqs):
-            if s.sampled:
-                first.setdefault(i, end - t0)
-                last[i] = end - t0
-        if steps_log is not None:
-            after = compiled_variants()
-            plan = plans[0] if plans else None   # none: a decode step launched ahead of the plan
-            steps_log.append({"ms": 1000 * (end - start),
-                              "prompt_chunks": len(plan.prefills) if plan else 0,
-                              "prompt_tokens": plan.prefill_tokens if plan else 0,
-                              "decoding": len(plan.decodes) if plan else None,
-                              "compiled": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
     sync()
     span = max(last.values()) - min(first.values())
     tokens_after_first = sum(s.sampled - 1 for s in seqs)

@@ -26,7 +26,7 @@ from .switch import Switch
 
 __all__ = ["moe_reference", "quant_linear_reference", "quant_moe_reference", "quant_linear", "paged_kv_write",
            "paged_decode_attention", "paged_kv_write_reference", "paged_decode_attention_reference",
-           "fused_moe", "fused_moe_available", "prompt_tile_rows", "linear", "fused_moe_quant", "fused_moe_quant_available"]
+           "fused_moe", "fused_moe_available", "prompt_tile_rows", "compiled_variants", "linear", "fused_moe_quant", "fused_moe_quant_available"]
 
 
 @functools.cache
@@ -89,6 +89,24 @@ def prompt_tile_rows(top_k: int, layer_experts: int, max_tokens: int) -> list[in
     """Token counts whose grouped calls, one each, compile every tile row the grouped path can take
     (Triton, CUDA): see `fused_moe_triton.prompt_tile_rows`."""
     return _triton_module("fused_moe").prompt_tile_rows(top_k, layer_experts, max_tokens)
+
+
+def compiled_variants() -> dict[str, int]:
+    """Kernel name → Triton variants compiled so far in this process, over every kernel module of this
+    package that has been imported ({} without Triton): a step that compiles shows as a count that grew."""
+    import sys
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    counts = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith(__name__) and module is not None:
+            for attr, fn in vars(module).items():
+                if isinstance(fn, JITFunction):
+                    counts[f"{name}.{attr}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
 
 def fused_moe_quant(hidden: Tensor, slots, slot_ids: Tensor, weights: Tensor, spec, reduce: bool = True,
                     host=None, slot_map: Tensor | None = None, layer_experts: int | None = None) -> Tensor:

@@ -10,28 +10,12 @@ count the variants every moestream kernel has compiled.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from moestream.kernels import fused_moe, fused_moe_available
+from moestream.kernels import compiled_variants, fused_moe, fused_moe_available
 
 pytestmark = pytest.mark.skipif(not fused_moe_available(), reason="needs a CUDA GPU and Triton")
-
-
-def compiled_variants() -> dict[str, int]:
-    """Kernel name → variants compiled so far, for every Triton kernel of moestream's kernel modules."""
-    from triton.runtime.jit import JITFunction
-
-    counts = {}
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("moestream.kernels") or module is None:
-            continue
-        for attr, fn in vars(module).items():
-            if isinstance(fn, JITFunction):
-                counts[f"{name}.{attr}"] = sum(len(cache[0]) for cache in fn.device_caches.values())
-    return counts
 
 
 def routed(T: int, k: int, slots: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
