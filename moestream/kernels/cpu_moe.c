@@ -72,32 +72,43 @@ void moe_cpu_set_prefetch(int bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
 #define TT 4   /* tokens per tile: their accumulators stay in registers while one row streams by */
 
 #if defined(__AVX512BF16__)
-/* bf16 · bf16 with AVX512-BF16: 32 products per instruction, accumulated in fp32. */
+/* bf16 · bf16 with AVX512-BF16: 32 products per instruction, accumulated in fp32, for NT inputs at
+ * once (a constant after inlining: no work for a short tile's missing inputs). Each input keeps two
+ * chains (the even and the odd 32 values of every 64) to hide the instruction's latency, and the
+ * stream asks `prefetch_bytes` ahead, whatever NT is: an expert shared by two tokens of a batch is
+ * read as fast as a decode's, and each token's sums are the same as if it were alone. */
+static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *r, int K, const uint16_t *const *xs,
+                                                            const int NT, float *y, int ldy) {
+    __m512 even[TT], odd[TT];
+    for (int j = 0; j < NT; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        if (prefetch_bytes) {
+            _mm_prefetch((const char *)(r + k) + prefetch_bytes, _MM_HINT_T0);
+            _mm_prefetch((const char *)(r + k) + prefetch_bytes + 64, _MM_HINT_T0);
+        }
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(r + k), w1 = (__m512bh)_mm512_loadu_si512(r + k + 32);
+        for (int j = 0; j < NT; j++) {
+            even[j] = _mm512_dpbf16_ps(even[j], w0, (__m512bh)_mm512_loadu_si512(xs[j] + k));
+            odd[j] = _mm512_dpbf16_ps(odd[j], w1, (__m512bh)_mm512_loadu_si512(xs[j] + k + 32));
+        }
+    }
+    if (k < K) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(r + k);
+        for (int j = 0; j < NT; j++)
+            even[j] = _mm512_dpbf16_ps(even[j], w0, (__m512bh)_mm512_loadu_si512(xs[j] + k));
+    }
+    for (int j = 0; j < NT; j++) y[(size_t)j * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[j], odd[j]));
+}
+
 static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
     if (K % 32) return 0;
-    __m512 acc[TT] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (nt == 1) {   /* decode: two chains hide the instruction's latency */
-        __m512 acc1 = _mm512_setzero_ps();
-        int k = 0;
-        for (; k + 64 <= K; k += 64) {
-            if (prefetch_bytes) {
-                _mm_prefetch((const char *)(r + k) + prefetch_bytes, _MM_HINT_T0);
-                _mm_prefetch((const char *)(r + k) + prefetch_bytes + 64, _MM_HINT_T0);
-            }
-            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xs[0] + k));
-            acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(r + k + 32), (__m512bh)_mm512_loadu_si512(xs[0] + k + 32));
-        }
-        if (k < K)
-            acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(r + k), (__m512bh)_mm512_loadu_si512(xs[0] + k));
-        y[0] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc1));
-        return 1;
+    switch (nt) {
+    case 1: bf16_rows(r, K, xs, 1, y, ldy); break;
+    case 2: bf16_rows(r, K, xs, 2, y, ldy); break;
+    case 3: bf16_rows(r, K, xs, 3, y, ldy); break;
+    default: bf16_rows(r, K, xs, TT, y, ldy); break;
     }
-    for (int k = 0; k < K; k += 32) {
-        __m512bh w = (__m512bh)_mm512_loadu_si512(r + k);
-        for (int j = 0; j < TT; j++)
-            acc[j] = _mm512_dpbf16_ps(acc[j], w, (__m512bh)_mm512_loadu_si512(xs[j] + k));
-    }
-    for (int j = 0; j < nt; j++) y[(size_t)j * ldy] = _mm512_reduce_add_ps(acc[j]);
     return 1;
 }
 #endif
@@ -112,7 +123,7 @@ static void any_tile(const void *w, int dtype, size_t r, int K, const void *cons
         float wf[VW];
 #pragma omp simd
         for (int l = 0; l < VW; l++) wf[l] = widen(w, dtype, r + k + l);
-        for (int j = 0; j < TT; j++) {
+        for (int j = 0; j < nt; j++) {
 #pragma omp simd
             for (int l = 0; l < VW; l++) acc[j][l] += wf[l] * widen(xs[j], dtype, k + l);
         }
