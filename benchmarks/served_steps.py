@@ -14,9 +14,13 @@ tok/s (tokens after each stream's first over the span from the first first-token
 Modes (`--modes`): `default` (prompts packed into one forward a step, each step filled, decodes riding
 in it at a bank), `no-ride` (decodes in a step of their own), `whole` (packed, prompts never cut to
 fill a step), `one-each` (a forward per prompt). The routing is stated: the model's own (a
-token-routed GGUF spreads it near-uniformly), uniform, or a replayed trace.
+token-routed GGUF spreads it near-uniformly), uniform, or a replayed trace. `--batch-cpu-shares 0.5 0.6 ...`
+adds a `default` round per share with the hybrid policy's batch split fixed there (the CPU's share of a
+batch's experts outside the bank), then hands the split back to its balance: is the balance where the
+steps are shortest? Each round reports its median step too.
 
-    python benchmarks/served_steps.py --ckpt /tmp/q3.gguf --out /tmp/steps --capacity 32 --routing model --streams 16
+    python benchmarks/served_steps.py --ckpt /tmp/q3.gguf --out /tmp/steps --capacity 32 --routing model --streams 16 \\
+        [--modes default --batch-cpu-shares 0.5 0.6 0.7 0.8]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list
     seqs = [engine.add_request(p, params) for p in prompts]
     first: dict[int, float] = {}
     last: dict[int, float] = {}
+    step_ms: list[float] = []   # each step's wall time (s)
     plans: list = []   # each step's plan (none for a decode step launched ahead of its plan)
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda **kw: plans.append(schedule(**kw)) or plans[-1]
@@ -64,6 +69,7 @@ def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list
             start = time.perf_counter()
             engine.step()
             end = time.perf_counter()
+            step_ms.append(end - start)
             for i, s in enumerate(seqs):
                 if s.sampled:
                     first.setdefault(i, end - t0)
@@ -81,7 +87,8 @@ def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list
     sync()
     span = max(last.values()) - min(first.values())
     tokens_after_first = sum(s.sampled - 1 for s in seqs)
-    return {"decode_tok_s": tokens_after_first / span if span > 0 else 0.0,
+    return {"decode_tok_s": tokens_after_first / span if span > 0 else 0.0, "steps_taken": len(step_ms),
+            "median_step_ms": 1000 * statistics.median(step_ms),
             "ttft_p50_ms": 1000 * statistics.median(first.values()), "ttft_last_ms": 1000 * max(first.values()),
             "seconds": time.perf_counter() - t0}
 
@@ -89,14 +96,23 @@ def one_round(engine, prompts: list[list[int]], gen_tokens: int, steps_log: list
 def run(args) -> dict:
     engine = moestream.load(str(args.ckpt), device=args.device, dtype=args.dtype, capacity=args.capacity,
                             gpu_memory=args.gpu_memory, max_batch=args.streams, kv_rows=args.streams,
-                            max_context=args.max_context, prefill_chunk=args.prefill_chunk)
+                            max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                            **({"miss_policy": "hybrid", "host_tier": "pinned"} if args.hybrid else {}))
     routing = apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts
     vocab = engine.config.vocab_size
     rng = random.Random(0)
+    hybrid = engine.bank.hybrid_misses if args.batch_cpu_shares else None
+    if args.batch_cpu_shares and hybrid is None:
+        raise SystemExit("--batch-cpu-shares needs the hybrid miss policy (a bank smaller than the experts, "
+                         "on a GPU, with the pinned host tier; --hybrid asks for it)")
+    rounds = [(mode, mode, None) for mode in args.modes] + \
+        [(f"share {share:g}", "default", share) for share in args.batch_cpu_shares]
     modes = {}
-    for mode in args.modes:
+    for name, mode, share in rounds:
         use_mode(engine, mode)
+        if hybrid is not None:
+            hybrid.fix_batch_share(share)
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
         warm_log: list = []
         one_round(engine, prompts, 16, warm_log)
@@ -104,7 +120,9 @@ def run(args) -> dict:
         steps: list = []
         result = one_round(engine, [[rng.randrange(1, vocab) for _ in p] for p in prompts], args.gen_tokens, steps)
         stats, counters = engine.stats(), engine.counters.as_dict()
-        modes[mode] = {**result, "forwards": counters["prefill_forwards"], "decode_steps": counters["decode_steps"],
+        if hybrid is not None:
+            result["batch_cpu_share"] = hybrid.batch_cpu_share
+        modes[name] = {**result, "forwards": counters["prefill_forwards"], "decode_steps": counters["decode_steps"],
                        "decodes_packed": counters["decodes_packed"], "gb_copied": stats.get("bytes_copied", 0) / 1e9,
                        "compiled_unmeasured": sum(sum(s["compiled"].values()) for s in warm_log),
                        "compiled_measured": sum(sum(s["compiled"].values()) for s in steps),
@@ -122,10 +140,16 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="a step's prompt tokens (as serve_throughput.py)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--slow-ms", type=float, default=1000.0, help="steps longer than this are listed")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the hybrid miss policy over a pinned host tier (the default on a GPU at a bank; this asks for it "
+                         "anywhere, the CPU included)")
+    ap.add_argument("--batch-cpu-shares", type=float, nargs="*", default=[],
+                    help="a default-mode round per CPU share of a batch's misses, fixed (hybrid policy)")
     args = ap.parse_args()
     result = run(args)
     for mode, r in result["modes"].items():
-        log(f"{mode:>9}: {r['decode_tok_s']:.1f} tok/s decode, first token p50 {r['ttft_p50_ms']:.0f} ms "
+        log(f"{mode:>9}: {r['decode_tok_s']:.1f} tok/s decode, median step {r['median_step_ms']:.1f} ms, "
+            f"first token p50 {r['ttft_p50_ms']:.0f} ms "
             f"(last {r['ttft_last_ms']:.0f}), {r['forwards']} prompt forwards, {r['decodes_packed']} decode steps "
             f"riding, {r['gb_copied']:.1f} GB copied, kernel variants compiled: {r['compiled_unmeasured']} "
             f"unmeasured, {r['compiled_measured']} measured; {len(r['slow_steps'])} steps over {args.slow_ms:g} ms")

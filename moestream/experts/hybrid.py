@@ -306,6 +306,7 @@ class HybridMisses:
         self.balance = SplitBalance(start if auto else float(cpu_share), auto and self.gpu_reads, top_k)
         self.batch_balance = SplitBalance(start if auto else float(cpu_share), auto and self.gpu_reads, top_k)
         self._batch_share = self.batch_balance.share   # the share the batch maps were built with
+        self._batch_adapts = self.batch_balance.adaptive
         I = shape.intermediate
         self.quantum = next((q for q in (64, 16, 8) if I % q == 0 and I >= 2 * q), 0)   # a cut's granularity
         self.split_host = torch.tensor(self._split_tables(), dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -494,6 +495,20 @@ class HybridMisses:
     def batch_cpu_share(self) -> float:
         """The CPU's share of the experts outside the bank in a batch's map now (1 where the device reads none)."""
         return self.batch_balance.share if self.gpu_reads else 1.0
+
+    def fix_batch_share(self, share: float | None) -> None:
+        """Fix the CPU's share of a batch's misses at `share`, or (None) let it move while decoding again
+        from where it is, as it did after loading; the batch maps follow at the next `sync_maps`. For a
+        benchmark that compares shares on one loaded engine (`served_steps.py --batch-cpu-shares`)."""
+        if not self.gpu_reads:
+            raise InputError("the CPU computes every miss here (the device reads none in place), so a batch's "
+                             "split has no share to fix")
+        if share is None:
+            self.batch_balance.adaptive = self._batch_adapts
+        else:
+            if not 0.0 <= share <= 1.0:
+                raise InputError(f"a batch's CPU share must lie in 0..1, got {share}")
+            self.batch_balance.share, self.batch_balance.adaptive = float(share), False
 
     def describe(self) -> str:
         """--stats: how one-token calls and batches split their misses now."""

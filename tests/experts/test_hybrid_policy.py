@@ -259,6 +259,31 @@ def test_a_moving_split_keeps_both_sides_on_the_same_table(tiny_qwen3, resident,
         engine.close()
 
 
+def test_a_batch_share_fixed_for_a_comparison_holds_and_gives_way_back(tiny_qwen3, resident):
+    """`fix_batch_share` pins the batch split (its maps rebuilt at that share, the tokens the resident
+    model's), and None hands it back to the balance; a share outside 0..1 is refused."""
+    from moestream.experts.hybrid import batch_split
+
+    _, want = resident
+    engine = _hybrid(tiny_qwen3)
+    try:
+        hybrid = engine.bank.hybrid_misses
+        hybrid.batch_balance.least_calls = 1
+        hybrid.fix_batch_share(0.25)
+        assert engine.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+        assert hybrid.batch_cpu_share == 0.25 and not hybrid.batch_balance.adaptive
+        hybrid.sync_maps()
+        S = engine.bank.capacity
+        for layer, batch_map in hybrid.batch_maps.items():
+            assert torch.equal(batch_map.cpu(), batch_split(hybrid.one_token_maps[layer].cpu(), S, 0.25))
+        hybrid.fix_batch_share(None)
+        assert hybrid.batch_balance.adaptive
+        with pytest.raises(InputError, match="0..1"):
+            hybrid.fix_batch_share(1.5)
+    finally:
+        engine.close()
+
+
 def test_one_miss_is_shared_by_both_sides(tiny_qwen3, resident, monkeypatch):
     """At a share of one half a call with one miss gives the CPU the expert's first half of its
     intermediate rows and the device the rest (the post tells the worker the cut); the tokens stay
