@@ -214,7 +214,8 @@ def serve_ours(args, started: list | None = None) -> None:
                             prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout,
                             prefill_chunk=getattr(args, "prefill_chunk", 512),
                             pack_prompts=getattr(args, "pack_prompts", "on") == "on",
-                            cpu_misses=getattr(args, "cpu_misses", None))
+                            cpu_misses=getattr(args, "cpu_misses", None),
+                            prompt_cpu_misses=getattr(args, "prompt_cpu_misses", 0.0))
     apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts: kernels compiled, every padded batch's graphs captured
     app = create_app(lambda: engine, ServeOptions(model_name="bench", max_queue=4 * max_batch))
@@ -274,7 +275,7 @@ def run_ours(args, ckpt: Path) -> dict:
             turn = second_turn(stream_ours, url, args.prefix_tokens, args.new_tokens, vocab)
             log("moestream second turn", turn)
         return {"streams": rows, "second_turn": turn, **server_stats(url), "routing": args.routing,
-                "capacity": args.capacity, "cpu_misses": args.cpu_misses}
+                "capacity": args.capacity, "cpu_misses": args.cpu_misses, "prompt_cpu_misses": args.prompt_cpu_misses}
 
 
 def run_llama(args, vocab: int) -> dict:
@@ -331,6 +332,8 @@ def main() -> None:
                     help="our server: the prompts admitted in one step as one forward (off: one each, to compare)")
     ap.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",
                     help="our hybrid misses' CPU share (default: auto, moved while decoding; 1: the CPU takes every miss)")
+    ap.add_argument("--prompt-cpu-misses", type=share_or_auto, default=0.0, metavar="SHARE|auto",
+                    help="our server: a streamed prompt chunk's missing experts computed on the CPU (default 0: none)")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: measure it in the same run")
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--peer-n-cpu-moe", type=int, default=0)

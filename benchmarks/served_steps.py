@@ -17,7 +17,9 @@ fill a step), `one-each` (a forward per prompt). The routing is stated: the mode
 token-routed GGUF spreads it near-uniformly), uniform, or a replayed trace. `--batch-cpu-shares 0.5 0.6 ...`
 adds a `default` round per share with the hybrid policy's batch split fixed there (the CPU's share of a
 batch's experts outside the bank), then hands the split back to its balance: is the balance where the
-steps are shortest? Each round reports its median step too.
+steps are shortest? `--prompt-cpu-misses 0 auto ...` adds a default round per share of a streamed prompt
+chunk's missing experts computed on the CPU (`moestream --prompt-cpu-misses`), all on one engine. Each
+round reports its median step too.
 
     python benchmarks/served_steps.py --ckpt /tmp/q3.gguf --out /tmp/steps --capacity 32 --routing model --streams 16 \\
         [--modes default --batch-cpu-shares 0.5 0.6 0.7 0.8]
@@ -38,6 +40,7 @@ from common import engine_args, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench.routing import apply_routing  # noqa: E402
+from moestream.cli.flags import share_or_auto  # noqa: E402
 from moestream.kernels import compiled_variants  # noqa: E402
 from moestream.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -97,6 +100,7 @@ def run(args) -> dict:
     engine = moestream.load(str(args.ckpt), device=args.device, dtype=args.dtype, capacity=args.capacity,
                             gpu_memory=args.gpu_memory, max_batch=args.streams, kv_rows=args.streams,
                             max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+                            prompt_cpu_misses="auto" if any(args.prompt_cpu_misses) else 0.0,
                             **({"miss_policy": "hybrid", "host_tier": "pinned"} if args.hybrid else {}))
     routing = apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts
@@ -106,13 +110,17 @@ def run(args) -> dict:
     if args.batch_cpu_shares and hybrid is None:
         raise SystemExit("--batch-cpu-shares needs the hybrid miss policy (a bank smaller than the experts, "
                          "on a GPU, with the pinned host tier; --hybrid asks for it)")
-    rounds = [(mode, mode, None) for mode in args.modes] + \
-        [(f"share {share:g}", "default", share) for share in args.batch_cpu_shares]
+    rounds = [(mode, mode, None, None) for mode in args.modes] + \
+        [(f"share {share:g}", "default", share, None) for share in args.batch_cpu_shares] + \
+        [(f"prompt cpu {share}", "default", None, share) for share in args.prompt_cpu_misses]
     modes = {}
-    for name, mode, share in rounds:
+    fetcher = engine.bank.fetcher
+    for name, mode, share, prompt_share in rounds:
         use_mode(engine, mode)
         if hybrid is not None:
             hybrid.fix_batch_share(share)
+        if fetcher is not None and any(args.prompt_cpu_misses):
+            fetcher.prompt_cpu_share = prompt_share if prompt_share is not None else 0.0
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
         warm_log: list = []
         one_round(engine, prompts, 16, warm_log)
@@ -122,6 +130,8 @@ def run(args) -> dict:
         stats, counters = engine.stats(), engine.counters.as_dict()
         if hybrid is not None:
             result["batch_cpu_share"] = hybrid.batch_cpu_share
+        if fetcher is not None:
+            result["prompt_cpu_share"] = fetcher.prompt_cpu_share
         modes[name] = {**result, "forwards": counters["prefill_forwards"], "decode_steps": counters["decode_steps"],
                        "decodes_packed": counters["decodes_packed"], "gb_copied": stats.get("bytes_copied", 0) / 1e9,
                        "compiled_unmeasured": sum(sum(s["compiled"].values()) for s in warm_log),
@@ -140,6 +150,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="a step's prompt tokens (as serve_throughput.py)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--slow-ms", type=float, default=1000.0, help="steps longer than this are listed")
+    ap.add_argument("--prompt-cpu-misses", type=share_or_auto, nargs="*", default=[],
+                    help="a default-mode round per CPU share of a streamed prompt chunk's misses (0: none; auto)")
     ap.add_argument("--hybrid", action="store_true",
                     help="the hybrid miss policy over a pinned host tier (the default on a GPU at a bank; this asks for it "
                          "anywhere, the CPU included)")

@@ -210,7 +210,8 @@ def engine_config(args):
                       capacity=args.capacity, host_memory=getattr(args, "host_memory", None),
                       host_tier=getattr(args, "host_tier", "auto"), miss_policy=getattr(args, "miss_policy", "auto"),
                       residency=getattr(args, "residency", "lcp"), prefetch=getattr(args, "prefetch", False),
-                      cpu_misses=getattr(args, "cpu_misses", None), cpu_threads=getattr(args, "cpu_threads", None))
+                      cpu_misses=getattr(args, "cpu_misses", None), cpu_threads=getattr(args, "cpu_threads", None),
+                      prompt_cpu_misses=getattr(args, "prompt_cpu_misses", 0.0))
     warm = WarmStartConfig(discovery=getattr(args, "discovery", True), profile=getattr(args, "profile", None),
                            pin_top_k=getattr(args, "pin_top_k", None), pin_threshold=getattr(args, "pin_threshold", None),
                            prepack=getattr(args, "prepack", None), warmup_tokens=_warmup_tokens(args))

@@ -116,6 +116,10 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         "(exact; needs the pinned host tier; off by default); hybrid: the CPU's share of a "
                         "one-stream step's missing experts, the GPU reading the rest (default auto: from 0.6, moved "
                         "while decoding until both sides finish together)")
+    p.add_argument("--prompt-cpu-misses", type=share_or_auto, default=0.0, metavar="SHARE|auto",
+                   help="a prompt chunk's missing experts computed on the CPU from host RAM while the rest stream in "
+                        "over PCIe: a share of them (those fewest of its tokens routed to first), or auto (split by "
+                        "the costs measured at the first call) (exact; needs the pinned host tier; off by default)")
     p.add_argument("--cpu-threads", type=integer(1), default=None, metavar="N",
                    help="threads of the CPU's work: torch's intra-op threads (the whole model on --device cpu) and "
                         "the kernel computing missed experts (--cpu-misses, --miss-policy hybrid) (default: every "

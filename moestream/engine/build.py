@@ -143,7 +143,8 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
     cpu_moe.use_share(*cfg.runtime.host_share)   # an expert-parallel rank's team: cores of its own on its host
-    if cfg.bank.cpu_misses and not memory.fully_resident:   # before the miss costs are measured on them
+    cpu_work = cfg.bank.cpu_misses or cfg.bank.prompt_cpu_misses
+    if cpu_work and not memory.fully_resident:   # before the miss costs are measured on them
         if cfg.bank.cpu_threads is not None:
             torch.set_num_threads(cfg.bank.cpu_threads)
         if cpu_moe.load() is not None:
@@ -152,6 +153,10 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
             and getattr(tier, "layers", None) is None):
         raise InputError("--cpu-misses computes missed experts from host RAM, but the experts are read from disk "
                          "here; add --host-tier pinned (and the host memory it needs) or leave --cpu-misses out.")
+    if cfg.bank.prompt_cpu_misses and not memory.fully_resident and getattr(tier, "layers", None) is None:
+        raise InputError("--prompt-cpu-misses computes a prompt's missed experts from host RAM, but the experts are "
+                         "read from disk here; add --host-tier pinned (and the host memory it needs) or leave "
+                         "--prompt-cpu-misses out.")
     policy, note = cfg.bank.miss_policy, None
     if policy == "auto":
         why_not = hybrid_refusal(plan, cfg, store, formats, tier, sharded)
@@ -161,7 +166,8 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     return ExpertBank(store, formats, plan.device, memory.capacity, tier, miss_policy=policy,
                       residency=cfg.bank.residency, staging_slots=memory.staging_slots, pinned=pinned,
                       prefetch=cfg.bank.prefetch, cpu_misses=cfg.bank.cpu_misses, cpu_threads=cfg.bank.cpu_threads,
-                      policy_note=note, layer_experts=plan.config.num_experts)
+                      policy_note=note, layer_experts=plan.config.num_experts,
+                      prompt_cpu_misses=cfg.bank.prompt_cpu_misses)
 
 
 def hybrid_fits(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, formats, tier, sharded: bool) -> bool:

@@ -173,11 +173,22 @@ class BankConfig:
     cpu_misses: float | str | None = None  # decode misses computed on the CPU from host RAM (exact): a share, or
     #                                        "auto"; None: none with fetch, the hybrid policy's default share
     cpu_threads: int | None = None        # threads those CPU experts run on (None: torch's default, all cores)
+    prompt_cpu_misses: float | str = 0.0  # a streamed prompt chunk's missing experts computed on the CPU while the
+    #                                       rest stream in: a share, or "auto" (by measured costs); 0: none
 
     def validate(self) -> None:
         _typed(self, {"gpu_memory": SIZE, "capacity": OPT_INT, "host_memory": SIZE, "miss_policy": (str,),
                       "residency": (str,), "prefetch": (bool,), "pinned": (dict, type(None)),
-                      "cpu_misses": (int, float, str, type(None)), "cpu_threads": OPT_INT})
+                      "cpu_misses": (int, float, str, type(None)), "cpu_threads": OPT_INT,
+                      "prompt_cpu_misses": (int, float, str)})
+        if isinstance(self.prompt_cpu_misses, str) and self.prompt_cpu_misses != "auto":
+            raise InputError(f"prompt_cpu_misses is a share from 0 to 1 or 'auto', got {self.prompt_cpu_misses!r}.")
+        if isinstance(self.prompt_cpu_misses, (int, float)) and not 0 <= self.prompt_cpu_misses <= 1:
+            raise InputError(f"prompt_cpu_misses is a share of a prompt's misses, from 0 to 1; got "
+                             f"{self.prompt_cpu_misses}.")
+        if self.prompt_cpu_misses and self.miss_policy == "skip":
+            raise InputError("--prompt-cpu-misses computes a prompt's misses exactly on the CPU; it needs "
+                             "--miss-policy fetch or hybrid.")
         if isinstance(self.cpu_misses, str) and self.cpu_misses != "auto":
             raise InputError(f"cpu_misses is a share from 0 to 1 or 'auto', got {self.cpu_misses!r}.")
         if isinstance(self.cpu_misses, (int, float)) and not 0 <= self.cpu_misses <= 1:
@@ -189,7 +200,8 @@ class BankConfig:
                              "serves misses where they are. Leave --prefetch out or use --miss-policy fetch.")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InputError(f"cpu_threads must be at least 1, got {self.cpu_threads}.")
-        if self.cpu_threads is not None and not self.cpu_misses and self.miss_policy not in ("hybrid", "auto"):
+        if (self.cpu_threads is not None and not self.cpu_misses and not self.prompt_cpu_misses
+                and self.miss_policy not in ("hybrid", "auto")):
             raise InputError("cpu_threads sets the threads of CPU-computed misses; give --cpu-misses or "
                              "--miss-policy hybrid too, or leave it out.")
         if self.capacity is not None and self.capacity < 1:

@@ -43,13 +43,15 @@ class ExpertBank:
                  tier=None, miss_policy: str = "fetch", residency: str = "lcp", staging_slots: int = 0,
                  pinned: dict[int, list[int]] | None = None, prefetch: bool = False, refresh_every: int = 16,
                  cpu_misses: float | str | None = None, cpu_threads: int | None = None,
-                 policy_note: str | None = None, layer_experts: int | None = None):
+                 policy_note: str | None = None, layer_experts: int | None = None,
+                 prompt_cpu_misses: float | str = 0.0):
         """`formats`: the expert format of every MoE layer; `capacity` comes from the memory plan
         (already checked against the model); `tier` is the host tier misses are copied from (None
         when every expert is resident). `cpu_misses`: with the fetch policy, the share of a decode
         call's misses the CPU computes (or "auto"); with the hybrid policy, the CPU's share of a
         one-token call's missing experts (None or "auto": moved while decoding until both sides finish
-        together, `hybrid.SplitBalance`). `policy_note`: why the miss policy is what it is, where an
+        together, `hybrid.SplitBalance`). `prompt_cpu_misses`: the share of a streamed prompt chunk's
+        missing experts the CPU computes while the rest stream in (either policy; 0: none). `policy_note`: why the miss policy is what it is, where an
         automatic choice fell back (printed by `--stats`)."""
         config = store.config
         self.store, self.formats, self.device = store, formats, device
@@ -75,7 +77,8 @@ class ExpertBank:
         hybrid = miss_policy == "hybrid" and not self.fully_resident
         self.fetcher = None if self.fully_resident else Fetcher(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, store.shape, self.top_k,
-            staging_slots, self.prefetcher, host_stacks, 0.0 if hybrid else (cpu_misses or 0.0))
+            staging_slots, self.prefetcher, host_stacks, 0.0 if hybrid else (cpu_misses or 0.0),
+            prompt_cpu_misses or 0.0)
         self.hybrid_misses = HybridMisses(
             self.slots, self.transfers, self.policy, self.stats, self._dispatch, host_stacks, store.shape,
             self.top_k, cpu_misses, cpu_threads) if hybrid else None
@@ -177,7 +180,7 @@ class ExpertBank:
     @property
     def hybrid(self) -> bool:
         """Some misses of decode steps are computed on the CPU from host RAM (`cpu_misses`)."""
-        return self.fetcher is not None and self.fetcher.host_stacks is not None
+        return self.fetcher is not None and self.fetcher.cpu_share != 0
 
     def ensure_resident(self, layer: int, expert_ids: np.ndarray, wait: str = "host") -> None:
         self.fetcher.ensure_resident(layer, expert_ids, wait)
@@ -225,9 +228,12 @@ class ExpertBank:
             self.external_hits()
 
     def close(self) -> None:
-        """Stop the hybrid policy's CPU worker thread (a bank that is dropped stops it too)."""
+        """Stop the hybrid policy's CPU worker thread and the prompts' CPU thread (a bank that is dropped
+        stops them too)."""
         if self.hybrid_misses is not None:
             self.hybrid_misses.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
 
     def synchronize(self) -> None:
         """Every queued copy has landed and every slot holds its expert (before reading or replacing

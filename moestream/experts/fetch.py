@@ -7,7 +7,12 @@ missing experts (the ones fewest tokens routed to: a copy costs the same whateve
 CPU's work grows with them) is computed on the CPU from host RAM while the others are copied, and
 the CPU's rows are added to the device's: both paths are exact and run at once. A call that routes to more experts than the bank can take at once (long
 prompts) leaves the bank as it is and streams the missing experts through a double-buffered
-staging area instead, so a prompt neither thrashes the decode bank nor needs every expert.
+staging area instead, so a prompt neither thrashes the decode bank nor needs every expert. With
+`prompt_cpu_share` too, the CPU computes a share of such a call's missing experts from host RAM (the
+ones fewest of its tokens routed to: a copy costs the same whatever the tokens) in a thread of its
+own while the others stream through the staging buffers; at a bank the link is a prompt's bound, and
+the cores add their memory bandwidth to it. Both policies' prompts take it (the hybrid policy's
+mailboxes hold decode-sized calls only).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,13 +131,18 @@ class Fetcher:
     def __init__(self, slots: SlotTable, transfers: Transfers, policy: ResidencyPolicy, stats: BankStats,
                  dispatch: dict[int, Dispatch], shape: ExpertShape, top_k: int, staging_slots: int,
                  prefetcher: Prefetcher | None = None, host_stacks: dict[int, Mapping[str, Tensor]] | None = None,
-                 cpu_share: float | str = 0.0):
+                 cpu_share: float | str = 0.0, prompt_cpu_share: float | str = 0.0):
         """`dispatch`: per MoE layer, the dispatch of that layer's expert format. `host_stacks`: every
-        expert of every layer in host RAM (the pinned tier), which hybrid misses compute from."""
+        expert of every layer in host RAM (the pinned tier), which CPU-computed misses read.
+        `cpu_share`: of a decode-sized call's misses; `prompt_cpu_share`: of a streamed (staged) call's;
+        each a share, "auto" (by the measured `MissCosts`) or 0 (none)."""
         self.slots, self.transfers, self.policy, self.stats = slots, transfers, policy, stats
         self.dispatch, self.prefetcher, self.shape = dispatch, prefetcher, shape
-        self.host_stacks = host_stacks if cpu_share != 0 else None
-        self.cpu_share = cpu_share
+        if host_stacks is None:
+            cpu_share = prompt_cpu_share = 0.0
+        self.host_stacks = host_stacks if cpu_share != 0 or prompt_cpu_share != 0 else None
+        self.cpu_share, self.prompt_cpu_share = cpu_share, prompt_cpu_share
+        self._prompt_cpu: ThreadPoolExecutor | None = None   # the thread a staged call's CPU share runs in
         self.pair_sum = {layer: fmt.pair_sum(slots.device, shape) for layer, fmt in slots.formats.items()}
         self.host_dispatch = ({layer: fmt.host_dispatch(shape) for layer, fmt in slots.formats.items()}
                               if self.host_stacks is not None else {})
@@ -157,7 +168,7 @@ class Fetcher:
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
             return self._staged(layer, hidden, expert_ids, weights, flat, missing,
                                 ahead if ahead is not None and ahead.layer == layer else None)
-        if missing and self.host_stacks is not None and hidden.shape[0] <= CPU_MAX_TOKENS:
+        if missing and self.cpu_share != 0 and hidden.shape[0] <= CPU_MAX_TOKENS:
             on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
             if on_cpu:
                 return self._hybrid(layer, hidden, expert_ids, weights, on_cpu)
@@ -191,20 +202,23 @@ class Fetcher:
             record.update(copy_wait_s=time.perf_counter() - t0)
         self.stats.record(layer, **record)
 
-    def _cpu_share_of(self, layer: int, tokens: dict[int, int], missing: list[int]) -> list[int]:
-        """The missing experts the CPU computes: as the measured costs say ("auto"), or `cpu_share` of
-        them. The CPU takes first those with the fewest routed tokens (its work grows with them, a
-        copy's does not), then those the residency policy values least: a copied expert stays in
-        the bank for later tokens, a CPU-served one does not, so the hot ones are the ones to copy."""
-        if self.cpu_share == 1:
+    def _cpu_share_of(self, layer: int, tokens: dict[int, int], missing: list[int],
+                      share: float | str | None = None) -> list[int]:
+        """The missing experts the CPU computes: as the measured costs say ("auto"), or `share` of
+        them (default: `cpu_share`, a decode-sized call's). The CPU takes first those with the fewest
+        routed tokens (its work grows with them, a copy's does not), then those the residency policy
+        values least: a copied expert stays in the bank for later tokens, a CPU-served one does not,
+        so the hot ones are the ones to copy."""
+        share = self.cpu_share if share is None else share
+        if share == 1:
             return missing
-        if self.cpu_share == "auto" and self.costs is None:
+        if share == "auto" and self.costs is None:
             self.costs = self.measure_costs()
         worth = dict(zip(missing, self.policy.priority(layer, np.asarray(missing)).tolist()))
         order = sorted(missing, key=lambda e: (tokens[e], worth[e], e))
-        if self.costs is not None:
+        if share == "auto":
             return self.costs.split(order, tokens)
-        return order[:int(round(len(missing) * self.cpu_share))]
+        return order[:int(round(len(missing) * share))]
 
     def measure_costs(self) -> MissCosts:
         """The split's costs, measured when the first decode step asks for them rather than when the
@@ -241,7 +255,7 @@ class Fetcher:
         flat = flat[flat >= 0]
         ls = self.slots[layer]
         on_cpu = []
-        if hidden.shape[0] <= CPU_MAX_TOKENS:
+        if self.cpu_share != 0 and hidden.shape[0] <= CPU_MAX_TOKENS:
             experts, counts = np.unique(flat, return_counts=True)
             tokens = dict(zip(experts.tolist(), counts.tolist()))
             missing = [e for e in tokens if e not in ls.where]
@@ -292,10 +306,17 @@ class Fetcher:
         early = ahead.groups if ahead is not None else []
         copied_early = {e for chunk in early for e in chunk}
         rest = [e for e in missing if e not in copied_early]
+        on_cpu: list[int] = []
+        if self.prompt_cpu_share != 0 and rest:   # the CPU's share, from what is not copied already
+            on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), rest,
+                                        self.prompt_cpu_share)
+            cpu_set = set(on_cpu)
+            rest = [e for e in rest if e not in cpu_set]
+        cpu_rows = self._start_on_cpu(layer, hidden, expert_ids, weights, on_cpu) if on_cpu else None
         groups = early + [rest[i:i + group] for i in range(0, len(rest), group)]
         pin = self.slots.device.type == "cuda"
         stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32, pin_memory=pin)
-        needed = set(missing)   # an expert copied ahead but not routed (or since put in the bank) maps to no slot
+        needed = set(missing) - set(on_cpu)   # an expert copied ahead but not routed (or since put in the bank) maps to no slot
         for g, chunk in enumerate(groups):   # [-1]: no slot
             rows = [i for i, e in enumerate(chunk) if e in needed]
             stage_maps[g, torch.tensor([chunk[i] for i in rows], dtype=torch.long)] = torch.tensor(rows, dtype=torch.int32)
@@ -304,6 +325,9 @@ class Fetcher:
         # Pair rows, not sums: each pair is computed by exactly one of these calls (zero in the others),
         # so their total summed as one call sums it gives the bits of full residency, in bf16 too.
         pairs: Tensor | None = None
+        if not groups:   # the CPU took every missing expert: the bank's launch below writes the pair rows
+            pairs = torch.zeros(hidden.shape[0], expert_ids.shape[-1], hidden.shape[1], dtype=torch.float32,
+                                device=hidden.device)
         for g, chunk in enumerate(groups):
             if g < len(early):
                 turn, ready = ahead.turns[g], ahead.ready[g]
@@ -322,11 +346,49 @@ class Fetcher:
             self._ahead = self._copy_ahead(self._next_layer[layer], 2)
         # The bank's experts last: their launches never stand between a staging buffer and its next copy.
         pairs.add_(dispatch(hidden, ls.tensors, ls.slot_map[expert_ids], weights, reduce=False))
-        result = self.pair_sum[layer](pairs, hidden.dtype)
+        if cpu_rows is None:
+            result = self.pair_sum[layer](pairs, hidden.dtype)
+        else:   # the device's rows summed in fp32, the CPU's added, rounded once
+            result = (self.pair_sum[layer](pairs, torch.float32)
+                      + cpu_rows.result().to(hidden.device)).to(hidden.dtype)
         self.stats.record(layer, hits=int(counts[~missed].sum()), misses=int(counts[missed].sum()),
                           bytes_copied=copied_total,
                           copy_wait_s=time.perf_counter() - t0)   # host time issuing the streamed section
         return result
+
+    def close(self) -> None:
+        """Stop the thread that computes streamed calls' CPU share (it finishes the call in hand)."""
+        if self._prompt_cpu is not None:
+            self._prompt_cpu.shutdown(wait=True)
+            self._prompt_cpu = None
+
+    def _start_on_cpu(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor,
+                      on_cpu: list[int]) -> Future:
+        """Compute the pairs of a streamed call routed to `on_cpu` from host RAM, in the CPU thread
+        (the C kernel releases the GIL), while this thread issues the staged copies and launches:
+        (T, H) fp32 rows on the host. Stats and the CPU's cost per expert are kept as `serve_on_cpu`
+        keeps them."""
+        routed = expert_ids.reshape(hidden.shape[0], -1).cpu().numpy()
+        served = np.zeros(self.slots.num_experts + 1, dtype=bool)   # [-1]: no expert, never on the CPU
+        served[on_cpu] = True
+        at_cpu = served[routed]
+        ids = torch.from_numpy(np.where(at_cpu, routed, -1).astype(np.int32))
+        pairs = int(at_cpu.sum())
+        host_hidden, host_weights = hidden.cpu(), weights.reshape(hidden.shape[0], -1).float().cpu()
+        stack, run = self.host_stacks[layer], self.host_dispatch[layer]
+        nbytes = len(on_cpu) * self.slots.formats[layer].nbytes(self.shape)
+
+        def compute() -> Tensor:
+            t0 = time.perf_counter()
+            out = run(host_hidden, stack, ids, host_weights).float()
+            took = time.perf_counter() - t0
+            self._observe_cpu(len(on_cpu), pairs, took)
+            self.stats.record(layer, cpu_served=pairs, cpu_bytes=nbytes, cpu_s=took)
+            return out
+
+        if self._prompt_cpu is None:
+            self._prompt_cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prompt-cpu")
+        return self._prompt_cpu.submit(compute)
 
     def _copy_group(self, layer: int, chunk: list[int], buf: Mapping[str, Tensor],
                     after: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
