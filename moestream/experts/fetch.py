@@ -60,15 +60,25 @@ class MissCosts:
     cpu_token_s: float
     cpu_call_s: float
     contention: float = 1.0
+    # Each token past an expert's first TILE_TOKENS (None: as `cpu_token_s`). The C kernel streams a
+    # row once for up to four tokens; more take further passes over it, from cache, so a prompt's
+    # expert of dozens of tokens costs arithmetic that one of two or four does not show.
+    cpu_wide_token_s: float | None = None
+
+    TILE_TOKENS = 4   # tokens the C kernel's one pass over a weight row serves
 
     def describe(self) -> str:
         """One line for --stats: what the split of hybrid misses is deciding with."""
+        wide = "" if self.cpu_wide_token_s is None else \
+            f" ({self.cpu_wide_token_s * 1e6:.1f} past {self.TILE_TOKENS})"
         return (f"hybrid misses split by: copy {self.copy_s * 1e6:.0f} us/expert, CPU {self.cpu_expert_s * 1e6:.0f} us/expert "
-                f"+ {self.cpu_token_s * 1e6:.1f} us per further token, CPU call {self.cpu_call_s * 1e6:.0f} us, "
+                f"+ {self.cpu_token_s * 1e6:.1f} us per further token{wide}, CPU call {self.cpu_call_s * 1e6:.0f} us, "
                 f"contention {self.contention:.2f}x")
 
-    def cpu_s(self, tokens: int) -> float:
-        return self.cpu_expert_s + max(0, tokens - 1) * self.cpu_token_s
+    def cpu_s(self, tokens: float) -> float:
+        wide = self.cpu_token_s if self.cpu_wide_token_s is None else self.cpu_wide_token_s
+        return (self.cpu_expert_s + min(max(0.0, tokens - 1), self.TILE_TOKENS - 1) * self.cpu_token_s
+                + max(0.0, tokens - self.TILE_TOKENS) * wide)
 
     def split(self, order: list[int], tokens: dict[int, int]) -> list[int]:
         """The missing experts the CPU takes: the first m of `order` (the ones it should take first),
@@ -114,12 +124,15 @@ class MissCosts:
             w = torch.ones(tokens, group)
             return lambda: host_dispatch(x, host_stack, torch.tensor([experts()] * tokens, dtype=torch.int32), w)
 
-        one, four, copy = timed(on_cpu(1)), timed(on_cpu(4)), timed(copies)
+        wide = 8 * cls.TILE_TOKENS   # a prompt's expert: several passes over each row
+        one, four, many, copy = timed(on_cpu(1)), timed(on_cpu(cls.TILE_TOKENS)), timed(on_cpu(wide)), timed(copies)
         cpu_one = on_cpu(1)
         both = timed(lambda: (copies(), cpu_one()))
         x = torch.randn(1, hidden_size).to(dtype)
-        return cls(copy_s=copy / group, cpu_expert_s=one / group, cpu_token_s=max(0.0, four - one) / (3 * group),
-                   cpu_call_s=timed(lambda: x.to(device).cpu()), contention=max(1.0, both / max(one, copy)))
+        return cls(copy_s=copy / group, cpu_expert_s=one / group,
+                   cpu_token_s=max(0.0, four - one) / ((cls.TILE_TOKENS - 1) * group),
+                   cpu_call_s=timed(lambda: x.to(device).cpu()), contention=max(1.0, both / max(one, copy)),
+                   cpu_wide_token_s=max(0.0, many - four) / ((wide - cls.TILE_TOKENS) * group))
 
 
 def staging_half(staging_slots: int, top_k: int) -> int:
@@ -233,7 +246,7 @@ class Fetcher:
         host that turns busier or quieter moves the split with it."""
         if self.costs is None or experts == 0:
             return
-        per_expert = max(0.0, seconds - (pairs - experts) * self.costs.cpu_token_s) / experts
+        per_expert = max(0.0, seconds / experts - (self.costs.cpu_s(pairs / experts) - self.costs.cpu_expert_s))
         self.costs = dataclasses.replace(self.costs, cpu_expert_s=0.8 * self.costs.cpu_expert_s + 0.2 * per_expert)
 
     def _hybrid(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, on_cpu: list[int]) -> Tensor:

@@ -73,6 +73,20 @@ def test_measured_costs_split_the_misses_where_the_predicted_time_is_least():
     assert len(MissCosts(**even, contention=2.0).split(list(six), six)) == 6
 
 
+def test_a_prompts_experts_cost_the_cpu_more_past_the_kernels_tile():
+    """Up to four tokens share one pass over an expert's rows; more cost `cpu_wide_token_s` each, so
+    the split of a prompt's misses gives the CPU only the experts few of its tokens routed to."""
+    from moestream.experts.fetch import MissCosts
+
+    costs = MissCosts(copy_s=1.0, cpu_expert_s=0.4, cpu_token_s=0.01, cpu_call_s=0.0, cpu_wide_token_s=0.05)
+    assert costs.cpu_s(4) == pytest.approx(0.43) and costs.cpu_s(20) == pytest.approx(0.43 + 16 * 0.05)
+    tokens = {1: 2, 2: 30, 3: 30, 4: 3}
+    # the two light experts on the CPU (0.41 + 0.42 against 2 copies), the heavy ones (1.76 s each) copied
+    assert costs.split(sorted(tokens, key=tokens.get), tokens) == [1, 4]
+    flat = MissCosts(copy_s=1.0, cpu_expert_s=0.4, cpu_token_s=0.01, cpu_call_s=0.0)
+    assert flat.cpu_s(20) == pytest.approx(0.4 + 19 * 0.01)   # no wide figure: one rate throughout
+
+
 def test_auto_split_gives_the_resident_tokens(tiny_qwen3, resident):
     engine, want = resident
     auto = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=engine.config.top_k,
