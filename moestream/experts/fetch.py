@@ -400,7 +400,8 @@ class Fetcher:
             return out
 
         if self._prompt_cpu is None:
-            self._prompt_cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prompt-cpu")
+            self._prompt_cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moestream-prompt-cpu",
+                                                  initializer=_pin_cpu_team)
         return self._prompt_cpu.submit(compute)
 
     def _copy_group(self, layer: int, chunk: list[int], buf: Mapping[str, Tensor],
@@ -444,6 +445,14 @@ class Fetcher:
             ahead.ready.append(ready)
             ahead.bytes_copied += copied
         return ahead
+
+
+def _pin_cpu_team() -> None:
+    """The prompts' CPU thread: its kernel team pinned as the first thread's is (`cpu_moe.pin_team`)."""
+    from moestream.kernels import cpu_moe
+
+    if cpu_moe.load() is not None:
+        cpu_moe.pin_team()
 
 
 @dataclass

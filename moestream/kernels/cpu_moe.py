@@ -205,15 +205,28 @@ def set_threads(threads: int | None = None) -> int:
     this process's CPU set, where the calling (Python) thread runs as the team's thread 0. Returns
     the team size. None: `default_threads` of the CPUs this process may use."""
     global _threads
-    lib = load()
     cpus = usable_cpus()
     n = max(1, threads or default_threads(len(cpus)))
-    if lib is not None:
-        workers = cpus[1:] or cpus
-        arr = (ctypes.c_int32 * len(workers))(*workers)
-        lib.moe_cpu_init(n, arr, len(workers))
+    _pin(n, cpus)
     _threads = n
     return n
+
+
+def pin_team() -> None:
+    """Pin the team of the calling thread as `set_threads` pinned the first: OpenMP keeps a team per
+    thread that starts parallel work, so another thread that calls the kernel (the one computing a
+    prompt's CPU share) would otherwise run an unpinned team of its own."""
+    if _threads is None:
+        set_threads()
+    else:
+        _pin(_threads, usable_cpus())
+
+
+def _pin(threads: int, cpus: list[int]) -> None:
+    lib = load()
+    if lib is not None:
+        workers = cpus[1:] or cpus
+        lib.moe_cpu_init(threads, (ctypes.c_int32 * len(workers))(*workers), len(workers))
 
 
 def set_prefetch(nbytes: int | None = None) -> None:
