@@ -235,8 +235,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=None, help="bank slots per layer (e.g. 32 of 128 = the 25%% budget)")
     ap.add_argument("--prefix-cache-memory", default="8GiB", help="our server's prefix cache")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
-    ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512,
-                    help="our server's prompt tokens a forward (a long first turn at a bank: larger is faster)")
+    ap.add_argument("--prefill-chunk", type=chunk_tokens, default="auto",
+                    help="our server's prompt tokens a forward (default auto, as `moestream serve`: a long first "
+                         "turn at a bank runs faster in larger chunks)")
     ap.add_argument("--routing", choices=["model", "uniform", "trace"], default="uniform",
                     help="expert choice of our engine (llama.cpp follows the GGUF's own routers: write it with "
                          "random_gguf.py --token-routing so that they route near-uniformly)")

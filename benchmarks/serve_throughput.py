@@ -212,7 +212,7 @@ def serve_ours(args, started: list | None = None) -> None:
     engine = moestream.load(str(args.ckpt), gpu_memory=args.gpu_memory, capacity=args.capacity, max_batch=max_batch,
                             kv_rows=max_batch, max_context=args.max_context,
                             prefix_cache_memory=args.prefix_cache_memory, kv_layout=args.kv_layout,
-                            prefill_chunk=getattr(args, "prefill_chunk", 512),
+                            prefill_chunk=getattr(args, "prefill_chunk", "auto"),
                             pack_prompts=getattr(args, "pack_prompts", "on") == "on",
                             cpu_misses=getattr(args, "cpu_misses", None),
                             prompt_cpu_misses=getattr(args, "prompt_cpu_misses", 0.0))
@@ -327,7 +327,8 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=8192 + 512)
     ap.add_argument("--prefix-cache-memory", default="4GiB")
     ap.add_argument("--kv-layout", choices=["auto", "paged", "rows"], default="auto")
-    ap.add_argument("--prefill-chunk", type=chunk_tokens, default=512, help="our server's prompt tokens a forward")
+    ap.add_argument("--prefill-chunk", type=chunk_tokens, default="auto",
+                    help="our server's prompt tokens a forward (default auto, as `moestream serve`)")
     ap.add_argument("--pack-prompts", choices=["on", "off"], default="on",
                     help="our server: the prompts admitted in one step as one forward (off: one each, to compare)")
     ap.add_argument("--cpu-misses", type=share_or_auto, default=None, metavar="SHARE|auto",

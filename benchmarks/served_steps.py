@@ -40,7 +40,7 @@ from common import engine_args, log, write_result  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.bench.routing import apply_routing  # noqa: E402
-from moestream.cli.flags import share_or_auto  # noqa: E402
+from moestream.cli.flags import chunk_tokens, share_or_auto  # noqa: E402
 from moestream.kernels import compiled_variants  # noqa: E402
 from moestream.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -147,7 +147,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=1024)
-    ap.add_argument("--prefill-chunk", type=int, default=512, help="a step's prompt tokens (as serve_throughput.py)")
+    ap.add_argument("--prefill-chunk", type=chunk_tokens, default="auto",
+                    help="a step's prompt tokens (default auto, as `moestream serve` and serve_throughput.py)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--slow-ms", type=float, default=1000.0, help="steps longer than this are listed")
     ap.add_argument("--prompt-cpu-misses", type=share_or_auto, nargs="*", default=[],

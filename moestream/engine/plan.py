@@ -275,18 +275,21 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
     return plan
 
 
-def auto_prefill_chunk(plan_at: Callable[[int], MemoryPlan], max_context: int) -> MemoryPlan:
+def auto_prefill_chunk(plan_at: Callable[[int], MemoryPlan], max_context: int, rows: int = 1) -> MemoryPlan:
     """`--prefill-chunk auto`: the plan of the longest chunk that costs a bounded bank at most a tenth of
     its slots. With a bounded bank every chunk of a prompt copies (or computes on the CPU) nearly every
     expert it lacks in each layer, so a long prompt's expert traffic falls with the chunk's length, and
     llama.cpp's own prompt at `--n-cpu-moe` ran 3.7× faster in 4,096-token ubatches than in 512-token
     ones; the price is the chunk's activations (and, for quantized experts, the dequantized path's
-    scratch), taken from the bank. A fully resident model copies nothing and keeps the default chunk."""
+    scratch), taken from the bank. A fully resident model copies nothing and keeps the default chunk.
+    `rows`: the sequences whose prompts one step can pack (a server's KV rows): a chunk past one
+    sequence's context still fills when several prompts arrive together, and each expert then streams
+    once for all of them."""
     base = plan_at(DEFAULT_PREFILL_CHUNK)
     if base.fully_resident:
         return base
     for chunk in AUTO_PREFILL_CHUNKS:
-        if chunk > max_context:   # a chunk no prompt fills only reserves memory
+        if chunk > max_context * rows:   # a chunk no step of prompts fills only reserves memory
             continue
         try:
             plan = plan_at(chunk)
@@ -478,7 +481,7 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
     elif experts_here is not None:   # every rank splits a prompt as rank 0 does: one chunk length for all
         memory = plan_at(DEFAULT_PREFILL_CHUNK)
     else:
-        memory = auto_prefill_chunk(plan_at, context)
+        memory = auto_prefill_chunk(plan_at, context, runtime.kv_rows if runtime.pack_prompts else 1)
     host_memory = parse_bytes(bank.host_memory) if bank.host_memory is not None else None
     return LoadPlan(folder, spec, config, device, dtype, context, kind, recipe, precision, formats, memory,
                     host_memory, layout, mlx, int_quant, fp8, ckpt)

@@ -38,6 +38,19 @@ def test_a_bounded_bank_copies_a_steps_missing_experts_once_for_all_its_prompts(
     assert 0 < packed_bytes < one_each_bytes / 2   # 4 prompts: each layer's experts copied once, not 4 times
 
 
+def test_a_step_packs_more_prompt_tokens_than_one_context_holds(tiny_qwen3):
+    """A server's chunk may pass one sequence's context (auto plans for its rows): four 40-token prompts
+    in contexts of 64 run as one 160-token forward, with the tokens of each alone."""
+    prompts = [[3 + (7 * i + j) % 150 for j in range(40)] for i in range(4)]
+    engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=3, max_context=64, kv_rows=4,
+                            max_batch=4)
+    assert engine.runner.prefill_chunk > 4 * 40
+    alone = [engine.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    engine.reset_stats()
+    assert engine.generate(prompts, max_tokens=6, ignore_eos=True) == alone
+    assert engine.counters.prefill_forwards == 1 and engine.counters.prefill_chunks == 4
+
+
 def test_a_prompt_longer_than_a_steps_budget_is_packed_chunk_by_chunk(tiny_qwen3):
     """With a 6-token budget, a step packs what fits whole (chunks are never cut to fill a step)."""
     engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32", prefill_chunk=6)

@@ -65,6 +65,25 @@ def test_auto_keeps_the_default_where_every_expert_is_resident_or_the_context_is
     assert auto_prefill_chunk(planner("bf16", "16GiB", context=1000), 1000).prefill_chunk == DEFAULT_PREFILL_CHUNK
 
 
+def test_auto_counts_every_row_a_step_can_pack():
+    """A server of 16 rows with 1,000-token contexts packs up to 16,000 prompt tokens a step: a chunk past
+    one context still fills when the prompts arrive together, so auto may take it (one row may not)."""
+    plan_at = planner("bf16", "16GiB", context=1000)
+    assert auto_prefill_chunk(plan_at, 1000, rows=16).prefill_chunk > 1000
+    assert auto_prefill_chunk(plan_at, 1000, rows=1).prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+def test_a_server_packing_prompts_plans_the_chunk_for_its_rows(long_qwen3):
+    def chunk(**kw):
+        cfg = EngineConfig.from_kwargs(long_qwen3, device="cpu", dtype="float32", capacity=2, max_context=600,
+                                       **kw).validate()
+        return plan_load(cfg).memory.prefill_chunk
+
+    assert chunk(kv_rows=8, max_batch=8) > 600            # 8 prompts of one step share each expert's stream
+    assert chunk(kv_rows=8, max_batch=8, pack_prompts=False) == DEFAULT_PREFILL_CHUNK   # a forward per prompt
+    assert chunk() == DEFAULT_PREFILL_CHUNK               # one sequence: no chunk past its context
+
+
 @pytest.fixture(scope="module")
 def long_qwen3(tiny_qwen3, tmp_path_factory):
     """The tiny Qwen3-MoE with 4,096 positions (its own 256 leave no room for a longer chunk)."""
