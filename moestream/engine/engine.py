@@ -240,16 +240,22 @@ class Engine:
         self.reset_stats()
 
     def _compile_prompt_tiles(self) -> None:
-        """A prompt of each grouped-path tile row a step can take (up to `prefill_chunk` tokens), so the
+        """A prompt of each grouped-path tile row a step can take (up to `prefill_chunk` tokens; past one
+        context, several prompts packed into one step, as a server's step packs its rows'), so the
         kernels of every step size are compiled before the first request (rules of the hot path, 9): on
         an empty Triton cache a served step that first met a tile row stalled for seconds. A bank
         restored from a snapshot skips it (the prompts would stream experts through the warm bank)."""
         if self.device.type != "cuda" or not kernels.fused_moe_available():
             return
         vocab = self.config.vocab_size
-        longest = min(self.runner.prefill_chunk, self.max_context - 1)
+        per_prompt = self.max_context - 1   # a prompt leaves room for its token
+        rows = self.plan.memory.kv_rows if self.pack_prompts else 1   # a step packs up to this many prompts
+        longest = min(self.runner.prefill_chunk, rows * per_prompt)
         for n in kernels.prompt_tile_rows(self.config.top_k, self.config.num_experts, longest):
-            self.generate([i % (vocab - 1) + 1 for i in range(n)], max_tokens=1, ignore_eos=True)
+            # n tokens in one forward: one prompt, or (past one context) several packed into one step
+            prompts = [[(start + i) % (vocab - 1) + 1 for i in range(length)]
+                       for start, length in zip(range(0, n, per_prompt), prompt_lengths(n, per_prompt))]
+            self.generate(prompts if len(prompts) > 1 else prompts[0], max_tokens=1, ignore_eos=True)
 
     # ---- inputs -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -649,6 +655,11 @@ def _params(**kw) -> SamplingParams:
 def _peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def prompt_lengths(tokens: int, per_prompt: int) -> list[int]:
+    """Prompts of at most `per_prompt` tokens that hold `tokens` together (the fewest: all full but the last)."""
+    return [per_prompt] * (tokens // per_prompt) + ([tokens % per_prompt] if tokens % per_prompt else [])
 
 
 def load(model: str | EngineConfig, config: EngineConfig | None = None, **kwargs) -> Engine:

@@ -132,3 +132,13 @@ def test_check_shows_the_chunk_auto_chose_and_the_flag_refuses_other_words(long_
     with pytest.raises(SystemExit) as exit_:
         cli_main(["check", long_qwen3, "--prefill-chunk", "lots"])
     assert exit_.value.code != 0 and "--prefill-chunk: must be an integer" in capsys.readouterr().err
+
+
+def test_warm_up_prompts_hold_a_step_in_the_fewest_prompts_of_one_context_each():
+    from moestream.engine.engine import prompt_lengths
+
+    assert prompt_lengths(61, 39) == [39, 22] and prompt_lengths(78, 39) == [39, 39]
+    assert prompt_lengths(20, 39) == [20]
+    for n in range(1, 200):
+        lengths = prompt_lengths(n, 39)
+        assert sum(lengths) == n and max(lengths) <= 39 and len(lengths) == -(-n // 39)

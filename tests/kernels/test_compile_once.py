@@ -94,3 +94,24 @@ def test_a_warmed_up_server_compiles_nothing_for_its_first_prompts(tiny_qwen3):
                     max_tokens=1, ignore_eos=True)
     torch.cuda.synchronize()
     assert compiled_variants() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_server_whose_step_packs_past_one_context_warms_those_tile_rows_too(tiny_qwen3):
+    """A step of 64 prompt tokens over contexts of 40: `warm_up` packs prompts to reach the tile rows past
+    one context, so two packed prompts of 61 tokens together compile nothing."""
+    import moestream
+
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", capacity=3, prefill_chunk=64,
+                            max_context=40, max_batch=4, kv_rows=4)
+    engine.warm_up(4)
+    vocab = engine.config.vocab_size
+    engine.reset_stats()
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    engine.generate([[(7 * i) % (vocab - 2) + 2 for i in range(30)], [(11 * i) % (vocab - 2) + 2 for i in range(31)]],
+                    max_tokens=1, ignore_eos=True)
+    torch.cuda.synchronize()
+    assert engine.counters.prefill_forwards == 1   # 61 tokens past one context of 40, in one step
+    assert compiled_variants() == before
+
