@@ -2,7 +2,9 @@
 while the others are copied, and the tokens stay those of the fully resident model (fp32). On this
 CPU-only machine "device" and "CPU" are both the CPU, but every step goes through the split: the
 CPU's rows are computed from the host tier and added to the bank's, decode through the segmented
-path and short prompts through the fetcher."""
+path and short prompts through the fetcher. A streamed prompt's misses shared with the CPU
+(`prompt_cpu_misses`, either policy) are computed in a thread of their own while the rest stream
+through the staging buffers."""
 
 import pytest
 
@@ -174,3 +176,50 @@ def test_check_measures_the_miss_costs(tiny_qwen3, capsys, experts, name):
     out = capsys.readouterr().out
     assert f"miss costs        one {name} expert" in out
     assert "on the CPU" in out and "per further token" in out and "CPU call" in out
+
+
+# ---- a streamed prompt's misses shared with the CPU ----
+
+def _load_pinned(folder, capacity, **kw):
+    return moestream.load(folder, device="cpu", dtype="float32", capacity=capacity, host_tier="pinned",
+                          discovery=False, **kw)
+
+
+@pytest.mark.parametrize("policy", ["fetch", "hybrid"])
+@pytest.mark.parametrize("share", [0.5, 1.0, "auto"])
+def test_a_prompts_misses_computed_on_the_cpu_give_the_resident_tokens(tiny_qwen3, resident, policy, share):
+    engine, want = resident
+    shared = _load_pinned(tiny_qwen3, engine.config.top_k, miss_policy=policy, prompt_cpu_misses=share)
+    try:
+        shared.generate(PROMPTS[1], max_tokens=1, ignore_eos=True)   # the prompt only: streamed (7 tokens > slots)
+        first = shared.stats()
+        if share != "auto":   # auto may find copying cheaper on this machine
+            assert first["cpu_served"] > 0 and first["cpu_bytes"] > 0
+        assert first["misses"] >= first["cpu_served"]
+        assert [shared.generate(p, max_tokens=16, ignore_eos=True) for p in PROMPTS] == want
+        assert shared.generate(PROMPTS, max_tokens=16, ignore_eos=True) == want
+    finally:
+        shared.close()
+
+
+def test_without_it_a_prompt_streams_every_miss(tiny_qwen3, resident):
+    engine, want = resident
+    plain = _load_pinned(tiny_qwen3, engine.config.top_k, miss_policy="fetch")
+    try:
+        plain.generate(PROMPTS[1], max_tokens=1, ignore_eos=True)
+        assert plain.stats()["cpu_served"] == 0 and plain.stats()["misses"] > 0
+        assert not plain.bank.hybrid   # decode misses are copied: the prompts' share is theirs alone
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"prompt_cpu_misses": 1.5}, "from 0 to 1"),
+    ({"prompt_cpu_misses": "half"}, "'auto'"),
+    ({"prompt_cpu_misses": 0.5, "miss_policy": "skip"}, "fetch or hybrid"),
+    ({"prompt_cpu_misses": 0.5, "miss_policy": "fetch", "host_tier": "disk"}, "--host-tier pinned"),
+])
+def test_bad_prompt_cpu_misses_are_refused_in_one_sentence(tiny_qwen3, kw, words):
+    kw = {"host_tier": "pinned", **kw}
+    with pytest.raises(InputError, match=words):
+        moestream.load(tiny_qwen3, device="cpu", dtype="float32", capacity=2, discovery=False, **kw)
