@@ -45,6 +45,25 @@ def test_misses_are_exact_at_every_capacity_on_gpu(tiny_qwen3, policy):
         engine.bank.close()
 
 
+@pytest.mark.parametrize("policy", ["fetch", "hybrid"])
+@pytest.mark.parametrize("share", [0.5, 1.0, "auto"])
+def test_a_prompts_misses_shared_with_the_cpu_are_exact_on_gpu(tiny_qwen3, policy, share):
+    """`prompt_cpu_misses` on CUDA: the CPU's thread computes its share of a streamed prompt's experts from
+    the pinned tier while the staging copies and launches go on; fp32, so the tokens are the resident ones."""
+    full = moestream.load(tiny_qwen3, device="cuda", dtype="float32")
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 14)]
+    expected = full.generate(prompts, max_tokens=12, ignore_eos=True)
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="float32", capacity=3, miss_policy=policy,
+                            host_tier="pinned", prompt_cpu_misses=share)
+    try:
+        assert [engine.generate(p, max_tokens=12, ignore_eos=True) for p in prompts] == expected
+        assert engine.generate(prompts, max_tokens=12, ignore_eos=True) == expected
+        if share != "auto":
+            assert engine.stats()["cpu_served"] > 0
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
 def test_peak_device_memory_stays_within_budget(fraction, tiny_qwen3):
     engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16")
