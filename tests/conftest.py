@@ -5,7 +5,10 @@ import re
 import sys
 
 import pytest
-import torch
+
+# torch and transformers are imported where a test process needs them (a worker, the fixtures), not
+# here: pytest-xdist's controller loads this file before it starts the workers, and would hold them
+# back for those imports (~4 s) though it runs no test.
 
 
 def _hide_fla_from_transformers() -> None:
@@ -16,6 +19,8 @@ def _hide_fla_from_transformers() -> None:
     transformers takes its plain-torch Gated DeltaNet while moestream keeps the imported kernels."""
     if importlib.util.find_spec("fla") is None:
         return
+    import torch
+
     if torch.cuda.is_available():
         try:
             importlib.import_module("fla.ops.gated_delta_rule")
@@ -26,14 +31,14 @@ def _hide_fla_from_transformers() -> None:
 
 _hide_fla_from_transformers()
 
-from tiny_models import ARCHS, QUANT_ARCHS, make_quant_tiny_checkpoint, make_tiny_checkpoint  # noqa: E402
-
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Worker processes share the cores: no more torch threads than their share, in the worker and in
     # every process it starts (expert-parallel followers, the CLI, benchmark scripts), whose torch
     # would otherwise take a thread per core. A follower rank that spins its threads while rank 0
     # waits on their all-reduce turns every all-reduce on a busy machine into tens of milliseconds.
+    import torch
+
     _THREAD_SHARE = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     torch.set_num_threads(_THREAD_SHARE)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREAD_SHARE))
@@ -103,6 +108,8 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """arch → (folder, transformers model) for every supported family, built once per session."""
+    from tiny_models import ARCHS, make_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("tiny")
     return {arch: (root / arch, make_tiny_checkpoint(arch, root / arch)) for arch in ARCHS}
 
@@ -116,6 +123,8 @@ def tiny_qwen3(tiny_checkpoints):
 def tiny_quant_checkpoints(tmp_path_factory):
     """arch → (folder, transformers model): tiny checkpoints whose widths fit quantization groups of 32 and 64
     (the families whose experts can be quantized)."""
+    from tiny_models import QUANT_ARCHS, make_quant_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("tiny_quant")
     return {arch: (root / arch, make_quant_tiny_checkpoint(root / arch, arch=arch)) for arch in QUANT_ARCHS}
 

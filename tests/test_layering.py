@@ -9,6 +9,7 @@ each rule, so it is known to fail when the package does.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,10 @@ def _resolve(importer: str, is_package: bool, module: str | None, level: int) ->
     return ".".join(base + ([module] if module else []))
 
 
+@functools.lru_cache(maxsize=None)
 def read_imports(root: Path) -> tuple[list[Import], dict[str, ast.Module]]:
-    """Every import statement of the package under `root`, and each module's syntax tree."""
+    """Every import statement of the package under `root`, and each module's syntax tree (read once a
+    process: both checks of the package read them; nobody changes them)."""
     out, trees = [], {}
     for path in sorted(root.rglob("*.py")):
         name = module_name(root, path)

@@ -24,22 +24,15 @@ and these scripts') does nothing; the check is built only where `debug` is on.
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
-import json
-import os
-import select
-import signal
 import subprocess
-import sys
-import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from fork_server import ForkServer
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # With a GPU the compiled kernels are tested directly; the interpreter is the CPU machine's check.
 INTERPRETER_SKIP = dict(condition=not HAS_TRITON or torch.cuda.is_available(),
@@ -148,77 +141,16 @@ _PREAMBLE = textwrap.dedent("""
 # A process per test worker that has run the preamble and imported torch and Triton (about 3 s a
 # process) under TRITON_INTERPRET=1, and forks a child for each script: the child starts where a
 # fresh `python -c PREAMBLE + script` would be after those imports, with the preamble's names, and
-# exits with the code that process would have. Nothing has run a torch operation before the fork
-# (no thread pools to inherit).
-_FORK_SERVER = """
-import json, os, sys, traceback
-PREAMBLE_GLOBALS = {"__name__": "__main__", "__builtins__": __builtins__}
-exec(compile(_PREAMBLE_TEXT, "<preamble>", "exec"), PREAMBLE_GLOBALS)
-import numpy, torch, triton, triton.language
-for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.stdin, sys.stdout, sys.stderr = (open(0), open(1, "w", closefd=False), open(2, "w", closefd=False))
-        code = 0
-        try:
-            exec(compile(request["script"], "<string>", "exec"), PREAMBLE_GLOBALS)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-            if not isinstance(stop.code, int) and stop.code is not None:
-                print(stop.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    print(pid, flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(os.waitstatus_to_exitcode(status), flush=True)
-"""
-_server: subprocess.Popen | None = None
-
-
-def _fork_server() -> subprocess.Popen:
-    global _server
-    if _server is None or _server.poll() is not None:
-        env = dict(os.environ)
-        env["TRITON_INTERPRET"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-        code = f"_PREAMBLE_TEXT = {_PREAMBLE!r}\n" + _FORK_SERVER
-        _server = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, bufsize=1)
-        atexit.register(_server.stdin.close)   # the server ends when its input does
-    return _server
-
-
-def _reply(server: subprocess.Popen, deadline: float) -> str:
-    ready, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.monotonic()))
-    return server.stdout.readline() if ready else ""
+# exits with the code that process would have (`fork_server.py`).
+_INTERPRETER = ForkServer(warm="import numpy, torch, triton, triton.language", preload=_PREAMBLE,
+                          env={"TRITON_INTERPRET": "1"})
 
 
 def run_under_interpreter(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `script` (dedented) with TRITON_INTERPRET=1 and the repository importable, as
     `python -c PREAMBLE + script` would (a child of the worker's fork server)."""
     script = textwrap.dedent(script)
-    server = _fork_server()
-    deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        server.stdin.write(json.dumps({"script": script, "stdout": str(out), "stderr": str(err)}) + "\n")
-        server.stdin.flush()
-        pid = int(server.stdout.readline())
-        code = _reply(server, deadline)
-        if not code:
-            os.kill(pid, signal.SIGKILL)
-            server.stdout.readline()   # the server reaps it
-            raise subprocess.TimeoutExpired(["python", "-c", script], timeout)
-        return subprocess.CompletedProcess(["python", "-c", script], int(code), out.read_text(), err.read_text())
+    return _INTERPRETER.run(script, ["python", "-c", script], timeout)
 
 
 def run_checks_under_interpreter(checks: Path, body: str, timeout: float = 300) -> None:

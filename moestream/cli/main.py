@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import gc
 import os
 import sys
 
@@ -41,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     at any point (imports of torch and transformers included: they happen in here)."""
     interrupts.note = None
     try:
-        if argv is None:   # the process's own command line: own its Ctrl-C
+        if argv is None:   # the process's own command line: own its Ctrl-C, and its exit
             interrupts.install()
+            # Frozen at exit (after the command's own atexit handlers; the others, stream flushes and
+            # thread joins run as at any exit), the process's objects go with it: the interpreter's
+            # teardown would collect every object torch made (~170k) several times over, 0.7 s.
+            atexit.register(gc.freeze)
         args = build_parser().parse_args(argv)
         args.own_process = argv is None   # process-wide settings (torch's threads) only for the process's own command
         if not getattr(args, "verbose", False):

@@ -195,7 +195,7 @@ def test_token_kernels_compile(has_map, activation, bias, reduce, split):
 @pytest.mark.parametrize("split", [False, True])
 def test_handoff_kernels_compile(split):
     """The post (system-scope fence, then the flag) and the bounded device-side wait of hybrid misses."""
-    from moestream.kernels.handoff import _collect_kernel, _post_kernel
+    from moestream.kernels.handoff_triton import _collect_kernel, _post_kernel
 
     consts = {"SPLIT": split, "BLOCK": 1024, "PAIRS": 16}
     sig = _sig({"seq_ptr": "*i32", "hidden_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "map_ptr": "*i32",

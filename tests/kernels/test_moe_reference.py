@@ -205,12 +205,16 @@ def test_shape_errors_name_the_tensor() -> None:
 
 
 def test_package_import_does_not_import_triton() -> None:
+    """Nor does importing the engine, the hybrid policy's hand-off or a follower rank's module: a
+    process that never launches a kernel (the CLI, a follower, a CPU run) does not load Triton."""
     import subprocess
     import sys
 
     code = ("import sys, moestream.kernels as k; "
             "assert 'triton' not in sys.modules, 'importing moestream.kernels imported triton'; "
-            "assert callable(k.fused_moe) and callable(k.fused_moe_available)")
+            "assert callable(k.fused_moe) and callable(k.fused_moe_available); "
+            "import moestream.engine.follower, moestream.kernels.handoff; "
+            "assert 'triton' not in sys.modules, 'importing the engine imported triton'")
     subprocess.run([sys.executable, "-c", code], check=True, env=_env_with_repo_on_path())
 
 

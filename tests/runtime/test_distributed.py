@@ -58,9 +58,10 @@ def group(tiny_qwen3):
 
 
 class TestOneGroup:
-    """Tests that only read a resident two-rank group of tiny_qwen3 share one: each group costs a
-    follower process's start. One expert-parallel engine per process, so the group lives in this
-    class alone (a worker closes it before it runs any other test)."""
+    """Tests of a resident two-rank group of tiny_qwen3 share one: each group costs a follower
+    process's start. One expert-parallel engine per process, so the group lives in this class alone
+    (a worker closes it before it runs any other test). The benchmark routings come last (pytest runs
+    a class's tests in their order): a routing swapped in stays on every rank."""
 
     def test_two_ranks_equal_one_process(self, group, tiny_qwen3):
         check_two_ranks_equal_one_process(group, tiny_qwen3)
@@ -81,6 +82,35 @@ class TestOneGroup:
         assert "collective" not in stats   # the totals add up banks; the all-reduces are per rank
         group.reset_stats()
         assert all(r["collective"]["calls"] == 0 and r["tokens"] == 0 for r in group.stats()["ranks"])
+
+    # A benchmark's routing is swapped in on every rank (the followers take rank 0's draws or replay):
+    # two CPU ranks under it give the one-process engine's tokens under the same routing, bit for bit,
+    # and a reset starts every rank's draws again. A routing swapped in replaces the one before it.
+    @pytest.mark.parametrize("kind", ["uniform", "trace"])
+    def test_benchmark_routings_reach_every_rank(self, group, tiny_qwen3, kind):
+        from moestream.bench import TraceRouting, UniformRouting, use_routing
+        from moestream.warmstart.trace import RoutingTrace
+
+        def routing_for(engine):
+            if kind == "uniform":
+                routing = UniformRouting(engine.config.top_k, engine.device)
+                routing.seed = 1234
+                return routing
+            E, k = engine.config.num_experts, engine.config.top_k
+            ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:k] for t in range(40)])
+            trace = RoutingTrace(name="t", num_experts=E, top_k=k, layers=[0], ids=ids[:, None, :].numpy())
+            return TraceRouting.for_engine(trace, engine)
+
+        prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+        single, engine = moestream.load(tiny_qwen3, device="cpu", dtype="float32"), group
+        use_routing(single, routing_for(single))
+        want = single.generate(prompts, max_tokens=8, ignore_eos=True)
+        use_routing(engine, routing_for(engine))
+        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == want
+        engine.runner.reset_routing()
+        single.runner.reset_routing()
+        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == single.generate(prompts, max_tokens=8,
+                                                                                          ignore_eos=True)
 
 
 def test_two_overlapped_ranks_equal_one_process_and_publish_no_tensors(tiny_qwen3):
@@ -158,17 +188,44 @@ def test_hybrid_ranks_compute_their_own_misses_on_their_own_cores(tiny_qwen3):
         assert cpu_moe.usable_cpus() == cpu_moe.cpu_share(sorted(os.sched_getaffinity(0)), 0, 2)
 
 
-def test_bounded_ranks_decode_in_segments_that_fetch_only_their_own_experts(tiny_qwen3):
-    """One sequence on two ranks with a bank of top-k slots each: decode runs as segments split at each
-    router (eager on the CPU; captured over NCCL), each rank making resident only the routed experts it
-    holds, as its bank numbers them; the tokens stay the one-process engine's."""
-    from moestream.runtime.cuda_graphs import SegmentedDecode
+@pytest.fixture(scope="class")
+def bounded(tiny_qwen3, tmp_path_factory):
+    """TestBoundedGroup's one-process engine and two-rank group with a bank of top-k slots per rank,
+    its experts placed by a profile (class scope, as `group`)."""
+    from moestream.warmstart.profile import Profile
 
     single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-    want = single.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
-    top_k, layers = single.config.top_k, sum(single.config.moe_layers)
-    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=top_k,
-                        rank_timeout_s=60) as engine:
+    config, E = single.config, single.config.num_experts
+    moe = [i for i, m in enumerate(config.moe_layers) if m]
+    hot = [float((e * 7) % E) for e in range(E)]
+    profile = Profile(config.arch, config.num_layers, E, config.top_k, "tiny", 100,
+                      {layer: [h / sum(hot) for h in hot] for layer in moe})
+    path = tmp_path_factory.mktemp("profile") / "p.json"
+    profile.save(path)
+    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=config.top_k,
+                        profile=str(path), rank_timeout_s=60) as engine:
+        yield single, engine
+
+
+class TestBoundedGroup:
+    """Two ranks, each with a bank of top-k slots, their experts placed by a profile's balanced split
+    rather than round-robin. Both tests read the same group: each group costs a follower process's start."""
+
+    def test_two_ranks_placed_by_a_profile_equal_one_process(self, bounded):
+        single, engine = bounded
+        want = single.generate(PROMPTS, max_tokens=10, ignore_eos=True)
+        assert engine.generate(PROMPTS, max_tokens=10, ignore_eos=True) == want
+
+    def test_bounded_ranks_decode_in_segments_that_fetch_only_their_own_experts(self, bounded):
+        """One sequence: decode runs as segments split at each router (eager on the CPU; captured over
+        NCCL), each rank making resident only the routed experts it holds, as its bank numbers them;
+        the tokens stay the one-process engine's."""
+        from moestream.runtime.cuda_graphs import SegmentedDecode
+
+        single, engine = bounded
+        want = single.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
+        top_k, layers = single.config.top_k, sum(single.config.moe_layers)
+        engine.reset_stats()   # the class's other calls
         assert engine.generate(PROMPTS[0], max_tokens=12, ignore_eos=True) == want
         assert isinstance(engine.runner._graphs.get(1), SegmentedDecode)
         stats = engine.stats()
@@ -307,22 +364,6 @@ def test_a_profile_spreads_hot_experts_over_the_ranks():
     assert p.local_pins({3: [owners[1][2], owners[0][0]]}) == {3: [2]}
 
 
-def test_two_ranks_placed_by_a_profile_equal_one_process(tiny_qwen3, tmp_path):
-    from moestream.warmstart.profile import Profile
-
-    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-    want = single.generate(PROMPTS, max_tokens=10, ignore_eos=True)
-    config, E = single.config, single.config.num_experts
-    moe = [i for i, m in enumerate(config.moe_layers) if m]
-    hot = [float((e * 7) % E) for e in range(E)]
-    profile = Profile(config.arch, config.num_layers, E, config.top_k, "tiny", 100,
-                      {layer: [h / sum(hot) for h in hot] for layer in moe})
-    profile.save(tmp_path / "p.json")
-    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", capacity=config.top_k,
-                        profile=str(tmp_path / "p.json"), rank_timeout_s=60) as engine:
-        assert engine.generate(PROMPTS, max_tokens=10, ignore_eos=True) == want
-
-
 def test_torchrun_launches_the_same_engine(tiny_qwen3):
     import socket
 
@@ -428,44 +469,3 @@ def test_heterogeneous_budgets_give_banks_in_proportion(tiny_qwen3):
     assert f"rank 0            cpu: 6 of the {E} experts" in text and f"rank 1            cpu: 2 of the {E} experts" in text
     equal = plan_ranks(cfg, budgets=[base.fixed_bytes + 20 * expert] * 2)
     assert [r.placement.count for r in equal] == [E // 2, E // 2]
-
-
-@pytest.fixture(scope="class")
-def engines(tiny_qwen3):
-    """TestRoutedGroup's one-process engine and two-rank group (class scope, as `group`)."""
-    single = moestream.load(tiny_qwen3, device="cpu", dtype="float32")
-    with moestream.load(tiny_qwen3, devices=["cpu", "cpu"], dtype="float32", rank_timeout_s=60) as engine:
-        yield single, engine
-
-
-class TestRoutedGroup:
-    """A benchmark's routing is swapped in on every rank (the followers take rank 0's draws or replay):
-    two CPU ranks under it give the one-process engine's tokens under the same routing, bit for bit,
-    and a reset starts every rank's draws again. Both routings share one group (and one single-process
-    engine): a routing swapped in replaces the one before it, on every rank."""
-
-    @pytest.mark.parametrize("kind", ["uniform", "trace"])
-    def test_benchmark_routings_reach_every_rank(self, engines, kind):
-        from moestream.bench import TraceRouting, UniformRouting, use_routing
-        from moestream.warmstart.trace import RoutingTrace
-
-        def routing_for(engine):
-            if kind == "uniform":
-                routing = UniformRouting(engine.config.top_k, engine.device)
-                routing.seed = 1234
-                return routing
-            E, k = engine.config.num_experts, engine.config.top_k
-            ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:k] for t in range(40)])
-            trace = RoutingTrace(name="t", num_experts=E, top_k=k, layers=[0], ids=ids[:, None, :].numpy())
-            return TraceRouting.for_engine(trace, engine)
-
-        prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
-        single, engine = engines
-        use_routing(single, routing_for(single))
-        want = single.generate(prompts, max_tokens=8, ignore_eos=True)
-        use_routing(engine, routing_for(engine))
-        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == want
-        engine.runner.reset_routing()
-        single.runner.reset_routing()
-        assert engine.generate(prompts, max_tokens=8, ignore_eos=True) == single.generate(prompts, max_tokens=8,
-                                                                                          ignore_eos=True)

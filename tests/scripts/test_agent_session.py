@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "agent_session.py"
@@ -54,8 +55,8 @@ ThreadingHTTPServer(("127.0.0.1", int(opt("--port"))), Handler).serve_forever()
 
 def _run(out: Path, *extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "--ckpt", str(DEMO), "--no-write", "--out", str(out), "--tiny",
-                          *extra], capture_output=True, text=True, timeout=300, env=env, check=False)
+    run = run_script(SCRIPT, "--ckpt", str(DEMO), "--no-write", "--out", str(out), "--tiny",
+                     *extra, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert (out / "agent_session.md").exists()
     return json.loads((out / "agent_session.json").read_text())

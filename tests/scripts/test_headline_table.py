@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "headline_table.py"
@@ -29,8 +30,8 @@ def _table_rows(markdown: str) -> list[list[str]]:
 def test_a_gguf_format_alone_gets_its_gguf_from_the_shape(tmp_path):
     """No random checkpoint is asked for: the GGUF is still written (from the shape's config) and read."""
     out = tmp_path / "table"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--tiny", "--cpu", "--formats", "gguf-q8_0",
-                          "--no-served"], capture_output=True, text=True, timeout=600, check=False)
+    run = run_script(SCRIPT, "--out", str(out), "--tiny", "--cpu", "--formats", "gguf-q8_0",
+                     "--no-served", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     table = json.loads((out / "headline_table.json").read_text())
     resident = table["runs"]["ours-gguf-q8_0-resident"]
@@ -40,8 +41,7 @@ def test_a_gguf_format_alone_gets_its_gguf_from_the_shape(tmp_path):
 
 def test_the_smoke_run_writes_one_table_with_every_row_and_no_peer(tmp_path):
     out = tmp_path / "table"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--tiny", "--cpu"],
-                         capture_output=True, text=True, timeout=600, check=False)
+    run = run_script(SCRIPT, "--out", str(out), "--tiny", "--cpu", timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     table = json.loads((out / "headline_table.json").read_text())
     markdown = (out / "headline_table.md").read_text()

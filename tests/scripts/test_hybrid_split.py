@@ -4,20 +4,19 @@ on the CPU with a tiny checkpoint (the CPU stands in for the device, the hybrid 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_variant_runs_with_its_own_split_and_refresh(tiny_qwen3, tmp_path):
     variants = ["0.25", "0.75:whole", "auto", "0.5:every2", "0.5:nopromote", "0.5:pf0", "auto:eager:sync"]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(tiny_qwen3),
-                          "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--rounds", "1",
-                          "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "10",
-                          "--variants", *variants, "--timeline", "2"], capture_output=True, text=True, timeout=300,
-                         check=False)
+    run = run_script(ROOT / "benchmarks" / "hybrid_split.py", "--ckpt", str(tiny_qwen3),
+                     "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--rounds", "1",
+                     "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "10",
+                     "--variants", *variants, "--timeline", "2", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "timeline: the profiler saw no kernels" in run.stderr + run.stdout   # the CPU has no CUDA kernels
     rows = {r["variant"]: r for r in json.loads((tmp_path / "hybrid_split.json").read_text())["rows"]}
@@ -28,11 +27,10 @@ def test_each_variant_runs_with_its_own_split_and_refresh(tiny_qwen3, tmp_path):
 
 
 def _rows(folder, out, *extra):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(folder),
-                          "--out", str(out), "--device", "cpu", "--capacity", "3", "--rounds", "1",
-                          "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "12",
-                          "--variants", "0.5", "0.5", "0.5", *extra], capture_output=True, text=True, timeout=300,
-                         check=False)
+    run = run_script(ROOT / "benchmarks" / "hybrid_split.py", "--ckpt", str(folder),
+                     "--out", str(out), "--device", "cpu", "--capacity", "3", "--rounds", "1",
+                     "--routing", "uniform", "--prompt-tokens", "24", "16", "--gen-tokens", "12",
+                     "--variants", "0.5", "0.5", "0.5", *extra, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads((out / "hybrid_split.json").read_text())["rows"]
 
@@ -48,6 +46,6 @@ def test_cold_rows_start_from_the_bank_as_loaded(tiny_qwen3, tmp_path):
 
 
 def test_a_bad_variant_is_refused_in_one_line(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hybrid_split.py"), "--ckpt", str(tmp_path),
-                          "--out", str(tmp_path), "--variants", "0.6:fast"], capture_output=True, text=True, timeout=60, check=False)
+    run = run_script(ROOT / "benchmarks" / "hybrid_split.py", "--ckpt", str(tmp_path),
+                     "--out", str(tmp_path), "--variants", "0.6:fast", timeout=60)
     assert run.returncode != 0 and "unknown variant flag 'fast'" in run.stderr and "Traceback" not in run.stderr

@@ -4,9 +4,9 @@ with a tiny checkpoint and a bounded bank."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_modes_run_the_same_prompts_and_filled_packed_steps_copy_fewest_experts(tiny_qwen3, tmp_path):
     """4 prompts of 6 tokens in steps of 8: filled packed steps are 3 forwards (8, 8, 8), packed steps of
     whole prompts 4 (one prompt a step: the next does not fit what is left), one forward each 4."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_prompts.py"), "--ckpt", str(tiny_qwen3),
-                          "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--streams", "4",
-                          "--prompt-tokens", "6", "--prefill-chunk", "8", "--rounds", "1", "--routing", "uniform"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    run = run_script(ROOT / "benchmarks" / "packed_prompts.py", "--ckpt", str(tiny_qwen3),
+                     "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--streams", "4",
+                     "--prompt-tokens", "6", "--prefill-chunk", "8", "--rounds", "1", "--routing", "uniform", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "packed_prompts.json").read_text())
     packed, whole, each = (result["modes"][m] for m in ("packed", "packed, whole", "one each"))

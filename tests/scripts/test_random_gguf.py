@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import pytest
 
 import moestream
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
@@ -34,9 +34,8 @@ NEXT = {"model_type": "qwen3_next", "vocab_size": 256, "hidden_size": 256, "moe_
 def write(tmp_path: Path, config: dict, qtype: str) -> tuple[subprocess.CompletedProcess, Path]:
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / f"{qtype}.gguf"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "random_gguf.py"), str(out), "--config",
-                          str(tmp_path / "config.json"), "--qtype", qtype, "--threads", "2"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    run = run_script(ROOT / "benchmarks" / "random_gguf.py", str(out), "--config", str(tmp_path / "config.json"),
+                     "--qtype", qtype, "--threads", "2", timeout=120)
     return run, out
 
 
@@ -174,9 +173,8 @@ def test_token_routing_zeroes_the_routed_dimensions_everywhere_but_the_embedding
     experts are then a function of the token alone, in llama.cpp as in moestream."""
     (tmp_path / "config.json").write_text(json.dumps(config))
     out = tmp_path / "t.gguf"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "random_gguf.py"), str(out), "--config",
-                          str(tmp_path / "config.json"), "--qtype", qtype, "--threads", "2", "--token-routing"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    run = run_script(ROOT / "benchmarks" / "random_gguf.py", str(out), "--config", str(tmp_path / "config.json"),
+                     "--qtype", qtype, "--threads", "2", "--token-routing", timeout=120)
     assert run.returncode == 0, run.stderr
     routed = min(64, config["hidden_size"] // 4)
     H = config["hidden_size"]

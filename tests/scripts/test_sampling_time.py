@@ -3,16 +3,16 @@ draw: a smoke run on the CPU with a small vocabulary (every setting timed three 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_setting_is_timed_three_ways():
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampling_time.py"), "--device", "cpu",
-                          "--vocab", "2000", "--calls", "3"], capture_output=True, text=True, timeout=300, check=False)
+    run = run_script(ROOT / "benchmarks" / "sampling_time.py", "--device", "cpu",
+                     "--vocab", "2000", "--calls", "3", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = run.stdout.splitlines()[1:]
     assert len(rows) == 6 and rows[0].startswith("greedy") and any("top-k 20" in r for r in rows)

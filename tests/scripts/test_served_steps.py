@@ -4,9 +4,9 @@ checkpoint and a bounded bank: each mode plans the steps it names, and every str
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_each_mode_plans_its_steps_and_every_stream_gets_its_tokens(tiny_qwen3, tmp_path):
     """3 prompts of 6 tokens in steps of 8, 4 tokens each: filled steps pack 8 prompt tokens (2 forwards),
     whole prompts one a step (3); decodes ride in prompt forwards only where the mode lets them."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "served_steps.py"), "--ckpt", str(tiny_qwen3),
-                          "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--streams", "3",
-                          "--prompt-tokens", "6", "--gen-tokens", "4", "--prefill-chunk", "8", "--routing", "uniform"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    run = run_script(ROOT / "benchmarks" / "served_steps.py", "--ckpt", str(tiny_qwen3),
+                     "--out", str(tmp_path), "--device", "cpu", "--capacity", "3", "--streams", "3",
+                     "--prompt-tokens", "6", "--gen-tokens", "4", "--prefill-chunk", "8", "--routing", "uniform", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "served_steps.json").read_text())
     modes = result["modes"]

@@ -3,17 +3,17 @@ checkpoint and the hybrid miss policy (no graphs there: the parts the CPU has)."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from fork_server import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_host_parts_of_a_step_are_timed(tiny_qwen3):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_host_time.py"), str(tiny_qwen3),
-                          "--device", "cpu", "--capacity", "3", "--miss-policy", "hybrid", "--steps", "6",
-                          "--prompt-tokens", "12"], capture_output=True, text=True, timeout=300, check=False)
+    run = run_script(ROOT / "benchmarks" / "step_host_time.py", str(tiny_qwen3),
+                     "--device", "cpu", "--capacity", "3", "--miss-policy", "hybrid", "--steps", "6",
+                     "--prompt-tokens", "12", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     blocks: dict[str, dict[str, float]] = {}
     for line in run.stdout.splitlines():

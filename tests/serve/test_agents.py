@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -46,6 +45,8 @@ def strict(demo_engine):
 
 
 def clients(srv):
+    import anthropic   # here, not at collection: its import takes ~3 s, in every worker that collects
+
     return (openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0),
             anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0))
 

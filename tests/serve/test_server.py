@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -27,6 +26,8 @@ def oai(server):
 
 @pytest.fixture
 def claude(server):
+    import anthropic   # here, not at collection: its import takes ~3 s, in every worker that collects
+
     return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
@@ -230,6 +231,8 @@ def test_messages_tool_use_round_trip_and_stop_sequences(claude, force):
 
 
 def test_anthropic_errors_have_the_anthropic_shape(claude, server):
+    import anthropic
+
     with pytest.raises(anthropic.BadRequestError) as err:
         claude.messages.create(model="claude", max_tokens=5, messages=[{"role": "wizard", "content": "x"}])
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
