@@ -37,12 +37,11 @@ def test_a_round_per_fixed_batch_share_under_the_hybrid_policy(tiny_qwen3, tmp_p
     """`--batch-cpu-shares` adds a default round per share with the batch split held there, and
     `--prompt-cpu-misses` one per share of a streamed prompt's misses on the CPU, each reporting its share
     and median step; every stream still gets its tokens."""
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "served_steps.py"), "--ckpt", str(tiny_qwen3),
-                          "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--capacity", "2",
-                          "--streams", "3", "--prompt-tokens", "6", "--gen-tokens", "4", "--prefill-chunk", "8",
-                          "--routing", "uniform", "--hybrid", "--modes", "default", "--batch-cpu-shares", "0.25", "0.75",
-                          "--prompt-cpu-misses", "0", "1"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    run = run_script(ROOT / "benchmarks" / "served_steps.py", "--ckpt", str(tiny_qwen3),
+                     "--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--capacity", "2",
+                     "--streams", "3", "--prompt-tokens", "6", "--gen-tokens", "4", "--prefill-chunk", "8",
+                     "--routing", "uniform", "--hybrid", "--modes", "default", "--batch-cpu-shares", "0.25", "0.75",
+                     "--prompt-cpu-misses", "0", "1", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     modes = json.loads((tmp_path / "served_steps.json").read_text())["modes"]
     assert set(modes) == {"default", "share 0.25", "share 0.75", "prompt cpu 0.0", "prompt cpu 1.0"}
