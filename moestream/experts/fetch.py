@@ -173,13 +173,13 @@ class Fetcher:
     def forward(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         ahead, self._ahead = self._ahead, None   # only the layer it was copied for can use it, and only now
         ls = self.slots[layer]
-        flat = expert_ids.reshape(-1).cpu().numpy()          # the one host sync of a layer that may miss
-        flat = flat[flat >= 0]                                # -1: held elsewhere (another rank's expert)
+        routed = expert_ids.reshape(-1).cpu().numpy()        # the one host sync of a layer that may miss
+        flat = routed[routed >= 0]                            # -1: held elsewhere (another rank's expert)
         experts, counts = np.unique(flat, return_counts=True)
         missing = [e for e in experts.tolist() if e not in ls.where]
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
-            return self._staged(layer, hidden, expert_ids, weights, flat, missing,
+            return self._staged(layer, hidden, expert_ids, weights, routed, missing,
                                 ahead if ahead is not None and ahead.layer == layer else None)
         if missing and self.cpu_share != 0 and hidden.shape[0] <= CPU_MAX_TOKENS:
             on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
@@ -299,7 +299,7 @@ class Fetcher:
                           cpu_bytes=len(experts) * self.slots.formats[layer].nbytes(self.shape), cpu_s=took)
         return out
 
-    def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, flat: np.ndarray,
+    def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, routed: np.ndarray,
                 missing: list[int], ahead: StagedAhead | None) -> Tensor:
         """Resident experts from the bank, missing ones streamed through two staging buffers.
 
@@ -310,7 +310,7 @@ class Fetcher:
         are in id order, so a run of consecutive ids is one copy per tensor.
         """
         t0 = time.perf_counter()
-        experts, counts = np.unique(flat, return_counts=True)
+        experts, counts = np.unique(routed[routed >= 0], return_counts=True)
         self.policy.record(layer, experts, counts)
         missed = np.isin(experts, missing)
         ls = self.slots[layer]
@@ -325,7 +325,8 @@ class Fetcher:
                                         self.prompt_cpu_share)
             cpu_set = set(on_cpu)
             rest = [e for e in rest if e not in cpu_set]
-        cpu_rows = self._start_on_cpu(layer, hidden, expert_ids, weights, on_cpu) if on_cpu else None
+        cpu_rows = (self._start_on_cpu(layer, hidden, routed.reshape(hidden.shape[0], -1), weights, on_cpu)
+                    if on_cpu else None)
         groups = early + [rest[i:i + group] for i in range(0, len(rest), group)]
         pin = self.slots.device.type == "cuda"
         stage_maps = torch.full((len(groups), self.slots.num_experts + 1), -1, dtype=torch.int32, pin_memory=pin)
@@ -375,13 +376,12 @@ class Fetcher:
             self._prompt_cpu.shutdown(wait=True)
             self._prompt_cpu = None
 
-    def _start_on_cpu(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor,
+    def _start_on_cpu(self, layer: int, hidden: Tensor, routed: np.ndarray, weights: Tensor,
                       on_cpu: list[int]) -> Future:
         """Compute the pairs of a streamed call routed to `on_cpu` from host RAM, in the CPU thread
         (the C kernel releases the GIL), while this thread issues the staged copies and launches:
-        (T, H) fp32 rows on the host. Stats and the CPU's cost per expert are kept as `serve_on_cpu`
-        keeps them."""
-        routed = expert_ids.reshape(hidden.shape[0], -1).cpu().numpy()
+        (T, H) fp32 rows on the host. `routed`: the call's (T, k) routing, already read back. Stats
+        and the CPU's cost per expert are kept as `serve_on_cpu` keeps them."""
         served = np.zeros(self.slots.num_experts + 1, dtype=bool)   # [-1]: no expert, never on the CPU
         served[on_cpu] = True
         at_cpu = served[routed]
