@@ -53,6 +53,8 @@ def run(args) -> dict:
                     row["seconds"].append(engine.last_metrics.ttft_s)
                     row["cpu_share"].append(stats.get("cpu_served", 0) / max(1, stats.get("misses", 0)))
                     row["gb_copied"].append(stats.get("bytes_copied", 0) / 1e9)
+                    log(f"round {rnd}: {n} tokens, CPU share {share}: {1000 * row['seconds'][-1]:.1f} ms, "
+                        f"the CPU took {row['cpu_share'][-1]:.0%} of the missed pairs")   # a run cut short keeps these
     table = []
     for (n, share), r in rows.items():
         seconds = statistics.median(r["seconds"])
