@@ -159,6 +159,33 @@ def test_ctrl_c_at_any_moment_exits_130_with_at_most_one_line(tmp_path, delay):
     assert "Traceback" not in text and text.count("\n") <= 1
 
 
+def test_ctrl_c_inside_an_import_is_raised_once_the_import_is_over(tmp_path):
+    # an interrupt raised inside a C++ extension's import (torch.distributed's) aborts the process; one
+    # landing in any import lets the module finish and raises right after it
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.3)\n"
+        "for _ in range(200000):\n"
+        "    pass\n"
+        "print('module finished', flush=True)\n")
+    script = (
+        "from moestream.cli.interrupts import interrupts\n"
+        "interrupts.install()\n"
+        "try:\n"
+        "    import slow_module\n"
+        "    import time\n"
+        "    time.sleep(5)\n"
+        "    print('not raised', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised after the import', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"})
+    assert done.stdout.split("\n")[:2] == ["module finished", "raised after the import"], done.stdout + done.stderr
+    assert done.stderr == ""
+
+
 def test_ctrl_c_inside_a_finalizer_is_remembered_without_a_traceback(tmp_path):
     # an interrupt landing in some library's __del__ cannot propagate; CPython would print it as
     # "Exception ignored in ..." with a traceback, and the run must still end at the next check

@@ -10,6 +10,7 @@ import sys
 class Interrupts:
     """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: a library that swallows the
     exception (some do, during their imports) cannot lose it, the next check raises it again. One
+    landing inside an import is raised once the import is over (`_importing`). One
     raised inside a finalizer (`__del__`) cannot propagate, CPython reports it as "unraisable" with a
     traceback; that report is silenced, since the remembered interrupt ends the run anyway."""
 
@@ -25,6 +26,9 @@ class Interrupts:
 
         def handler(signum, frame):
             self.seen = True
+            if _importing(frame):
+                _interrupt_again_soon()
+                return
             raise KeyboardInterrupt
         signal.signal(signal.SIGINT, handler)
         report = sys.unraisablehook
@@ -40,6 +44,30 @@ class Interrupts:
 
 
 interrupts = Interrupts()
+
+# How often a Ctrl-C that landed inside an import is raised again until the import is over.
+RETRY_S = 0.05
+
+
+def _importing(frame) -> bool:
+    """Whether the main thread is inside an import. A module's import can run Python called from a C++
+    extension's initialisation (torch.distributed's does), where an exception raised by the interrupt
+    cannot unwind: pybind11 aborts the process (exit -6) instead of exiting 130."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupt_again_soon() -> None:
+    """Deliver the Ctrl-C to the main thread again in RETRY_S: once the import is over, it raises."""
+    import _thread
+    import threading
+
+    timer = threading.Timer(RETRY_S, _thread.interrupt_main)
+    timer.daemon = True
+    timer.start()
 
 
 def exit_now(code: int) -> None:
