@@ -61,11 +61,13 @@ def _importing(frame) -> bool:
 
 
 def _interrupt_again_soon() -> None:
-    """Deliver the Ctrl-C to the main thread again in RETRY_S: once the import is over, it raises."""
-    import _thread
+    """Deliver the Ctrl-C to the main thread again in RETRY_S: once the import is over, it raises. A real
+    signal, not `_thread.interrupt_main`, which would not wake a sleep or a wait the thread is in."""
+    import signal
     import threading
 
-    timer = threading.Timer(RETRY_S, _thread.interrupt_main)
+    main = threading.main_thread().ident
+    timer = threading.Timer(RETRY_S, signal.pthread_kill, (main, signal.SIGINT))
     timer.daemon = True
     timer.start()
 
