@@ -128,8 +128,12 @@ def run(args) -> dict:
         steps: list = []
         result = one_round(engine, [[rng.randrange(1, vocab) for _ in p] for p in prompts], args.gen_tokens, steps)
         stats, counters = engine.stats(), engine.counters.as_dict()
-        if hybrid is not None:
-            result["batch_cpu_share"] = hybrid.batch_cpu_share
+        split = engine.bank.hybrid_misses
+        if split is not None:   # the last window of split batches: the device's wait for the CPU, the CPU's span
+            b = split.batch_balance
+            result.update(batch_cpu_share=split.batch_cpu_share, batch_wait_us=b.wait_us_per_call,
+                          batch_wait_share=b.wait_share, batch_post_to_answer_us=b.span_us_per_call,
+                          layer_ms=result["median_step_ms"] / len(split.layer_index))
         if fetcher is not None:
             result["prompt_cpu_share"] = fetcher.prompt_cpu_share
         modes[name] = {**result, "forwards": counters["prefill_forwards"], "decode_steps": counters["decode_steps"],
@@ -166,6 +170,10 @@ def main() -> int:
             f"(last {r['ttft_last_ms']:.0f}), {r['forwards']} prompt forwards, {r['decodes_packed']} decode steps "
             f"riding, {r['gb_copied']:.1f} GB copied, kernel variants compiled: {r['compiled_unmeasured']} "
             f"unmeasured, {r['compiled_measured']} measured; {len(r['slow_steps'])} steps over {args.slow_ms:g} ms")
+        if r.get("batch_post_to_answer_us") is not None:
+            log(f"{'':>9}  a layer {1000 * r['layer_ms']:.0f} µs (median step / layers): the CPU answered "
+                f"{r['batch_post_to_answer_us']:.0f} µs after the post, the device waited {r['batch_wait_us']:.0f} µs "
+                f"for it; CPU share of the batch's misses {r['batch_cpu_share']:.2f}")
     log(f"{result['streams']} streams of {result['prompt_tokens']} prompt tokens, routing {result['routing']}, "
         f"capacity {result['capacity']}, {result['device']}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -190,6 +190,7 @@ class SplitBalance:
         self.calls = self.wait_us = self.span_us = 0
         self.wait_us_per_call: float | None = None
         self.wait_share: float | None = None
+        self.span_us_per_call: float | None = None   # post to answer, the CPU's side of a split call
 
     def takes(self, top_k: int) -> list[int]:
         """take[m] for m = 0..top_k: the CPU's pairs of a call with m misses, whole experts only."""
@@ -226,6 +227,7 @@ class SplitBalance:
         if self.calls < self.least_calls:
             return False
         self.wait_us_per_call = self.wait_us / self.calls
+        self.span_us_per_call = self.span_us / self.calls
         self.wait_share = self.wait_us / self.span_us if self.span_us > 0 else None
         self.calls = self.wait_us = self.span_us = 0
         if not self.adaptive or self.wait_share is None:
@@ -633,4 +635,5 @@ def _waited(balance: SplitBalance, what: str) -> str:
     if waited is None:
         return ""
     return f"; the device waited {waited:.0f} µs per {what} for the CPU's rows" + (
-        f" ({share:.0%} of the call)" if share is not None else "")
+        f" ({share:.0%} of the {balance.span_us_per_call:.0f} µs from its post to the CPU's answer)"
+        if share is not None else "")

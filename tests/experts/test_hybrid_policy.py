@@ -215,8 +215,9 @@ def test_the_balance_reports_how_long_the_device_waited_per_split_call():
         assert balance.wait_us_per_call is None                             # a window is 32 calls
         balance.observe(16, 8, 700, 8000)
         assert balance.wait_us_per_call == 50.0 and balance.wait_share == 0.1
+        assert balance.span_us_per_call == 500.0                           # post to answer, per call
         balance.observe(40, 0, 0, 4000)
-        assert balance.wait_us_per_call == 0.0 and balance.wait_share == 0.0
+        assert balance.wait_us_per_call == 0.0 and balance.wait_share == 0.0 and balance.span_us_per_call == 100.0
 
 
 @pytest.mark.parametrize("answer_late", [True, False])
