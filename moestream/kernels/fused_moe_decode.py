@@ -263,7 +263,7 @@ def decode_launch(a: Tensor, b: Tensor, c: Tensor, slot_ids: Tensor, weights: Te
         HAS_BIAS=bias is not None,
         PAIRS=max(16, triton.next_power_of_2(num_pairs)),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
-        EVEN_K=(k % tile.block_k == 0) and quant is None,
+        EVEN_K=k % block_k == 0,   # quantized: the tile's weight bytes (and 4-bit A columns) load unmasked
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **pdl_args(a), **fp8_args(quant),

@@ -265,7 +265,7 @@ def _launch_grouped_gemm(a: Tensor, b: Tensor, c: Tensor, w: Tensor, pair_ids: T
         A_ROW_DIV=a_row_div, GATED=gated, ACTIVATION=activation_code, MUL_WEIGHT=mul_weight,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        EVEN_K=(k % cfg.block_k == 0) and quant is None,
+        EVEN_K=k % block_k == 0,   # quantized: the tile's weight bytes (and 4-bit A columns) load unmasked
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BITS=bits, GROUP=group, NF=nf,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args(quant),

@@ -26,11 +26,15 @@ def _scales(base, offs_bn, first_group, num_groups, stride_sn, R: tl.constexpr, 
 
 
 @triton.jit
-def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr):
-    """The packed words of U units (each UB bytes: 1, or 3 for 3-bit values) of rows offs_bn: [U, BLOCK_N] int32."""
+def _units(b_base, offs_bn, unit, u_mask, stride_bn, UB: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed words of U units (each UB bytes: 1, or 3 for 3-bit values) of rows offs_bn: [U, BLOCK_N] int32.
+    EVEN_K (every unit of the tile inside K): unmasked, so the K-contiguous bytes load as wide vectors."""
     row = b_base + offs_bn[None, :] * stride_bn
     byte = unit * UB
-    word = tl.load(row + byte[:, None], mask=u_mask[:, None], other=0).to(tl.int32)
+    if EVEN_K:
+        word = tl.load(row + byte[:, None]).to(tl.int32)
+    else:
+        word = tl.load(row + byte[:, None], mask=u_mask[:, None], other=0).to(tl.int32)
     for b in tl.static_range(1, UB):
         word = word | (tl.load(row + (byte + b)[:, None], mask=u_mask[:, None], other=0).to(tl.int32) << (8 * b))
     return word
@@ -57,13 +61,16 @@ def _e4m3_value(byte, FP8: tl.constexpr):
 
 @triton.jit
 def _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn, U: tl.constexpr,
-              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr):
+              BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, EVEN_K: tl.constexpr):
     """FP8 e4m3 bytes of the K-tile of rows offs_bn starting at column k0 as fp32 values, and the
     scale of each value's block (scale row `srow` of each weight row, column k // GROUP): [U, BLOCK_N]
     each. Where the tile holds whole blocks (U a multiple of GROUP) or lies inside one (GROUP a
     multiple of U), each row's few scales are loaded once and broadcast; otherwise (ragged blocks
     such as a channel scale over a width no power of two divides) one load per value."""
-    byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None], mask=u_mask[:, None], other=0)
+    if EVEN_K:
+        byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None])
+    else:
+        byte = tl.load(b_base + offs_bn[None, :] * stride_bn + unit[:, None], mask=u_mask[:, None], other=0)
     value = _e4m3_value(byte, FP8)
     rows = s_base + srow[None, :] * stride_sn
     if U % GROUP == 0:
@@ -81,15 +88,16 @@ def _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, strid
 @triton.jit
 def quant_tile(b_base, s_base, z_base, offs_bn, srow, k0, unit, u_mask, g0, num_groups, stride_bn, stride_sn,
                 UB: tl.constexpr, R: tl.constexpr, U: tl.constexpr, BLOCK_N: tl.constexpr, NF: tl.constexpr,
-                GROUP: tl.constexpr, FP8: tl.constexpr):
+                GROUP: tl.constexpr, FP8: tl.constexpr, EVEN_K: tl.constexpr = False):
     """The packed words, scales and biases (NF: the scales again, unused) of one K-tile of rows offs_bn;
-    FP8: the values as fp32, each value's block scale, and the scales again (unused)."""
+    FP8: the values as fp32, each value's block scale, and the scales again (unused). EVEN_K: the tile
+    lies inside K (its weight bytes load unmasked)."""
     if FP8:
         word, scale = _fp8_tile(b_base, s_base, offs_bn, srow, k0, unit, u_mask, num_groups, stride_bn, stride_sn,
-                                U, BLOCK_N, GROUP, FP8)
+                                U, BLOCK_N, GROUP, FP8, EVEN_K)
         bias = scale
     else:
-        word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB)
+        word = _units(b_base, offs_bn, unit, u_mask, stride_bn, UB, EVEN_K)
         scale = _scales(s_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
         bias = scale if NF else _scales(z_base, offs_bn, g0, num_groups, stride_sn, R, U, BLOCK_N)
     return word, scale, bias
@@ -137,7 +145,10 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
     K-tile is read as U = BLOCK_K / VPB packed units per row (VPB values in UB bytes: two 4-bit
     values in a byte, eight 3-bit values in three), every byte once and K-contiguous. Instead of
     interleaving the unpacked values back into K order, value plane j (the j-th value of every
-    unit) is multiplied by the matching strided columns of A: VPB dots of depth U per tile. The
+    unit) is multiplied by the matching strided columns of A: VPB dots of depth U per tile (4-bit: A's
+    tile read in one K-contiguous load and split into its two planes' columns in registers). EVEN_K (K a
+    multiple of BLOCK_K): no tile needs a mask along K, so the weight bytes and A's columns load as wide
+    vectors (a mask per unit or per value pair would cut them to single bytes or pairs). The
     host picks BLOCK_K as a multiple of GROUP, so a tile spans R whole groups.
 
     FP8 (BITS = 8; FP8_NATIVE or FP8_PORTABLE, how the bits become fp32: `_e4m3_value`): a byte a
@@ -183,20 +194,48 @@ def gated_dot(a_rows, b_base, s_base, z_base, code_ptr, offs_bn, row_mask, K, N,
             u_mask = unit * VPB < K
             g0 = kk * R
             word, scale, bias = quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
-                                            num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
+                                            num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8,
+                                            EVEN_K)
             if GATED:
                 word_up, scale_up, bias_up = quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
                                                          u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U,
-                                                         BLOCK_N, NF, GROUP, FP8)
-            for j in tl.static_range(VPB):
-                a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
-                            mask=row_mask[:, None] & u_mask[None, :], other=0.0)
-                w = dequant_plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype, FP8)
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                                                         BLOCK_N, NF, GROUP, FP8, EVEN_K)
+            if VPB == 2:
+                # Both planes' columns of A in one K-contiguous load, split in registers (a strided
+                # load per plane cannot be vectorized); the same dots in the same order as below.
+                offs_k = tl.arange(0, BLOCK_K)
+                a_ptrs = a_rows[:, None] + ((kk * BLOCK_K + offs_k) * stride_ak)[None, :]
+                if EVEN_K:
+                    a_both = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                else:
+                    k_mask = (kk * U + offs_k // 2) * 2 < K       # a value is read where its unit is
+                    a_both = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                a0, a1 = tl.split(tl.reshape(a_both, (BLOCK_M, U, 2)))
+                acc = _plane_dot(acc, a0, word, 0, scale, bias, code_ptr, BITS, NF, FP8, DOT_PRECISION)
                 if GATED:
-                    w_up = dequant_plane(word_up, j, scale_up, bias_up, code_ptr, BITS, NF, a.dtype, FP8)
-                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                    acc_up = _plane_dot(acc_up, a0, word_up, 0, scale_up, bias_up, code_ptr, BITS, NF, FP8,
+                                        DOT_PRECISION)
+                acc = _plane_dot(acc, a1, word, 1, scale, bias, code_ptr, BITS, NF, FP8, DOT_PRECISION)
+                if GATED:
+                    acc_up = _plane_dot(acc_up, a1, word_up, 1, scale_up, bias_up, code_ptr, BITS, NF, FP8,
+                                        DOT_PRECISION)
+            else:
+                for j in tl.static_range(VPB):
+                    a = tl.load(a_rows[:, None] + ((unit * VPB + j) * stride_ak)[None, :],
+                                mask=row_mask[:, None] & u_mask[None, :], other=0.0)
+                    acc = _plane_dot(acc, a, word, j, scale, bias, code_ptr, BITS, NF, FP8, DOT_PRECISION)
+                    if GATED:
+                        acc_up = _plane_dot(acc_up, a, word_up, j, scale_up, bias_up, code_ptr, BITS, NF, FP8,
+                                            DOT_PRECISION)
     return acc, acc_up
+
+
+@triton.jit
+def _plane_dot(acc, a, word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.constexpr, NF: tl.constexpr,
+               FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + A's columns of value plane j @ that plane of the tile, dequantized."""
+    w = dequant_plane(word, j, scale, bias, code_ptr, BITS, NF, a.dtype, FP8)
+    return tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit

@@ -48,7 +48,7 @@ for mode in (1, 2):   # the hardware conversion and the bit arithmetic: every fi
     assert torch.equal(got[finite], want[finite]), mode
 
 g = torch.Generator().manual_seed(0)
-H, I, S, K = 80, 40, 4, 3
+H, I, S, K = HIDDEN, 40, 4, 3
 conversion = contextlib.nullcontext() if NATIVE else fp8_hardware_conversion(False)
 conversion.__enter__()
 shape = ExpertShape(H, I)
@@ -97,14 +97,15 @@ print("interpreter ok")
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
-@pytest.mark.parametrize("specs,native", [("[Fp8Spec(16, 32), Fp8Spec(32, 128)]", False),
-                                          ("[Fp8Spec(1, None, 'weight_scale'), Fp8Spec(None, None, 'weight_scale')]",
-                                           True)])
-def test_fp8_kernels_under_triton_interpreter(specs, native) -> None:
+@pytest.mark.parametrize("specs,native,hidden", [("[Fp8Spec(16, 32), Fp8Spec(32, 128)]", False, 128),
+                                                 ("[Fp8Spec(1, None, 'weight_scale'), Fp8Spec(None, None, 'weight_scale')]",
+                                                  True, 80)])
+def test_fp8_kernels_under_triton_interpreter(specs, native, hidden) -> None:
     """Block grids through the portable e4m3 conversion (tiles of several whole blocks, and tiles
     inside one block), channel and tensor scales through the hardware one (ragged: one scale load per
-    value); each conversion checked on all 256 bytes first."""
+    value); each conversion checked on all 256 bytes first. A hidden size of whole tiles (128: gate_up's
+    bytes load unmasked) and a ragged one (80)."""
     result = run_under_interpreter(f"from moestream.quant.fp8 import Fp8Spec\nSPECS = {specs}\nNATIVE = {native}\n"
-                                   + _SCRIPT)
+                                   f"HIDDEN = {hidden}\n" + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout

@@ -44,7 +44,8 @@ def bank(spec, H, I, S, g):
     return {k: torch.stack(v) for k, v in out.items()}
 
 g = torch.Generator().manual_seed(0)
-H, I, S, K = 96, 48, 5, 3
+H, I = SHAPE
+S, K = 5, 3
 for name in FORMATS:
     spec = parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
     slots = bank(spec, H, I, S, g)
@@ -87,10 +88,13 @@ print("interpreter ok")
 
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
-@pytest.mark.parametrize("formats", [["int8-g32", "int4-g64", "nf4-g32"], ["int3-g32", "int2-g32", "nf3-g64"],
-                                     ["int4-g32:fp32"]])   # fp32 scales and biases: GPTQ/AWQ repacked
-def test_quant_kernels_under_triton_interpreter(formats) -> None:
-    result = run_under_interpreter(f"FORMATS = {formats!r}\n" + _SCRIPT)
+@pytest.mark.parametrize("formats,shape", [(["int8-g32", "int4-g64", "nf4-g32"], (96, 48)),
+                                           (["int3-g32", "int2-g32", "nf3-g64"], (96, 48)),
+                                           (["int4-g32:fp32"], (512, 64))])   # fp32 scales and biases: GPTQ/AWQ repacked
+def test_quant_kernels_under_triton_interpreter(formats, shape) -> None:
+    """(H, I): ragged (96 = 64 + 32 at g64, tiles masked along K) or whole tiles (512, 64: every K-tile of
+    the grouped path, and gate_up's 512-deep decode tile, loads its bytes and A's columns unmasked)."""
+    result = run_under_interpreter(f"FORMATS = {formats!r}\nSHAPE = {shape!r}\n" + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout
 
