@@ -29,9 +29,10 @@ def _dequant_slots_kernel(b_ptr, s_ptr, z_ptr, code_ptr, out_ptr, N, K, HALF_N,
                           stride_be, stride_bn, stride_se, stride_sn, stride_oe, stride_on,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                           NF: tl.constexpr, FP8: tl.constexpr = 0, SCALE_ROWS: tl.constexpr = 1,
-                          GATED: tl.constexpr = False):
+                          GATED: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """out[slot, rows, K-tile] = the dequantized weight of one (slot, row block, K-tile): rows of N
-    (gate_up: the gate's HALF_N rows, then the up's), every value rounded once to out's dtype."""
+    (gate_up: the gate's HALF_N rows, then the up's), every value rounded once to out's dtype.
+    EVEN_K (K a multiple of BLOCK_K): the packed bytes load unmasked, as wide vectors."""
     slot = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.program_id(2)
@@ -50,7 +51,7 @@ def _dequant_slots_kernel(b_ptr, s_ptr, z_ptr, code_ptr, out_ptr, N, K, HALF_N,
     u_mask = unit * VPB < K
     word, scale, bias = quant_tile(b_ptr + slot * stride_be, s_ptr + slot * stride_se, z_ptr + slot * stride_se,
                                     offs_bn, srow, kk * U, unit, u_mask, kk * R, tl.cdiv(K, GROUP), stride_bn,
-                                    stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
+                                    stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8, EVEN_K)
     out_rows = out_ptr + slot * stride_oe + offs_bn[None, :] * stride_on
     if VPB == 2:   # two values a byte: the planes interleaved back into K order, so the stores are contiguous
         dtype = out_ptr.dtype.element_ty
@@ -81,5 +82,5 @@ def dequantize_operand(operand: QuantOperand, k: int, dtype: torch.dtype, gated:
     with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
         _dequant_slots_kernel[grid](b, s, z, code, out, N, k, N // 2, b.stride(0), b.stride(1), stride_se, stride_sn,
                                     out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits,
-                                    GROUP=group, NF=nf, num_warps=4, **fp8)
+                                    GROUP=group, NF=nf, EVEN_K=k % block_k == 0, num_warps=4, **fp8)
     return out
