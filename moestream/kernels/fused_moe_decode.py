@@ -138,7 +138,7 @@ def _moe_decode_kernel(
                 a_row = pid
             acc, acc_up = quant_gemv(a_ptr + a_row.to(tl.int64) * stride_am, b_base, s_base, z_base, code_ptr, offs_bn,
                                      K, N, stride_ak, stride_bn, stride_sn, BLOCK_N, BLOCK_K, GATED, BITS, GROUP, NF,
-                                     FP8, SCALE_ROWS)
+                                     FP8, SCALE_ROWS, EVEN_K)
             if HAS_BIAS:
                 acc += tl.load(bias_row + offs_bn).to(tl.float32)
                 if GATED:

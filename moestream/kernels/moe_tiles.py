@@ -242,7 +242,7 @@ def _plane_dot(acc, a, word, j: tl.constexpr, scale, bias, code_ptr, BITS: tl.co
 def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak, stride_bn, stride_sn,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                BITS: tl.constexpr, GROUP: tl.constexpr, NF: tl.constexpr, FP8: tl.constexpr,
-               SCALE_ROWS: tl.constexpr):
+               SCALE_ROWS: tl.constexpr, EVEN_K: tl.constexpr = False):
     """fp32 (acc, acc_up) [BLOCK_N] of ONE row of A against a quantized expert, without tensor cores.
 
     The decode case (one token per expert): the dot path would pad the row to 16 and move every
@@ -263,11 +263,11 @@ def quant_gemv(a_row, b_base, s_base, z_base, code_ptr, offs_bn, K, N, stride_ak
         u_mask = unit * VPB < K
         g0 = kk * R
         word, scale, bias = quant_tile(b_base, s_base, z_base, offs_bn, srow, kk * U, unit, u_mask, g0,
-                                        num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8)
+                                        num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N, NF, GROUP, FP8, EVEN_K)
         if GATED:
             word_up, scale_up, bias_up = quant_tile(b_base, s_base, z_base, offs_bn + N, srow_up, kk * U, unit,
                                                      u_mask, g0, num_groups, stride_bn, stride_sn, UB, R, U, BLOCK_N,
-                                                     NF, GROUP, FP8)
+                                                     NF, GROUP, FP8, EVEN_K)
         for j in tl.static_range(VPB):
             a = tl.load(a_row + (unit * VPB + j) * stride_ak, mask=u_mask, other=0.0).to(tl.float32)
             acc += dequant_plane(word, j, scale, bias, code_ptr, BITS, NF, tl.float32, FP8) * a[:, None]
