@@ -78,7 +78,7 @@ def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
     consts = {"A_BY_TOKEN": gated, "GATED": gated, "ACTIVATION": activation, "MUL_WEIGHT": not gated,
               "HAS_BIAS": bias, "PAIRS": 16,
               "BLOCK_M": 16, "BLOCK_N": 16 if gated else 32, "BLOCK_K": block_k,
-              "EVEN_K": bits == 0 or gated,   # quantized: gate_up's whole tiles, down's ragged ones (the model's)
+              "EVEN_K": bits == 0 or gated,   # quantized: unmasked tiles gated, masked ones not
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
                          bits, nf)
