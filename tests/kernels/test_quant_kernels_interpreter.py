@@ -90,10 +90,10 @@ print("interpreter ok")
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 @pytest.mark.parametrize("formats,shape", [(["int8-g32", "int4-g64", "nf4-g32"], (96, 48)),
                                            (["int3-g32", "int2-g32", "nf3-g64"], (96, 48)),
-                                           (["int4-g32:fp32"], (512, 64))])   # fp32 scales and biases: GPTQ/AWQ repacked
+                                           (["int4-g32:fp32"], (256, 64))])   # fp32 scales and biases: GPTQ/AWQ repacked
 def test_quant_kernels_under_triton_interpreter(formats, shape) -> None:
-    """(H, I): ragged (96 = 64 + 32 at g64, tiles masked along K) or whole tiles (512, 64: every K-tile of
-    the grouped path, and gate_up's 512-deep decode tile, loads its bytes and A's columns unmasked)."""
+    """(H, I): ragged (96 = 64 + 32 at g64, tiles masked along K) or whole tiles (256, 64: every K-tile of
+    the grouped path and of the decode path loads its bytes and A's columns unmasked)."""
     result = run_under_interpreter(f"FORMATS = {formats!r}\nSHAPE = {shape!r}\n" + _SCRIPT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreter ok" in result.stdout
