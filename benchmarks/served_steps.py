@@ -101,6 +101,7 @@ def run(args) -> dict:
                             gpu_memory=args.gpu_memory, max_batch=args.streams, kv_rows=args.streams,
                             max_context=args.max_context, prefill_chunk=args.prefill_chunk,
                             prompt_cpu_misses="auto" if any(args.prompt_cpu_misses) else 0.0,
+                            cpu_threads=args.cpu_threads,
                             **({"miss_policy": "hybrid", "host_tier": "pinned"} if args.hybrid else {}))
     routing = apply_routing(engine, args.routing, args.trace)
     engine.warm_up(8)   # as `moestream serve` starts
@@ -142,6 +143,7 @@ def run(args) -> dict:
                        "compiled_measured": sum(sum(s["compiled"].values()) for s in steps),
                        "slow_steps": [s for s in steps if s["ms"] > args.slow_ms or s["compiled"]], "steps": steps}
     return {"streams": args.streams, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+            "cpu_threads": args.cpu_threads,
             "capacity": args.capacity, "routing": routing.label if routing is not None else "the model's own",
             "device": str(engine.device), "prefill_chunk": engine.runner.prefill_chunk, "modes": modes}
 
@@ -160,6 +162,8 @@ def main() -> int:
     ap.add_argument("--hybrid", action="store_true",
                     help="the hybrid miss policy over a pinned host tier (the default on a GPU at a bank; this asks for it "
                          "anywhere, the CPU included)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="the CPU expert kernel's team (default: moestream's, every core but one up to 16)")
     ap.add_argument("--batch-cpu-shares", type=float, nargs="*", default=[],
                     help="a default-mode round per CPU share of a batch's misses, fixed (hybrid policy)")
     args = ap.parse_args()
