@@ -302,4 +302,8 @@ def test_json_is_one_convention_in_run_bench_and_perplexity(tmp_path, capsys):
         if command[0] != "run":
             assert len(out) == 1, out                                  # and nothing else
     assert cli_main(["run", "-p", "def f(", "--max-tokens", "2", *common, "--stats-json", str(tmp_path / "s.json")]) == 0
-    assert "hits" in json.loads((tmp_path / "s.json").read_text())
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert "hits" in stats
+    # run's own figures beside the bank's: the load, the first token, what it generated
+    assert stats["run"]["load_s"] > 0 and stats["run"]["ttft_s"] > 0 and stats["run"]["generated_tokens"] == 2
+    assert stats["run"]["prompt_tokens"] > 0 and stats["run"]["device"] == "cpu"

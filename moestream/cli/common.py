@@ -257,11 +257,13 @@ def _report_load(engine, load_s: float, args) -> None:
         print(f"[moestream] {what}; start-up {load_s:.2f} s", file=sys.stderr)
 
 
-def report_stats(engine, args) -> None:
+def report_stats(engine, args, run: dict | None = None) -> None:
+    """--stats' table and --json's bank statistics; `run`: the command's own figures (run's load time,
+    time to first token, decode rate), under "run" in the JSON."""
     if getattr(args, "stats", False):
         print(stats_text(engine), file=sys.stderr)
     if getattr(args, "json", None):
-        emit_json(args.json, engine.stats())
+        emit_json(args.json, {**engine.stats(), **({"run": run} if run is not None else {})})
 
 
 def stats_text(engine) -> str:

@@ -92,6 +92,8 @@ def run(args) -> int:
     print(f"[moestream] load {load_s:.2f} s | prompt {m.prompt_tokens} tokens | TTFT {m.ttft_s * 1000:.0f} ms | "
           f"generated {m.generated_tokens} tokens at {m.decode_tok_s:.1f} tok/s | peak memory {gib(m.peak_memory_bytes)} "
           f"({engine.device.type})", file=sys.stderr)
-    report_stats(engine, args)
+    report_stats(engine, args, run={"load_s": load_s, "prompt_tokens": m.prompt_tokens, "ttft_s": m.ttft_s,
+                                    "generated_tokens": m.generated_tokens, "decode_tok_s": m.decode_tok_s,
+                                    "peak_memory_bytes": m.peak_memory_bytes, "device": engine.device.type})
     return 0
 
