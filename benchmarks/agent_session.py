@@ -14,7 +14,9 @@ the tokens the server generated for it (returned as ids: `return_token_ids` on o
 random ids for both servers (seeded per session); turns follow each other with no pause (the time a
 tool takes to run is not modelled). Per turn: time to first token, decode tok/s (tokens after the
 first over the time from the first to the last), the prompt's length and its cached part as the
-server reports it; per session its wall time. Before each session count, one unmeasured round of as
+server reports it, and for our server the kernel variants its process compiled during the turn (its
+`/metrics`, read before and after the turn, outside its timing: a turn that compiled stalled); per session
+its wall time. Before each session count, one unmeasured round of as
 many 2-turn sessions (`--warm-turns`) compiles kernels and grows buffers for these shapes.
 
 Our server runs `moestream serve`'s app in a process of its own (serve_throughput.py's), on a random
@@ -42,6 +44,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -90,8 +94,18 @@ def send_llama(url: str, prompt: list[int], tokens: int, slot: int) -> dict:
     return {"arrivals": arrivals, "ids": ids, "cached": timings.get("cache_n")}
 
 
-def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: int, keep_ids: bool) -> dict:
-    """One conversation of `turns` turns; each turn's prompt = the last prompt + its reply + new tokens."""
+def compiled_in_server(url: str) -> int:
+    """The Triton kernel variants our server's process has compiled (its `/metrics` gauge)."""
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("moestream_kernel_variants_compiled "):
+            return int(float(line.split()[1]))
+    raise RuntimeError("the server's /metrics has no moestream_kernel_variants_compiled")
+
+
+def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: int, keep_ids: bool,
+                probe=None) -> dict:
+    """One conversation of `turns` turns; each turn's prompt = the last prompt + its reply + new tokens.
+    `probe(url)`: a count read before and after each turn, outside its timing (ours: kernels compiled)."""
     rng = random.Random(seed)
     prompt = [rng.randrange(1, vocab) for _ in range(args.first_tokens)]
     rows, random_replies, reply = [], 0, []
@@ -99,6 +113,7 @@ def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: i
     for turn in range(turns):
         if turn:
             prompt = prompt + reply + [rng.randrange(1, vocab) for _ in range(args.new_tokens)]
+        before = probe(url) if probe is not None else None
         t0 = time.perf_counter()
         got = send(url, prompt, args.gen_tokens, slot)
         end = time.perf_counter()
@@ -113,6 +128,8 @@ def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: i
                "ttft_ms": 1000 * (a[0] - t0) if a else None,
                "decode_tok_s": (len(reply) - 1) / (a[-1] - a[0]) if len(a) > 1 and a[-1] > a[0] else None,
                "turn_ms": 1000 * (end - t0)}
+        if probe is not None:   # with several sessions, any session's step may have compiled them
+            row["kernels_compiled"] = probe(url) - before
         if keep_ids:
             row["prompt_ids"], row["generated_ids"] = list(prompt), list(reply)
         rows.append(row)
@@ -120,12 +137,13 @@ def run_session(send, url: str, slot: int, args, vocab: int, seed: int, turns: i
             "replies": "random ids (the server returned none)" if random_replies else "the server's own tokens"}
 
 
-def run_sessions(send, url: str, n: int, args, vocab: int, turns: int, seed: int, keep_ids: bool = False) -> dict:
+def run_sessions(send, url: str, n: int, args, vocab: int, turns: int, seed: int, keep_ids: bool = False,
+                 probe=None) -> dict:
     """`n` sessions at once, session i on slot i; each its own seeded conversation."""
     results: list = [None] * n
 
     def one(i: int) -> None:
-        results[i] = run_session(send, url, i, args, vocab, seed + i, turns, keep_ids)
+        results[i] = run_session(send, url, i, args, vocab, seed + i, turns, keep_ids, probe)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -138,11 +156,11 @@ def run_sessions(send, url: str, n: int, args, vocab: int, turns: int, seed: int
     return {"sessions": n, "wall_s": time.perf_counter() - t0, "per_session": results}
 
 
-def measured(send, url: str, n: int, args, vocab: int) -> dict:
+def measured(send, url: str, n: int, args, vocab: int, probe=None) -> dict:
     """One unmeasured round of `n` short sessions (other ids), then the measured round."""
     if args.warm_turns:
         run_sessions(send, url, n, args, vocab, min(args.warm_turns, args.turns), seed=1_000_000 + 1000 * n)
-    return run_sessions(send, url, n, args, vocab, args.turns, seed=1000 * n, keep_ids=args.keep_ids)
+    return run_sessions(send, url, n, args, vocab, args.turns, seed=1000 * n, keep_ids=args.keep_ids, probe=probe)
 
 
 # ---- the two servers ---------------------------------------------------------------------------------
@@ -156,7 +174,7 @@ def run_ours(args, vocab: int) -> dict:
     with st.our_server(server_args(args), Path(__file__)) as url:
         runs = []
         for n in args.sessions:
-            runs.append(measured(send_ours, url, n, args, vocab))
+            runs.append(measured(send_ours, url, n, args, vocab, probe=compiled_in_server))
             log("moestream", n, "sessions:", json.dumps(summary(runs[-1])))
         return {"runs": runs, **st.server_stats(url), "routing": args.routing, "capacity": args.capacity,
                 "gpu_memory": args.gpu_memory}

@@ -4,12 +4,16 @@ Request counts by API and status, tokens in / out / reused, time to first token 
 tokens, each engine step's wall time (prompt steps and decode steps apart: a stall shows as a step
 of seconds), queue depth and running sequences (sampled after every step), and the state of the
 prefix cache and the expert bank, read when `/metrics` is scraped; with several devices, each
-rank's bank and all-reduces (calls, bytes, seconds) labelled by rank.
+rank's bank and all-reduces (calls, bytes, seconds) labelled by rank. And the Triton kernel variants
+compiled in the process: after the start's warm-up a served step should compile none (ARCHITECTURE.md,
+rules of the hot path), so a count that grows while serving marks a step that stalled to compile.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from moestream.kernels import compiled_variants
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 # An agent's first turn on an offloaded model prefills tens of thousands of tokens: minutes, up to
@@ -51,6 +55,9 @@ class ServerMetrics:
         self.prefix_token_reuse = Gauge("moestream_prefix_cache_token_reuse",
                                         "Share of prompt tokens restored instead of prefilled", registry=r)
         self.bank_hit_rate = Gauge("moestream_bank_hit_rate", "Expert lookups served by the bank", registry=r)
+        self.kernel_variants = Gauge("moestream_kernel_variants_compiled",
+                                     "Triton kernel variants compiled in this process (growing while serving: a step "
+                                     "that stalled to compile)", registry=r)
         self.bank_bytes_copied = Gauge("moestream_bank_bytes_copied", "Expert bytes copied into the bank", registry=r)
         # Expert parallel: each rank's own bank and all-reduces (absent with one device).
         self.rank_hit_rate = Gauge("moestream_rank_bank_hit_rate", "Expert lookups served by this rank's bank",
@@ -107,6 +114,7 @@ class ServerMetrics:
             self.prefix_bytes.set(stats["used_bytes"])
             self.prefix_hit_rate.set(stats["hit_rate"])
             self.prefix_token_reuse.set(stats["token_reuse"])
+        self.kernel_variants.set(sum(compiled_variants().values()))
         bank = self.engine.stats()
         self.bank_hit_rate.set(bank["hit_rate"])
         self.bank_bytes_copied.set(bank["bytes_copied"])

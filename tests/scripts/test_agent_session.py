@@ -86,6 +86,7 @@ def test_our_server_runs_every_turn_of_every_session_on_its_cached_conversation(
     _check_conversations(result["ours"]["runs"], [1, 2], turns=3, new=6, gen=5, first=40)
     for s in (s for r in result["ours"]["runs"] for s in r["per_session"]):
         assert s["turns"][0]["cached_tokens"] == 0                    # the first turn was sent by nobody before
+        assert all(t["kernels_compiled"] == 0 for t in s["turns"])    # read from /metrics; the CPU compiles none
     assert result["routing"] == "uniform" and result["machine"]["cores"] >= 1 and "ours" in result["commands"]
     assert result["turn_shape"]["context_per_session"] >= 40 + 2 * 6 + 3 * 5
     rows = result["headline"]

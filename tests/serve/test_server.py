@@ -262,6 +262,25 @@ def test_bad_requests_get_the_right_status_and_body(server, oai):
     assert [m.id for m in oai.models.list()] == ["demo"] and oai.models.retrieve("demo").id == "demo"
 
 
+def test_metrics_count_the_kernel_variants_compiled_in_the_process(monkeypatch):
+    """A count read at each scrape, so a served step that compiled (a stall) shows as a count that grew."""
+    import moestream.serve.metrics as metrics
+
+    class Engine:
+        def prefix_cache_stats(self):
+            return None
+
+        def stats(self):
+            return {"hit_rate": 1.0, "bytes_copied": 0}
+
+    compiled = {"moestream.kernels.a._kernel": 2, "moestream.kernels.b._kernel": 3}
+    monkeypatch.setattr(metrics, "compiled_variants", lambda: dict(compiled))
+    served = metrics.ServerMetrics(Engine())
+    assert "moestream_kernel_variants_compiled 5.0" in served.render().decode()
+    compiled["moestream.kernels.b._kernel"] = 4
+    assert "moestream_kernel_variants_compiled 6.0" in served.render().decode()
+
+
 def test_health_metrics_and_cache_stats(server, oai):
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     oai.chat.completions.create(model="m", messages=PROMPT, max_tokens=2, temperature=0)
@@ -269,7 +288,7 @@ def test_health_metrics_and_cache_stats(server, oai):
     assert 'moestream_requests_total{api="chat",status="200"}' in metrics
     for name in ("moestream_time_to_first_token_seconds_count", "moestream_prompt_cached_tokens_total",
                  "moestream_queue_depth", "moestream_bank_hit_rate", "moestream_prefix_cache_hit_rate",
-                 "moestream_kv_cache_rows", "moestream_inter_token_seconds_bucket"):
+                 "moestream_kv_cache_rows", "moestream_inter_token_seconds_bucket", "moestream_kernel_variants_compiled"):
         assert name in metrics
     steps = {kind: float(line.split()[1]) for line in metrics.splitlines() for kind in ("prompt", "decode")
              if line.startswith(f'moestream_step_seconds_count{{kind="{kind}"}}')}
