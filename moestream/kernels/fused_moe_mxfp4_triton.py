@@ -111,10 +111,15 @@ def _down_kernel(h_ptr, slot_ptr, weight_ptr, blocks_ptr, scales_ptr, bias_ptr, 
 
 
 @triton.jit
-def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K, GROUPS):
-    """The (rows, even columns) and (rows, odd columns) fp32 weights of byte columns `col`."""
-    m = row_mask[:, None] & col_mask[None, :]
-    byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
+def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K, GROUPS, EVEN_K: tl.constexpr = False):
+    """The (rows, even columns) and (rows, odd columns) fp32 weights of byte columns `col` (EVEN_K: every
+    column inside the row, masked by rows only)."""
+    if EVEN_K:
+        m = row_mask[:, None]   # broadcast over the columns
+        byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
+    else:
+        m = row_mask[:, None] & col_mask[None, :]
+        byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
     s = tl.load(scales_ptr + rows[:, None] * GROUPS + (col // 16)[None, :], mask=m, other=127).to(tl.int32)
     scale = (s << 23).to(tl.float32, bitcast=True)
     return _fp4(byte & 15) * scale, _fp4(byte >> 4) * scale
@@ -122,19 +127,28 @@ def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K,
 
 @triton.jit
 def _grouped_dot(a_ptr, a_rows, a_mask, a_stride, blocks_ptr, scales_ptr, rows, row_mask, K,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """(BLOCK_M, BLOCK_N) fp32: rows `a_rows` of A (K wide) times the MXFP4 weight rows `rows`."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 EVEN_K: tl.constexpr = False):
+    """(BLOCK_M, BLOCK_N) fp32: rows `a_rows` of A (K wide) times the MXFP4 weight rows `rows`. EVEN_K
+    (K a multiple of BLOCK_K): no mask along K, so A's tile is one K-contiguous load split into its even
+    and odd columns in registers, and the weight bytes load as wide vectors (the same dots, the same bits)."""
     j = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     HALF_K = K // 2
     for k0 in range(0, K, BLOCK_K):
         col = k0 // 2 + j
-        cmask = col < HALF_K
-        am = a_mask[:, None] & cmask[None, :]
-        base = a_ptr + a_rows[:, None] * a_stride + 2 * col[None, :]
-        a_even = tl.load(base, mask=am, other=0.0)
-        a_odd = tl.load(base + 1, mask=am, other=0.0)
-        w_even, w_odd = _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, cmask, HALF_K, K // 32)
+        if EVEN_K:
+            cmask = col < HALF_K   # all true here; `_dequant_tile` masks by rows only
+            a_both = tl.load(a_ptr + a_rows[:, None] * a_stride + (k0 + tl.arange(0, BLOCK_K))[None, :],
+                             mask=a_mask[:, None], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a_both, (BLOCK_M, BLOCK_K // 2, 2)))
+        else:
+            cmask = col < HALF_K
+            am = a_mask[:, None] & cmask[None, :]
+            base = a_ptr + a_rows[:, None] * a_stride + 2 * col[None, :]
+            a_even = tl.load(base, mask=am, other=0.0)
+            a_odd = tl.load(base + 1, mask=am, other=0.0)
+        w_even, w_odd = _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, cmask, HALF_K, K // 32, EVEN_K)
         acc += tl.dot(a_even, tl.trans(w_even.to(a_even.dtype)), input_precision=PRECISION)
         acc += tl.dot(a_odd, tl.trans(w_odd.to(a_odd.dtype)), input_precision=PRECISION)
     return acc
@@ -144,7 +158,7 @@ def _grouped_dot(a_ptr, a_rows, a_mask, a_stride, blocks_ptr, scales_ptr, rows, 
 def _grouped_gate_up_kernel(x_ptr, pair_ptr, block_slot_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr, P, K, I,
                             TOP_K, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, alpha, limit,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False):
     b = tl.program_id(0)
     slot = tl.load(block_slot_ptr + b).to(tl.int64)
     if slot >= 0:
@@ -156,9 +170,9 @@ def _grouped_gate_up_kernel(x_ptr, pair_ptr, block_slot_ptr, blocks_ptr, scales_
         expert_scales = scales_ptr + slot * (2 * I) * (K // 32)
         token = pair // TOP_K
         gate = _grouped_dot(x_ptr, token, pmask, K, expert_blocks, expert_scales, n, nmask, K,
-                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                            BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
         up = _grouped_dot(x_ptr, token, pmask, K, expert_blocks, expert_scales, n + I, nmask, K,
-                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                          BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
         if HAS_BIAS:
             gate += tl.load(bias_ptr + slot * 2 * I + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + slot * 2 * I + I + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -170,7 +184,7 @@ def _grouped_gate_up_kernel(x_ptr, pair_ptr, block_slot_ptr, blocks_ptr, scales_
 @triton.jit(do_not_specialize=["P"])
 def _grouped_down_kernel(h_ptr, pair_ptr, block_slot_ptr, weight_ptr, blocks_ptr, scales_ptr, bias_ptr, out_ptr,
                          P, K, H, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr = False):
     b = tl.program_id(0)
     slot = tl.load(block_slot_ptr + b).to(tl.int64)
     if slot >= 0:
@@ -181,7 +195,7 @@ def _grouped_down_kernel(h_ptr, pair_ptr, block_slot_ptr, weight_ptr, blocks_ptr
         expert_blocks = blocks_ptr + slot * H * (K // 2)
         expert_scales = scales_ptr + slot * H * (K // 32)
         y = _grouped_dot(h_ptr, pair, pmask, K, expert_blocks, expert_scales, n, nmask, K,
-                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EVEN_K)
         if HAS_BIAS:
             y += tl.load(bias_ptr + slot * H + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         y = y * tl.load(weight_ptr + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
@@ -213,10 +227,12 @@ def mxfp4_grouped(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
     _grouped_gate_up_kernel[(blocks, triton.cdiv(I, BLOCK_N))](
         x, pair_ids, block_slot, slots["gate_up.blocks"], slots["gate_up.scales"], gate_up_bias if has_bias else x, h,
         P, H, I, k, HAS_BIAS=has_bias, ACTIVATION=ACTIVATION_CODES[activation.name], alpha=float(activation.alpha),
-        limit=float(activation.limit), BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision)
+        limit=float(activation.limit), BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
+        EVEN_K=H % BLOCK_K == 0)
     _grouped_down_kernel[(blocks, triton.cdiv(H, BLOCK_N))](
         h, pair_ids, block_slot, w, slots["down.blocks"], slots["down.scales"], down_bias if has_bias else x, out,
-        P, I, H, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision)
+        P, I, H, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
+        EVEN_K=I % BLOCK_K == 0)
     return out.view(T, k, H)
 
 
