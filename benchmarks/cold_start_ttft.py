@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from moestream.fileio import write_json_atomic  # noqa: E402
+from benchmarks.common import log, model_config, write_result  # noqa: E402
 
 
 def named_checkpoint(text: str) -> tuple[str, Path]:
@@ -62,9 +62,8 @@ def one_run(path: Path, prompt: str, args) -> dict:
 
 
 def vocab_of(checkpoints: list[tuple[str, Path]]) -> int:
-    """The smallest vocabulary a folder's config.json names (a GGUF file's is not read: 32,000 then)."""
-    sizes = [json.loads((p / "config.json").read_text()).get("vocab_size") for _, p in checkpoints
-             if (p / "config.json").is_file()]
+    """The smallest vocabulary of the checkpoints that exist (a folder's config.json or a GGUF's metadata)."""
+    sizes = [model_config(p).get("vocab_size") for _, p in checkpoints if p.exists()]
     return min([s for s in sizes if s] or [32000])
 
 
@@ -111,13 +110,13 @@ def main() -> int:
     result = run(args)
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['name']:>10}: failed: {r['error']}", flush=True)
+            log(f"{r['name']:>10}: failed: {r['error']}")
             continue
-        print(f"{r['name']:>10}: first token {r['median_wall_s']:.2f} s from a fresh process (first run "
-              f"{r['first_wall_s']:.2f} s; load {r['median_load_s']:.2f} s, prompt of {r['prompt_tokens']} tokens "
-              f"{1000 * r['median_ttft_s']:.0f} ms), {r['wall_vs_first']:.2f}x the first's", flush=True)
+        log(f"{r['name']:>10}: first token {r['median_wall_s']:.2f} s from a fresh process (first run "
+            f"{r['first_wall_s']:.2f} s; load {r['median_load_s']:.2f} s, prompt of {r['prompt_tokens']} tokens "
+            f"{1000 * r['median_ttft_s']:.0f} ms), {r['wall_vs_first']:.2f}x the first's")
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out / "cold_start_ttft.json", result, indent=2)
+    write_result(args.out, "cold_start_ttft", result)
     return 0
 
 

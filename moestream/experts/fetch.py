@@ -179,13 +179,13 @@ class Fetcher:
         missing = [e for e in experts.tolist() if e not in ls.where]
         free = self.slots.capacity - len(self.policy.pinned.get(layer, ())) - (len(experts) - len(missing))
         if missing and (len(missing) > free or hidden.shape[0] > self.slots.capacity):
-            return self._staged(layer, hidden, expert_ids, weights, routed, missing,
+            return self._staged(layer, hidden, expert_ids, weights, routed, experts, counts, missing,
                                 ahead if ahead is not None and ahead.layer == layer else None)
         if missing and self.cpu_share != 0 and hidden.shape[0] <= CPU_MAX_TOKENS:
             on_cpu = self._cpu_share_of(layer, dict(zip(experts.tolist(), counts.tolist())), missing)
             if on_cpu:
                 return self._hybrid(layer, hidden, expert_ids, weights, on_cpu)
-        self.ensure_resident(layer, flat)
+        self._make_resident(layer, experts, counts)
         return self.dispatch[layer](hidden, ls.tensors, expert_ids, weights, slot_map=ls.slot_map)
 
     def ensure_resident(self, layer: int, routed: np.ndarray, wait: str = "host") -> None:
@@ -194,8 +194,12 @@ class Fetcher:
         Experts prefetched for this layer count as hits (their copies were issued ahead); the
         compute stream (wait="device") or the host waits for those copies before the experts run.
         """
-        ls = self.slots[layer]
         experts, counts = np.unique(routed[routed >= 0], return_counts=True)
+        self._make_resident(layer, experts, counts, wait)
+
+    def _make_resident(self, layer: int, experts: np.ndarray, counts: np.ndarray, wait: str = "host") -> None:
+        """`ensure_resident` for a call's distinct routed experts and their pair counts."""
+        ls = self.slots[layer]
         self.policy.record(layer, experts, counts)
         ids = experts.tolist()
         resident = np.fromiter((e in ls.where for e in ids), dtype=bool, count=len(ids))
@@ -300,17 +304,17 @@ class Fetcher:
         return out
 
     def _staged(self, layer: int, hidden: Tensor, expert_ids: Tensor, weights: Tensor, routed: np.ndarray,
-                missing: list[int], ahead: StagedAhead | None) -> Tensor:
+                experts: np.ndarray, counts: np.ndarray, missing: list[int], ahead: StagedAhead | None) -> Tensor:
         """Resident experts from the bank, missing ones streamed through two staging buffers.
 
         While one buffer's experts compute, the next group is copied into the other one; the stage
         maps of every group are uploaded in one copy so the host never waits in between. `ahead`:
         groups of this layer already copied while the layer before ran (`_copy_ahead`); they are
         the first groups, and the rest of the missing experts follow them. Each group's experts
-        are in id order, so a run of consecutive ids is one copy per tensor.
+        are in id order, so a run of consecutive ids is one copy per tensor. `routed`: the call's routing
+        as `forward` read it back; `experts`, `counts`: its distinct experts and their pairs.
         """
         t0 = time.perf_counter()
-        experts, counts = np.unique(routed[routed >= 0], return_counts=True)
         self.policy.record(layer, experts, counts)
         missed = np.isin(experts, missing)
         ls = self.slots[layer]

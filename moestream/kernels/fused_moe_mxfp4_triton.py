@@ -116,10 +116,9 @@ def _dequant_tile(blocks_ptr, scales_ptr, rows, row_mask, col, col_mask, HALF_K,
     column inside the row, masked by rows only)."""
     if EVEN_K:
         m = row_mask[:, None]   # broadcast over the columns
-        byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
     else:
         m = row_mask[:, None] & col_mask[None, :]
-        byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
+    byte = tl.load(blocks_ptr + rows[:, None] * HALF_K + col[None, :], mask=m, other=0).to(tl.int32)
     s = tl.load(scales_ptr + rows[:, None] * GROUPS + (col // 16)[None, :], mask=m, other=127).to(tl.int32)
     scale = (s << 23).to(tl.float32, bitcast=True)
     return _fp4(byte & 15) * scale, _fp4(byte >> 4) * scale
@@ -137,13 +136,12 @@ def _grouped_dot(a_ptr, a_rows, a_mask, a_stride, blocks_ptr, scales_ptr, rows, 
     HALF_K = K // 2
     for k0 in range(0, K, BLOCK_K):
         col = k0 // 2 + j
+        cmask = col < HALF_K   # EVEN_K: all true, and `_dequant_tile` masks by rows only
         if EVEN_K:
-            cmask = col < HALF_K   # all true here; `_dequant_tile` masks by rows only
             a_both = tl.load(a_ptr + a_rows[:, None] * a_stride + (k0 + tl.arange(0, BLOCK_K))[None, :],
                              mask=a_mask[:, None], other=0.0)
             a_even, a_odd = tl.split(tl.reshape(a_both, (BLOCK_M, BLOCK_K // 2, 2)))
         else:
-            cmask = col < HALF_K
             am = a_mask[:, None] & cmask[None, :]
             base = a_ptr + a_rows[:, None] * a_stride + 2 * col[None, :]
             a_even = tl.load(base, mask=am, other=0.0)

@@ -33,10 +33,11 @@ def _spy_ahead(monkeypatch) -> list[int]:
     used: list[int] = []
     staged = Fetcher._staged
 
-    def spy(self, layer, hidden, expert_ids, weights, flat, missing, ahead):
+    def spy(self, *args):
+        ahead = args[-1]   # `_staged`'s last argument: this layer's groups copied ahead, or None
         if ahead is not None:
             used.append(len(ahead.groups))
-        return staged(self, layer, hidden, expert_ids, weights, flat, missing, ahead)
+        return staged(self, *args)
 
     monkeypatch.setattr(Fetcher, "_staged", spy)
     return used
