@@ -347,9 +347,16 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
     return acc;
 }
 
+/* Whether affine 4-bit rows of K values in groups of `group` take `q4_row_dot_bf16`: whole groups of a
+ * multiple of 64 values (a 32-byte load within one group), or groups of 32 read two at a time (Q4_0's
+ * and GPTQ's g32; K a multiple of 64). */
+static inline int q4_groups_fit(int group, int K) {
+    return (group % 64 == 0 && K % group == 0) || (group == 32 && K % 64 == 0);
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* One affine 4-bit row (whole groups of a multiple of 64 values) times bf16 inputs `xb`
- * (phase-ordered: the low nibbles' values first, then the high nibbles') with group sums `xs`. */
+/* One affine 4-bit row (`q4_groups_fit`) times bf16 inputs `xb` (phase-ordered: the low nibbles'
+ * values first, then the high nibbles') with group sums `xs`. */
 static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, const uint16_t *xb, const float *xs) {
     const int per = K / 2, G = K / W->group, gbytes = W->group / 2;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)per;
@@ -361,6 +368,22 @@ static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, con
     const __m512i low = _mm512_set1_epi16(0x0f);
     __m512 tot = _mm512_setzero_ps();
     float bias = 0.f;
+    if (W->group == 32) {   /* two groups a 32-byte load: a dot product's lanes 0-7 sum the first's bytes, 8-15 the second's */
+        for (int g = 0; g < G; g += 2) {
+            const int j = g * gbytes;
+            if (prefetch_bytes) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
+            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
+            const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
+            const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+            __m512 gacc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xb + j));
+            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xb + per + j));
+            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g)),
+                                                  _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g + 1)));
+            tot = _mm512_fmadd_ps(s, gacc, tot);
+            if (bi) bias += scale_at(bi, W->sdtype, row * G + g) * xs[g] + scale_at(bi, W->sdtype, row * G + g + 1) * xs[g + 1];
+        }
+        return _mm512_reduce_add_ps(tot) + bias;
+    }
     for (int g = 0; g < G; g++) {
         __m512 gacc = _mm512_setzero_ps();
         for (int j = g * gbytes; j < (g + 1) * gbytes; j += 32) {
@@ -389,7 +412,7 @@ static int affine_codes(const float *table) {
 /* Whether a projection of K inputs takes `q4_row_dot_bf16`. */
 static inline int q4_fast(const Weights *W, int K) {
 #if defined(HAVE_Q4_BF16)
-    return W->fast && W->bits == 4 && W->group % 64 == 0 && K % W->group == 0;
+    return W->fast && W->bits == 4 && q4_groups_fit(W->group, K);
 #else
     (void)W;
     (void)K;
@@ -771,8 +794,8 @@ static int next_job(StreamWorker *w) {
             }
             if (L->quantized) {   /* value j*v + p of a row at p*(H/v) + j, v = 8/bits */
                 const int group = L->q.group[0], v = 8 / L->q.bits, per = w->H / v, G = w->H / group;
-                const int fast = w->dtype == W_BF16 && L->q.bits == 4 && L->q.codes == CODES_TABLE && group % 64 == 0 &&
-                                 w->H % group == 0 && affine_codes(L->q.table);
+                const int fast = w->dtype == W_BF16 && L->q.bits == 4 && L->q.codes == CODES_TABLE &&
+                                 q4_groups_fit(group, w->H) && affine_codes(L->q.table);
                 for (int t = 0; t < T; t++) {
                     for (int i = 0; i < w->H; i++) {
                         const size_t at = (size_t)t * w->H + (size_t)(i % v) * per + i / v;

@@ -412,10 +412,12 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
 
 def _q4_bf16(spec: QuantSpec, hidden: Tensor, H: int, I: int) -> bool:
     """Whether the kernel's affine 4-bit path with bf16 dot products takes this call: bf16 hidden
-    rows (their values, and the rounded activations, are exact in bf16) and whole groups of 64n."""
-    return (isinstance(spec, QuantSpec) and spec.kind == "int" and spec.bits == 4 and hidden.dtype == torch.bfloat16
-            and spec.group % 64 == 0
-            and H % spec.group == 0 and I % spec.group == 0)
+    rows (their values, and the rounded activations, are exact in bf16) and whole groups of 64n, or groups
+    of 32 read in pairs (GGUF's Q4_0 and GPTQ's g32: H and I multiples of 64); cpu_moe.c's `q4_groups_fit`."""
+    if not (isinstance(spec, QuantSpec) and spec.kind == "int" and spec.bits == 4 and hidden.dtype == torch.bfloat16):
+        return False
+    g = spec.group
+    return all((g % 64 == 0 and n % g == 0) or (g == 32 and n % 64 == 0) for n in (H, I))
 
 
 # ---- the stream worker ---------------------------------------------------------------------------

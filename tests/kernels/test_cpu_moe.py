@@ -178,7 +178,7 @@ def test_quantized_specs_the_kernel_does_not_read_are_named():
     assert not cpu_moe.supports_quant(parse_quant("int4", scale_dtype=torch.float16))
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g128", "int4-g128:fp32"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128", "int4-g128:fp32", "int4-g32", "int4-g32:fp32"])
 def test_affine_4bit_with_bf16_inputs_takes_bf16_dot_products(name, monkeypatch):
     """bf16 hidden rows meet affine 4-bit rows through bf16 dot products of the codes (exact
     products, fp32 sums) and the group sums of the inputs: the result of the fp32 path, to fp32's
