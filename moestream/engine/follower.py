@@ -8,7 +8,9 @@ follower's loop with the `build` it is handed, so imports keep running downward.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import signal
 import sys
 
 from moestream.engine.build import build
@@ -20,6 +22,7 @@ def run_follower(rank: int, port: int, world: int, timeout_s: float, host: str =
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: where a stuck follower stands
     run_follower(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
     # Stopped: the process ends, and rank 0's close waits for it. The interpreter's teardown would
     # walk every object torch made (~170k) in several collections, 0.7 s; frozen, they go with the
