@@ -75,6 +75,10 @@ def run(args) -> dict:
     for _ in range(args.repeats):   # in turn, so no format always follows the same one
         for name, path in args.ckpt:
             runs[name].append(one_run(path, prompt, args))
+            done = runs[name][-1]   # logged as it ends, so a run cut short keeps what it measured
+            log(f"{name:>10}: " + (f"failed: {done['error']}" if "error" in done else
+                                   f"{done['wall_s']:.2f} s to exit (load {done['load_s']:.2f} s, first token "
+                                   f"{1000 * done['ttft_s']:.0f} ms)"))
     rows, base = [], None
     for name, path in args.ckpt:
         good = [r for r in runs[name] if "error" not in r]
