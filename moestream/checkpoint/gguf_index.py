@@ -30,9 +30,7 @@ from moestream.checkpoint.safetensors_index import OpenFiles, read_exactly
 from moestream.errors import CheckpointError
 from moestream.quant import QuantSpec
 from moestream.quant import ggml
-from moestream.quant.gptq import pack_rows
 from moestream.quant.recipe import module_class
-from moestream.quant.tensor import QuantizedTensor
 
 
 def unsupported(t: GGUFTensor, where: str) -> CheckpointError:
@@ -239,7 +237,7 @@ class GGUFIndex(GGUFReads):
         types = {self.ckpt.tensors[part].type_name for part in parts}
         if not all(t in ggml.EXACT for t in types):
             return None
-        return max((ggml.spec_of(t) for t in types), key=lambda spec: spec.bits)
+        return ggml.common_spec(types)
 
     def holds(self, path: str) -> bool:
         return self.stored_spec(path) is not None
@@ -256,8 +254,7 @@ class GGUFIndex(GGUFReads):
         if source:   # each part's codes, scales and biases, stacked, the rows put in order, packed at one width
             codes, scales, biases = (torch.cat(parts)[source.order]
                                      for parts in zip(*(ggml.to_codes(*self.rows(t)) for t in tensors)))
-            spec = self.stored_spec(path)
-            return QuantizedTensor(pack_rows(codes, spec.bits), scales.contiguous(), biases.contiguous(), spec).parts()
+            return ggml.in_spec(codes, scales, biases, self.stored_spec(path), tensors[0].type_name).parts()
         rows, type_name = self.rows(tensors[0])
         heads = self._heads(name)
         if heads is not None:

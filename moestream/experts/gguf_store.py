@@ -5,7 +5,8 @@ blocks; where gate and up share one fused (E, 2I, H) stack, expert e's gate rows
 rows, and gpt-oss's (E, 2I) fused bias stack likewise). `layer_spec` decides each layer's format
 from the three types alone (the plan calls it before any weight is read): MXFP4 where all three
 are (their codes and scales kept), the affine spec holding them exactly when there is one
-(int4-g32 for Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types, fp32 scales and biases),
+(int4-g32 for Q4_0/Q4_1/Q4_K, int8-g32 for Q8_0/Q5_K and for a mix of exact types; scales and biases in fp16
+where every type's are exact in it, Q4_0's 5 bits a weight, else fp32: `ggml.common_spec`),
 int8-g32 requantized where a Q6_K tensor is among them (its error, measured on the first expert
 read, printed once), the compute dtype where a float stack is among them (blocks dequantized).
 """
@@ -43,10 +44,9 @@ def layer_spec(types: tuple[str, ...]) -> QuantSpec | Mxfp4Spec | None:
     other types: the blocks dequantized, exact)."""
     if set(types) == {"MXFP4"}:
         return MXFP4
-    if any(t in ggml.FLOAT_TYPES or t in ggml.NATIVE for t in types):
-        return None
-    specs = {ggml.spec_of(t) for t in types}
-    return specs.pop() if len(specs) == 1 else QuantSpec("int", 8, ggml.GROUP, torch.float32)
+    if any(t in ggml.FLOAT_TYPES or t in ggml.NATIVE or not ggml.readable(t) for t in types):
+        return None   # (a type moestream does not read is refused by the store, naming it)
+    return ggml.common_spec(types)
 
 
 class GGUFExpertStore(ExpertStore):
@@ -84,12 +84,8 @@ class GGUFExpertStore(ExpertStore):
 
     def _quantized(self, rows: Tensor, type_name: str, spec: QuantSpec) -> QuantizedTensor:
         """`rows` of one projection in `spec`: exact, or requantized (Q6_K, floats beside blocks)."""
-        if type_name in ggml.EXACT:
-            q = ggml.to_affine(rows, type_name)
-            if q.spec.bits != spec.bits:   # 4-bit codes widened to a layer's 8-bit ones: the same weights
-                codes = ggml.to_codes(rows, type_name)[0]
-                q = QuantizedTensor(codes.contiguous(), q.scales, q.biases, spec)
-            return q
+        if type_name in ggml.EXACT:   # in the layer's spec: 4-bit codes widened to its 8-bit ones, fp16 scales
+            return ggml.in_spec(*ggml.to_codes(rows, type_name), spec, type_name)   # held as fp32: the same weights
         q, error = ggml.requantize(rows, type_name, rows.shape[1] * 256 // ggml.REQUANTIZED[type_name][1])
         self._note(type_name, error)
         return q

@@ -202,7 +202,7 @@ int moe_cpu_init(int threads, const int32_t *cpus, int ncpus) {
  * grid being the gate's (srows / 2 rows) stacked on the up's, so a block never straddles the two
  * (`split`: the up rows' first row, I; 0 where the projection is one grid). */
 enum { CODES_TABLE = 0, CODES_FP8 = 1 };       /* code → table[code] (8 bits: the code), or e4m3 bits */
-enum { S_BF16 = 0, S_FP32 = 1, S_E8M0 = 2 };   /* scales: bf16, fp32, or e8m0 bytes (2^(e - 127)) */
+enum { S_BF16 = 0, S_FP32 = 1, S_E8M0 = 2, S_FP16 = 3 };   /* scales: bf16, fp32, e8m0 bytes (2^(e - 127)), fp16 */
 typedef struct {
     int32_t bits, codes, sdtype;
     int32_t group[2], rows[2], sdiv[2], split[2], srows[2];
@@ -249,7 +249,21 @@ static void quant_weights(Weights *W, const QuantLayout *q) {
  * j*v + p of a row at p*(K/v) + j for v = 8/bits values per byte, so each unpacked byte's p-th value
  * meets a contiguous input vector. */
 
+/* An IEEE half's value (GGUF's block scales are fp16): every half is exact in fp32. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (e == 0) {   /* zero or subnormal: m * 2^-24 */
+        v.f = (float)m * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else {
+        v.u = sign | (e == 31 ? 0x7f800000u : (e + 112u) << 23) | (m << 13);
+    }
+    return v.f;
+}
+
 static inline float scale_at(const void *p, int sdtype, size_t i) {
+    if (sdtype == S_FP16) return f16_to_f32(((const uint16_t *)p)[i]);
     if (sdtype == S_E8M0) {   /* 2^(e - 127): e = 0 is the subnormal 2^-127, e = 255 reads as inf */
         const uint32_t e = ((const uint8_t *)p)[i];
         union { uint32_t u; float f; } v;

@@ -39,6 +39,7 @@ StoredSpec = QuantSpec | Fp8Spec | Mxfp4Spec   # how quantized experts are store
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+SCALE_DTYPES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 3}   # cpu_moe.c's S_* (2: e8m0)
 ACTIVATION_CODES = {"swiglu": 0, "swiglu_clamped": 1, "geglu_tanh": 2}
 
 # How far ahead of its reads the kernel asks for weight lines (`cpu_moe.c`: why). On an H100 host's
@@ -302,16 +303,15 @@ def cpu_moe(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weigh
 
 
 def supports_quant(spec: StoredSpec) -> bool:
-    """The quantized formats the kernel reads as stored: affine 8/4/2 bits and NF4 with scales in bf16
-    or fp32; FP8 e4m3 with block, per-channel or per-tensor scales (bf16 or fp32); MXFP4 (e2m1 codes,
-    e8m0 scales per 32 values). 3-bit packs straddle bytes: those, and fp16 scales, keep the
-    plain-torch reference."""
+    """The quantized formats the kernel reads as stored: affine 8/4/2 bits and NF4 with scales in bf16,
+    fp16 (GGUF's Q4_0 and Q8_0) or fp32; FP8 e4m3 with block, per-channel or per-tensor scales (bf16
+    or fp32); MXFP4 (e2m1 codes, e8m0 scales per 32 values). 3-bit packs straddle bytes: those keep
+    the plain-torch reference."""
     if isinstance(spec, Mxfp4Spec):
         return True
     if isinstance(spec, Fp8Spec):
         return spec.scale_dtype in (torch.bfloat16, torch.float32)
-    return (spec.bits in (8, 4, 2) and (spec.kind == "int" or spec.bits == 4)
-            and spec.scale_dtype in (torch.bfloat16, torch.float32))
+    return spec.bits in (8, 4, 2) and (spec.kind == "int" or spec.bits == 4) and spec.scale_dtype in SCALE_DTYPES
 
 
 class QuantLayout(ctypes.Structure):
@@ -331,13 +331,13 @@ def quant_layout(spec: StoredSpec, hidden: int, intermediate: int) -> QuantLayou
     rows = (2 * I, H)
     if isinstance(spec, Fp8Spec):   # e4m3 bytes, float block grids; gate_up: the gate's grid, then the up's
         (gn, gk), (dn, dk) = spec.block(I, H), spec.block(H, I)
-        sdtype = DTYPES[spec.scale_dtype]
+        sdtype = SCALE_DTYPES[spec.scale_dtype]
         return QuantLayout(8, 1, sdtype, (gk, dk), rows, (gn, dn), (I, 0),
                            (2 * spec.scale_shape(I, H)[0], spec.scale_shape(H, I)[0]), (ctypes.c_float * 16)())
     table = (ctypes.c_float * 16)(*code_table(spec).tolist())
     if isinstance(spec, Mxfp4Spec):   # e2m1 codes (the table), one e8m0 scale per 32 values
         return QuantLayout(4, 0, 2, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
-    sdtype = DTYPES[spec.scale_dtype]
+    sdtype = SCALE_DTYPES[spec.scale_dtype]
     return QuantLayout(spec.bits, 0, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
 
 

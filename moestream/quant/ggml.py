@@ -17,10 +17,12 @@ Q6_K  210 B / 256: sixteen sub-blocks of 16 values with int8 scales: dequantized
 MXFP4 17 B / 32: an e8m0 scale byte, 16 B of fp4 e2m1 nibbles: moestream's own MXFP4, reordered.
 
 Every one of the first seven is, per group of 32 values, an integer code times one scale plus one
-offset, so it maps exactly onto our affine format in groups of 32 with fp32 scales and biases:
-q = the stored code (Q8_0: q + 128, bias −128·d), scale = d (or d·sc), bias = −8·d, m, −dmin·m.
-Those products of an fp16 and an integer below 2^6 are exact in fp32, and q·scale + bias rounds
-once, as ggml's own dequantization does. 4-bit codes go to int4-g32; Q8_0's and the 5-bit types' codes to
+offset, so it maps exactly onto our affine format in groups of 32: q = the stored code (Q8_0: q +
+128, bias −128·d), scale = d (or d·sc), bias = −8·d, m, −dmin·m. In the five types whose scale and
+offset are an fp16 d (and m) or a power of two times d, both are exact in fp16, so they are held in
+fp16 (Q4_0: 5 bits a weight, not the 6 of fp32); the K-quants' d·sc and dmin·m need fp32. Those
+products of an fp16 and an integer below 2^6 are exact in fp32, and q·scale + bias rounds once, as
+ggml's own dequantization does. 4-bit codes go to int4-g32; Q8_0's and the 5-bit types' codes to
 int8-g32 (5 bits in a byte: exact, 10 bits a weight against Q5_K's 5.5). Q6_K's two scales inside
 every 32 values have no common integer grid within 8 bits, so it is not exact in any of ours:
 `requantize_q6k` holds it as int8-g32 (error about a twentieth of Q6_K's own, measured per tensor
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moestream.errors import CheckpointError
 from moestream.quant.gptq import pack_rows
 from moestream.quant.mxfp4 import dequantize_mxfp4
 from moestream.quant.spec import QuantSpec
@@ -47,6 +50,8 @@ EXACT = {"Q8_0": (32, 34, 8), "Q4_0": (32, 18, 4), "Q4_1": (32, 20, 4), "Q5_0": 
 REQUANTIZED = {"Q6_K": (256, 210, 8)}
 # type → (values per block, bytes per block) of the types whose experts keep their codes in a format of ours
 NATIVE = {"MXFP4": (32, 17)}   # an e8m0 scale byte, then 16 bytes of fp4 e2m1 codes: moestream's MXFP4
+# the types whose scales and offsets are exact in fp16 (d and m are fp16; −8·d, −16·d, −128·d too)
+FP16_EXACT = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
 GROUP = 32
 
 
@@ -54,7 +59,29 @@ def spec_of(type_name: str) -> QuantSpec | None:
     """The affine spec a ggml type is held in (exact, or requantized for Q6_K); None: floats and MXFP4
     (not affine: `to_mxfp4`)."""
     entry = EXACT.get(type_name) or REQUANTIZED.get(type_name)
-    return QuantSpec("int", entry[2], GROUP, torch.float32) if entry else None
+    if not entry:
+        return None
+    return QuantSpec("int", entry[2], GROUP, torch.float16 if type_name in FP16_EXACT else torch.float32)
+
+
+def common_spec(type_names) -> QuantSpec:
+    """The spec that holds tensors of several exact types at once (a layer's experts, a linear put
+    together from parts): the widest codes (4-bit codes are 8-bit codes too) and fp16 scales only
+    where every type's are exact in fp16."""
+    specs = [spec_of(t) for t in type_names]
+    fp16 = all(s.scale_dtype == torch.float16 for s in specs)
+    return QuantSpec("int", max(s.bits for s in specs), GROUP, torch.float16 if fp16 else torch.float32)
+
+
+def in_spec(codes: Tensor, scales: Tensor, biases: Tensor, spec: QuantSpec, type_name: str) -> QuantizedTensor:
+    """Codes and fp32 scales and biases (`to_codes`) packed and stored as `spec` holds them. An fp16
+    offset of −8·d or −128·d overflows only where d is past 8,188 or 511, which no weight's block
+    scale reaches; such a tensor is refused rather than changed."""
+    scales, biases = scales.to(spec.scale_dtype), biases.to(spec.scale_dtype)
+    if spec.scale_dtype == torch.float16 and not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
+        raise CheckpointError(f"a {type_name} tensor's block scale times its code offset exceeds fp16's range "
+                              "(|d| above 511 for Q8_0, 8,188 for Q4_0); convert that tensor to a float type.")
+    return QuantizedTensor(pack_rows(codes, spec.bits), scales.contiguous(), biases.contiguous(), spec)
 
 
 def readable(type_name: str) -> bool:
@@ -137,10 +164,9 @@ def to_codes(blocks: Tensor, type_name: str) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def to_affine(blocks: Tensor, type_name: str) -> QuantizedTensor:
-    """The exact affine form (groups of 32, fp32 scales and biases) of a row-blocked tensor."""
-    spec = spec_of(type_name)
-    codes, scale, bias = to_codes(blocks, type_name)
-    return QuantizedTensor(pack_rows(codes, spec.bits), scale.contiguous(), bias.contiguous(), spec)
+    """The exact affine form (groups of 32; scales and biases in fp16 or fp32: `spec_of`) of a
+    row-blocked tensor."""
+    return in_spec(*to_codes(blocks, type_name), spec_of(type_name), type_name)
 
 
 def dequantize_blocks(blocks: Tensor, type_name: str, k: int) -> Tensor:

@@ -354,13 +354,14 @@ def affine_group(q: IntQuant, k: int | None = None) -> int | None:
 
 def affine_spec(q: IntQuant, scale_dtype: torch.dtype | None = None) -> QuantSpec | None:
     """The affine spec that holds this checkpoint's weights exactly, or None when none does (act-order,
-    or a group no GROUPS size divides): scales and biases in bf16 for symmetric bf16-scaled weights
-    (the bias -2^(bits-1)·s is then exact in bf16), else in fp32 (every -z·s is)."""
+    or a group no GROUPS size divides): scales and biases in the stored bf16 or fp16 for symmetric
+    weights (the bias -2^(bits-1)·s is then exact there: GPTQ's usual fp16 scales cost 5 bits a 4-bit
+    weight at g32, not fp32's 6), else in fp32 (every -z·s is)."""
     group, scale_dtype = affine_group(q), scale_dtype or q.scale_dtype
     if q.act_order or group is None:
         return None
-    exact_bf16 = q.sym and scale_dtype == torch.bfloat16 and q.method != "awq"
-    return QuantSpec("int", q.bits, group, torch.bfloat16 if exact_bf16 else torch.float32)
+    exact_half = q.sym and scale_dtype in (torch.bfloat16, torch.float16) and q.method != "awq"
+    return QuantSpec("int", q.bits, group, scale_dtype if exact_half else torch.float32)
 
 
 def fallback_spec(q: IntQuant) -> QuantSpec | None:

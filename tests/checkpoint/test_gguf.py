@@ -336,12 +336,34 @@ def test_block_types_dequantize_as_gguf_does(qtype):
     assert torch.equal(ours, torch.from_numpy(theirs))   # bit for bit
     if qtype in ggml.EXACT:   # and the affine form the kernels read holds exactly those weights
         q = ggml.to_affine(torch.from_numpy(blocks), qtype)
-        assert q.spec == QuantSpec("int", ggml.EXACT[qtype][2], 32, torch.float32)
+        scales = torch.float16 if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1") else torch.float32   # d, m fp16
+        assert q.spec == QuantSpec("int", ggml.EXACT[qtype][2], 32, scales)
         assert torch.equal(dequantize(q.qweight, q.scales, q.biases, q.spec), torch.from_numpy(theirs))
     if qtype == "MXFP4":   # and moestream's MXFP4 bytes the kernels read hold exactly those weights
         codes, scales = ggml.to_mxfp4(torch.from_numpy(blocks))
         assert codes.shape == (6, 256) and scales.shape == (6, 16)
         assert torch.equal(dequantize_mxfp4(codes, scales), torch.from_numpy(theirs))
+
+
+def test_types_held_together_keep_fp16_scales_only_where_each_type_has_them():
+    """A layer's or a linear's mix of exact types: the widest codes, fp16 only if every type's scales
+    and offsets are exact in it (Q4_K's d·sc and dmin·m are not)."""
+    assert ggml.common_spec(["Q4_0", "Q8_0"]) == QuantSpec("int", 8, 32, torch.float16)
+    assert ggml.common_spec(["Q4_0", "Q4_1"]) == QuantSpec("int", 4, 32, torch.float16)
+    assert ggml.common_spec(["Q4_0", "Q4_K"]) == QuantSpec("int", 4, 32, torch.float32)
+    assert ggml.common_spec(["Q4_K", "Q6_K"]) == QuantSpec("int", 8, 32, torch.float32)
+
+
+def test_a_block_scale_whose_offset_overflows_fp16_is_refused():
+    """Q4_0's offset −8·d is held in fp16: a d past 8,188 (no weight's) would overflow, so the tensor
+    is refused with a reason instead of read as infinities."""
+    def q4_0_block(d: float) -> torch.Tensor:   # 18 bytes: d in fp16, then 16 bytes of codes
+        return torch.from_numpy(np.frombuffer(np.float16(d).tobytes() + bytes(range(16)), dtype=np.uint8).copy())[None]
+
+    held = ggml.to_affine(q4_0_block(8000.0), "Q4_0")
+    assert held.scales.dtype == held.biases.dtype == torch.float16 and float(held.biases[0, 0]) == -64000.0
+    with pytest.raises(CheckpointError, match="exceeds fp16's range"):
+        ggml.to_affine(q4_0_block(12288.0), "Q4_0")
 
 
 def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models, tmp_path, capfd):
@@ -371,7 +393,8 @@ def test_q6k_experts_are_requantized_to_int8_with_the_error_said_once(hf_models,
 
 
 # experts' type → what moestream holds them as, and the bytes of one (I, H) projection's codes, scales and biases
-HELD = {"Q4_0": ("int4-g32", lambda I, H: I * H // 2 + I * H // 32 * 8),
+# (Q4_0: an fp16 scale and offset a group, 5 bits a weight)
+HELD = {"Q4_0": ("int4-g32", lambda I, H: I * H // 2 + I * H // 32 * 4),
         "MXFP4": ("mxfp4", lambda I, H: I * H // 2 + I * H // 32)}
 
 

@@ -12,8 +12,9 @@ from moestream.kernels.quant_moe_reference import QuantHostReads, quant_moe_refe
 from moestream.quant import parse_quant
 
 # (format, H, I): the common 4-bit case with whole K steps, and widths whose last K step is partial
+# ":fp32": fp32 scales and biases (asymmetric GPTQ/AWQ repacked); ":fp16": fp16 ones (GGUF's Q4_0 and Q8_0)
 CASES = (("int4-g64", 128, 64), ("int4-g32", 192, 96), ("int8-g32", 192, 96), ("int2-g32", 128, 96),
-         ("nf4-g32", 192, 64), ("int4-g64:fp32", 128, 64))   # ":fp32": fp32 scales and biases (GPTQ/AWQ repacked)
+         ("nf4-g32", 192, 64), ("int4-g64:fp32", 128, 64), ("int4-g32:fp16", 192, 96), ("int8-g32:fp16", 128, 64))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -23,7 +24,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_quant_token(device: str, dtype: torch.dtype, fmt: str, H: int, I: int) -> None:
     from moestream.kernels.fused_moe_triton import sum_pairs
 
-    spec = parse_quant(fmt.removesuffix(":fp32"), torch.float32 if fmt.endswith(":fp32") else torch.bfloat16)
+    base, _, scales = fmt.partition(":")
+    spec = parse_quant(base, {"": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[scales])
     assert token_path_supported(spec, H, I)
     S, E, k = 4, 10, 6
     g = torch.Generator().manual_seed(H + I)

@@ -139,10 +139,12 @@ def _quantized_experts(S, H, I, spec, seed=0):
 
 
 def _spec(name):
-    """`int4-g32`, or `int4-g32:fp32` for fp32 scales and biases (GPTQ / AWQ checkpoints repacked)."""
+    """`int4-g32`, or `int4-g32:fp32` for fp32 scales and biases (asymmetric GPTQ / AWQ repacked), `:fp16`
+    for fp16 ones (GGUF's Q4_0 and Q8_0, symmetric GPTQ)."""
     from moestream.quant import parse_quant
 
-    return parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
+    base, _, scales = name.partition(":")
+    return parse_quant(base, {"": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[scales])
 
 
 def _assert_fp32_equals_the_reference(slots, spec, H: int):
@@ -160,7 +162,7 @@ def _assert_fp32_equals_the_reference(slots, spec, H: int):
 
 
 @pytest.mark.parametrize("name", ["int4-g64", "int4-g32", "int4-g128", "int8-g64", "int2-g32", "nf4-g64",
-                                  "int4-g32:fp32", "int8-g128:fp32", "int2-g32:fp32"])
+                                  "int4-g32:fp32", "int8-g128:fp32", "int2-g32:fp32", "int4-g32:fp16", "int8-g32:fp16"])
 @pytest.mark.parametrize("H, I", [(128, 64), (96, 40)])   # whole groups, and a ragged last group
 def test_quantized_fp32_equals_the_reference(name, H, I):
     """The packed values unpacked in registers (the vector path where a group fills whole 16-byte
@@ -170,15 +172,39 @@ def test_quantized_fp32_equals_the_reference(name, H, I):
     _assert_fp32_equals_the_reference(_quantized_experts(5, H, I, spec), spec, H)
 
 
+def test_fp16_scales_read_as_torch_reads_them_subnormal_and_negative_too():
+    """The kernel widens fp16 scales and biases itself: every kind of half (subnormal, normal, negative,
+    zero) gives the reference's weights, which torch widens."""
+    spec = _spec("int4-g32:fp16")
+    H, I = 128, 64
+    slots = _quantized_experts(5, H, I, spec)
+    halves = torch.tensor([2.0 ** -24, 3 * 2.0 ** -20, -(2.0 ** -15), 6.1e-5, -0.75, 0.0, 0.125, -3e-3],
+                          dtype=torch.float16)
+    for part in ("gate_up.scales", "gate_up.biases", "down.scales", "down.biases"):
+        t = slots[part]
+        picks = torch.randint(0, len(halves), t.shape, generator=torch.Generator().manual_seed(len(part)))
+        slots[part] = (halves[picks] * (1 / 64 if part.endswith("biases") else 1)).contiguous()
+    assert (slots["gate_up.scales"].abs() < 6.1e-5).any()   # subnormal halves among them
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, H, generator=g), torch.rand(4, 3, generator=g)
+    ids = torch.randint(-1, 5, (4, 3), generator=g, dtype=torch.int32)
+    ref = quant_moe_reference(x, slots, ids, w, spec)
+    got = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec)
+    # weights of mixed magnitudes cancel in the sums: fp32 summation orders differ by ~1e-5 of the whole
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_quantized_specs_the_kernel_does_not_read_are_named():
     from moestream.quant import parse_quant
 
     assert not cpu_moe.supports_quant(parse_quant("int3"))      # 3-bit packs straddle bytes
     assert not cpu_moe.supports_quant(parse_quant("nf3"))
-    assert not cpu_moe.supports_quant(parse_quant("int4", scale_dtype=torch.float16))
 
 
-@pytest.mark.parametrize("name", ["int4-g64", "int4-g128", "int4-g128:fp32", "int4-g32", "int4-g32:fp32"])
+@pytest.mark.parametrize("name", ["int4-g64", "int4-g128", "int4-g128:fp32", "int4-g32", "int4-g32:fp32",
+                                  "int4-g32:fp16"])
 def test_affine_4bit_with_bf16_inputs_takes_bf16_dot_products(name, monkeypatch):
     """bf16 hidden rows meet affine 4-bit rows through bf16 dot products of the codes (exact
     products, fp32 sums) and the group sums of the inputs: the result of the fp32 path, to fp32's

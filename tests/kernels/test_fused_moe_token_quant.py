@@ -27,10 +27,10 @@ def test_the_one_token_path_covers_the_common_formats_and_leaves_the_rest_to_the
 
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_quant_token_path_under_interpreter():
-    """One small case in fp32: affine 4-bit with a partial last K step (the interpreter takes ~35 s a
-    case; the GPU test takes every format, NF4's codebook included, and three dtypes)."""
+    """One small case in fp32: affine 4-bit with fp16 scales (GGUF's Q4_0) and a partial last K step (the
+    interpreter takes ~35 s a case; the GPU test takes every format, NF4's codebook included, and three dtypes)."""
     run_checks_under_interpreter(Path(__file__).with_name("quant_token_checks.py"), """
-        check_quant_token("cpu", torch.float32, "int4-g32", 96, 32)
+        check_quant_token("cpu", torch.float32, "int4-g32:fp16", 96, 32)
     """, timeout=600)
 
 

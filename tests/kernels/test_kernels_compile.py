@@ -84,9 +84,11 @@ def _compile(fn, pointers: dict, ints: list[str], consts: dict, warps: int, stag
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def _pointers(names: list[str], bits: int, nf: bool, fp8: bool = False) -> dict:
+def _pointers(names: list[str], bits: int, nf: bool, fp8: bool = False, group: int = 0) -> dict:
     types = {"b_ptr": "*u8" if bits else "*bf16", "slot_ptr": "*i32", "pair_ids_ptr": "*i32", "block_slot_ptr": "*i32",
              "w_ptr": "*fp32", "code_ptr": "*fp32" if nf else "*bf16"}
+    if (bits, group, nf) == (4, 32, False):   # int4-g32 as GGUF's Q4_0 is held: fp16 scales and biases
+        types.update(s_ptr="*fp16", z_ptr="*fp16")
     if fp8:   # float32 scales (and the unused biases and code pointers are the scales)
         types.update(s_ptr="*fp32", z_ptr="*fp32", code_ptr="*fp32")
     return {name: types.get(name, "*bf16") for name in names}
@@ -101,7 +103,7 @@ def test_decode_kernel_compiles(bits, group, nf, gated, activation, bias):
               "EVEN_K": bits == 0 or gated,   # quantized: unmasked tiles gated, masked ones not
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, "USE_PDL": True, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "slot_ptr", "w_ptr", "s_ptr", "z_ptr", "code_ptr", "bias_ptr"],
-                         bits, nf)
+                         bits, nf, group=group)
     ints = INTS + ["num_pairs", "num_slots", "num_host", "host_b", "host_s", "host_z", "top_k", "stride_st",
                    "stride_sj", "stride_wt", "stride_wj"]
     kernel = _compile(_moe_decode_kernel, pointers, ints, consts, 4, 4 if bits == 0 else 1,
@@ -118,7 +120,7 @@ def test_grouped_kernel_compiles(bits, group, nf, activation, bias):
               "EVEN_K": True,   # the model shapes' (the decode test takes the ragged quantized loads)
               "DOT_PRECISION": "tf32", "BITS": bits, "GROUP": group, "NF": nf, **FP8_OFF}
     pointers = _pointers(["a_ptr", "b_ptr", "c_ptr", "w_ptr", "pair_ids_ptr", "block_slot_ptr", "s_ptr", "z_ptr",
-                          "code_ptr", "bias_ptr"], bits, nf)
+                          "code_ptr", "bias_ptr"], bits, nf, group=group)
     kernel = _compile(_moe_grouped_gemm_kernel, pointers, INTS + ["num_pairs", "num_m_blocks", "slot_lo", "slot_hi"], consts, 8,
                       4 if bits == 0 else 2)
     assert kernel.metadata.shared <= SMEM

@@ -1,6 +1,6 @@
 """The dequantizing Triton kernels on the CPU, under Triton's interpreter (CI's check of them).
 
-Every format (8/4/3/2-bit affine, NF4, NF3; 4-bit with fp32 scales and biases too) through both MoE paths (decode: GEMV at one pair
+Every format (8/4/3/2-bit affine, NF4, NF3; 4-bit with fp32 and fp16 scales and biases too) through both MoE paths (decode: GEMV at one pair
 per slot, dot for several; grouped: align + grouped GEMM) and the long calls' dequantized path (in one group
 of slots and in several, which give the same bits) and the quantized linear layer, in fp32
 and fp16 (the interpreter's bf16 `tl.dot` is broken), against the plain-torch references. The
@@ -47,7 +47,8 @@ g = torch.Generator().manual_seed(0)
 H, I = SHAPE
 S, K = 5, 3
 for name in FORMATS:
-    spec = parse_quant(name.removesuffix(":fp32"), torch.float32 if name.endswith(":fp32") else torch.bfloat16)
+    base, _, scales = name.partition(":")
+    spec = parse_quant(base, {"": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[scales])
     slots = bank(spec, H, I, S, g)
     # every slot dequantized at once (the long prompts' path) equals the reference's values exactly
     for proj, width, gated, want in zip(("gate_up", "down"), (H, I), (True, False),
@@ -90,7 +91,8 @@ print("interpreter ok")
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 @pytest.mark.parametrize("formats,shape", [(["int8-g32", "int4-g64", "nf4-g32"], (96, 48)),
                                            (["int3-g32", "int2-g32", "nf3-g64"], (96, 48)),
-                                           (["int4-g32:fp32"], (256, 64))])   # fp32 scales and biases: GPTQ/AWQ repacked
+                                           # fp32 scales and biases (GPTQ/AWQ repacked), fp16 (GGUF's Q4_0)
+                                           (["int4-g32:fp32", "int4-g32:fp16"], (256, 64))])
 def test_quant_kernels_under_triton_interpreter(formats, shape) -> None:
     """(H, I): ragged (96 = 64 + 32 at g64, tiles masked along K) or whole tiles (256, 64: every K-tile of
     the grouped path and of the decode path loads its bytes and A's columns unmasked)."""

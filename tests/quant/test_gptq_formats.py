@@ -160,8 +160,8 @@ def test_mapping_onto_the_affine_format_is_exact(bits, group, sym, scale_dtype, 
     q = IntQuant("gptq", bits, group, sym, False)
     spec = affine_spec(q, scale_dtype)
     assert spec.name == want
-    # symmetric bf16 scales stay bf16 (the bias -2^(b-1)·s is exact there), anything else takes fp32
-    assert spec.scale_dtype == (torch.bfloat16 if sym and scale_dtype == torch.bfloat16 else torch.float32)
+    # symmetric bf16 or fp16 scales stay as stored (the bias -2^(b-1)·s is exact there), anything else takes fp32
+    assert spec.scale_dtype == (scale_dtype if sym else torch.float32)
     qt = to_affine(w, spec)
     assert torch.equal(dequantize(qt.qweight, qt.scales, qt.biases, spec), dequantize_int(w))
 

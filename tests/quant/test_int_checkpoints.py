@@ -25,7 +25,7 @@ PROMPT = IDS[0, :9].tolist()
 
 # (case id, arch, make_int_checkpoint keywords, the expert format moestream holds, its scale dtype)
 CASES = [
-    ("gptq-int4-sym-v1", "qwen3_moe", dict(method="gptq"), "int4-g32", torch.float32),
+    ("gptq-int4-sym-v1", "qwen3_moe", dict(method="gptq"), "int4-g32", torch.float16),
     ("gptq-int8-asym-v2", "qwen3_moe", dict(method="gptq", bits=8, group=64, sym=False, v1=False), "int8-g64",
      torch.float32),
     ("gptq-int3-g128", "mixtral", dict(method="gptq", bits=3, group=128, sym=False), "int3-g128", torch.float32),
@@ -88,7 +88,7 @@ def test_bytes_planned_are_the_bytes_held_and_cpu_misses_read_them(int_checkpoin
     from moestream.engine.weights import parameter_bytes
 
     folder, _ = int_checkpoints["gptq-int4-sym-v1"]
-    # misses computed on the CPU from the pinned host tier (the C kernel reads the fp32 scales and biases)
+    # misses computed on the CPU from the pinned host tier (the C kernel reads the fp16 scales and biases)
     engine = moestream.load(folder, device="cpu", dtype="float32", capacity=3, host_tier="pinned", cpu_misses=1.0)
     resident = moestream.load(folder, device="cpu", dtype="float32")
     assert engine.generate(PROMPT, max_tokens=8, ignore_eos=True) == resident.generate(PROMPT, max_tokens=8,
@@ -97,8 +97,8 @@ def test_bytes_planned_are_the_bytes_held_and_cpu_misses_read_them(int_checkpoin
     layer = first_moe_layer(engine)
     fmt, shape = engine.bank.formats[layer], ExpertShape.of(engine.config)
     I, H = shape.intermediate, shape.hidden
-    # 4-bit codes, one fp32 scale and bias per 32 weights: 4 + 64/32 = 6 bits a weight
-    assert fmt.nbytes(shape) == 3 * I * H // 2 + 3 * I * H // 32 * 8 == engine.plan.memory.slot_bytes
+    # 4-bit codes, one fp16 scale and bias per 32 weights (symmetric: −8·s is exact in fp16): 4 + 32/32 = 5 bits
+    assert fmt.nbytes(shape) == 3 * I * H // 2 + 3 * I * H // 32 * 4 == engine.plan.memory.slot_bytes
     held = engine.bank.slots[layer].tensors
     assert sum(t.nbytes for t in held.values()) == 3 * fmt.nbytes(shape)
     moe_layers = sum(engine.config.moe_layers)
@@ -106,7 +106,7 @@ def test_bytes_planned_are_the_bytes_held_and_cpu_misses_read_them(int_checkpoin
     assert engine.plan.memory.dense_bytes == parameter_bytes(engine.model, torch.float32)
     assert cli.main(["check", str(folder), "--device", "cpu", "--capacity", "3"]) == 0
     out = capsys.readouterr().out
-    assert "gptq int4-g32; experts repacked exactly as int4-g32 (float32 scales and biases)" in out
+    assert "gptq int4-g32; experts repacked exactly as int4-g32 (float16 scales and biases)" in out
 
 
 def test_a_prepacked_bank_of_repacked_experts_warm_starts(int_checkpoints, tmp_path):
