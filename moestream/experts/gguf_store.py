@@ -85,7 +85,7 @@ class GGUFExpertStore(ExpertStore):
     def _quantized(self, rows: Tensor, type_name: str, spec: QuantSpec) -> QuantizedTensor:
         """`rows` of one projection in `spec`: exact, or requantized (Q6_K, floats beside blocks)."""
         if type_name in ggml.EXACT:   # in the layer's spec: 4-bit codes widened to its 8-bit ones, fp16 scales
-            return ggml.in_spec(*ggml.to_codes(rows, type_name), spec, type_name)   # held as fp32: the same weights
+            return ggml.to_affine(rows, type_name, spec)   # held as fp32: the same weights
         q, error = ggml.requantize(rows, type_name, rows.shape[1] * 256 // ggml.REQUANTIZED[type_name][1])
         self._note(type_name, error)
         return q
