@@ -322,15 +322,37 @@ def add_metadata(w: Any, c: dict[str, Any], qtype: str) -> None:
         w.add_full_attention_interval(int(c.get("full_attention_interval", 4)))
         w.add_rope_dimension_count(int(s["HD"] * c.get("partial_rotary_factor", 0.25)))
     w.add_file_type(QTYPES[qtype])
-    # A byte-level BPE vocabulary with one merge, as Qwen3's GGUFs hold theirs (read by both engines).
+    # A byte-level BPE vocabulary with one merge, as Qwen3's GGUFs hold theirs (read by both engines): every
+    # byte's token (printable ASCII first where the vocabulary is smaller), so any text, digits included, spells.
     V = s["V"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
-    w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab"] + [f"<t{i}>" for i in range(6, V)])
+    w.add_token_list(token_list(V))
     w.add_token_types([2, 3, 3] + [1] * (V - 3))
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b as the printable character byte-level BPE vocabularies
+    store it (printable Latin-1 as itself, the rest shifted past 255), printable ASCII and newline first."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    char, extra = {}, 0
+    for b in range(256):
+        char[b] = chr(b) if b in keep else chr(256 + extra)
+        extra += b not in keep
+    first = [ord(" "), ord("\n")] + list(range(ord("!"), ord("~") + 1))
+    return [char[b] for b in first] + [char[b] for b in range(256) if b not in first]
+
+
+def token_list(vocab: int) -> list[str]:
+    """Three special tokens, as many byte tokens as fit, "ab" (the one merge's result), placeholders."""
+    n = min(256, vocab - 4)
+    tokens = ["<unk>", "<s>", "</s>"] + byte_chars()[:n] + ["ab"]
+    if "a" not in tokens or "b" not in tokens:
+        raise SystemExit(f"a vocabulary of {vocab} tokens is too small for the byte tokens; use at least 100.")
+    return tokens + [f"<t{i}>" for i in range(len(tokens), vocab)]
 
 
 def plan(c: dict[str, Any], qtype: str) -> list[tuple[Spec, str]]:

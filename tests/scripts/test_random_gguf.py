@@ -48,6 +48,11 @@ def test_each_type_reads_back_as_the_file_type_says(tmp_path, qtype, experts, at
     assert {f.name for f in engine.bank.formats.values()} == {experts}
     assert type(engine.model.model.layers[0].self_attn.q_proj).__name__ == attention
     assert len(engine.generate([3, 4, 5], max_tokens=4, ignore_eos=True)) == 4
+    # its vocabulary spells any text (a byte token for each character here), so `run -p TEXT` works on it
+    text = "def f(x):\n    return 42 + x"
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) == len(text) and engine.tokenizer.decode(ids) == text
+    assert engine.tokenizer.encode("ab") == [255]   # the one merge
 
 
 @pytest.mark.parametrize("qtype,experts,attention", [("bf16", "fp32", "Linear"), ("q8_0", "int8-g32", "QuantLinear"),
