@@ -300,13 +300,28 @@ class QuantizedFormat(ExpertFormat):
         spec = self.spec
         if self.uses_kernels(device, shape):   # the kernels read the slot map themselves (one token)
             return functools.partial(kernels.fused_moe_quant, spec=spec, layer_experts=layer_experts)
+        cpu_kernel = device.type == "cpu" and self._cpu_kernel_reads()
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
             if slot_map is not None:
                 slot_ids = slot_map[slot_ids]
+            if cpu_kernel and host is None and hidden.dtype in (torch.bfloat16, torch.float32):
+                # the C kernel reads the packed slots in place, where the reference dequantizes every
+                # routed slot in every call; its pair rows, summed as the reference sums them, give
+                # one call's bits however many calls computed them (a bounded bank equals residency)
+                from moestream.kernels import cpu_moe
+                from moestream.kernels.moe_reference import sum_pairs_reference
+
+                pairs = cpu_moe.cpu_moe_quant_pairs(hidden, slots, slot_ids, weights, spec)
+                return sum_pairs_reference(pairs, hidden.dtype) if reduce else pairs
             return kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec, reduce=reduce, host=host)
         return dispatch
+
+    def _cpu_kernel_reads(self) -> bool:
+        from moestream.kernels import cpu_moe
+
+        return cpu_moe.supports_quant(self.spec) and cpu_moe.load() is not None
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         from moestream import kernels

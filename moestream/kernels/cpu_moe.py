@@ -410,6 +410,18 @@ def cpu_moe_quant(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor,
     return out.to(out_dtype or hidden.dtype)
 
 
+def cpu_moe_quant_pairs(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
+                        spec: StoredSpec) -> Tensor:
+    """`cpu_moe_quant`'s (T, k, H) fp32 pair rows, each weighted and written once (zero where
+    unrouted), not summed: the kernel sees T·k single-pair tokens (each pair's input row its token's),
+    so a caller sums them in one fixed order however many calls computed them (a bounded bank's
+    resident and staged slots, or all of them at once) and gets the same bits."""
+    T, k = slot_ids.shape
+    rows = cpu_moe_quant(hidden.repeat_interleave(k, dim=0), slots, slot_ids.reshape(T * k, 1),
+                         weights.reshape(T * k, 1), spec, out_dtype=torch.float32)
+    return rows.view(T, k, hidden.shape[1])
+
+
 def _q4_bf16(spec: QuantSpec, hidden: Tensor, H: int, I: int) -> bool:
     """Whether the kernel's affine 4-bit path with bf16 dot products takes this call: bf16 hidden
     rows (their values, and the rounded activations, are exact in bf16) and whole groups of 64n, or groups

@@ -196,6 +196,34 @@ def test_fp16_scales_read_as_torch_reads_them_subnormal_and_negative_too():
     assert float((got - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_quantized_slots_on_the_cpu_device_go_through_the_kernel_in_pair_rows(monkeypatch):
+    """A CPU engine's quantized experts (resident or staged) take the C kernel, not the reference's
+    dequantize-every-call; its pair rows summed in the reference's order are the call's result, so a
+    bounded bank's calls add up to one call's bits."""
+    from moestream.experts.format import QuantizedFormat
+    from moestream.kernels.moe_reference import sum_pairs_reference
+    from moestream.kernels.quant_moe_reference import quant_moe_reference
+
+    spec, H, I = _spec("int4-g32:fp16"), 128, 64
+    slots = _quantized_experts(5, H, I, spec)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, H, generator=g), torch.rand(6, 3, generator=g)
+    ids = torch.randint(-1, 5, (6, 3), generator=g)
+    calls = []
+    pairs_fn = cpu_moe.cpu_moe_quant_pairs
+    monkeypatch.setattr(cpu_moe, "cpu_moe_quant_pairs", lambda *a: calls.append(1) or pairs_fn(*a))
+    dispatch = QuantizedFormat(spec, torch.float32).dispatch(torch.device("cpu"))
+    out, pairs = dispatch(x, slots, ids, w), dispatch(x, slots, ids, w, reduce=False)
+    assert len(calls) == 2 and pairs.shape == (6, 3, H)
+    assert torch.equal(pairs[ids < 0], torch.zeros_like(pairs[ids < 0]))
+    assert torch.equal(sum_pairs_reference(pairs, x.dtype), out)
+    torch.testing.assert_close(out, quant_moe_reference(x, slots, ids, w, spec), rtol=1e-5, atol=1e-5)
+    first, rest = ids.clone(), ids.clone()   # two calls over disjoint slots sum to one call's bits
+    first[first >= 3], rest[rest < 3] = -1, -1
+    assert torch.equal(sum_pairs_reference(dispatch(x, slots, first, w, reduce=False)
+                                           + dispatch(x, slots, rest, w, reduce=False), x.dtype), out)
+
+
 def test_quantized_specs_the_kernel_does_not_read_are_named():
     from moestream.quant import parse_quant
 
