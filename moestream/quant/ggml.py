@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from moestream.errors import CheckpointError
-from moestream.quant.gptq import pack_rows
+from moestream.quant.packing import pack
 from moestream.quant.mxfp4 import dequantize_mxfp4
 from moestream.quant.spec import QuantSpec
 from moestream.quant.tensor import QuantizedTensor, dequantize, quantize
@@ -84,7 +84,7 @@ def in_spec(codes: Tensor, scales: Tensor, biases: Tensor, spec: QuantSpec, type
     if spec.scale_dtype == torch.float16 and not (torch.isfinite(scales).all() and torch.isfinite(biases).all()):
         raise CheckpointError(f"a {type_name} tensor's block scale times its code offset exceeds fp16's range "
                               "(|d| above 511 for Q8_0, 8,188 for Q4_0); convert that tensor to a float type.")
-    return QuantizedTensor(codes if packed else pack_rows(codes, spec.bits), scales.contiguous(), biases.contiguous(),
+    return QuantizedTensor(codes if packed else pack(codes, spec.bits), scales.contiguous(), biases.contiguous(),
                            spec)
 
 

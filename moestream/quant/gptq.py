@@ -184,13 +184,13 @@ class IntWeight:
 
     def values(self) -> Tensor:
         """(N, K) uint8 codes."""
-        return self.codes if self.codes is not None else unpack_rows(self.packed, self.bits)
+        return self.codes if self.codes is not None else unpack(self.packed, self.bits)
 
     def packed_as(self, bits: int) -> Tensor:
         """The codes packed in moestream's layout at `bits` (the stored bytes when they already are)."""
         if self.packed is not None and self.bits == bits:
             return self.packed
-        return pack_rows(self.values(), bits)
+        return pack(self.values(), bits)
 
     def column_groups(self) -> Tensor:
         return self.g_idx if self.g_idx is not None else torch.arange(self.k) // self.group
@@ -207,31 +207,6 @@ def dequantize_int(w: IntWeight) -> Tensor:
     return (w.values().to(torch.int32) - w.zeros[:, cols]).float() * w.scales.float()[:, cols]
 
 
-def unpack_rows(packed: Tensor, bits: int) -> Tensor:
-    """packing.unpack, in uint8 arithmetic for 2/4/8 bits (a load repacks every expert through here)."""
-    if bits not in (2, 4, 8):
-        return unpack(packed, bits)
-    if bits == 8:
-        return packed
-    mask = (1 << bits) - 1
-    parts = [(packed >> shift) & mask for shift in range(0, 8, bits)]
-    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
-
-
-def pack_rows(values: Tensor, bits: int) -> Tensor:
-    """packing.pack, in uint8 arithmetic for 2/4/8 bits."""
-    if bits not in (2, 4, 8):
-        return pack(values, bits)
-    if bits == 8:
-        return values.to(torch.uint8).contiguous()
-    per = 8 // bits
-    v = values.reshape(*values.shape[:-1], -1, per)
-    out = v[..., 0].clone()
-    for i in range(1, per):
-        out |= v[..., i] << (i * bits)
-    return out
-
-
 def _bytes(words: Tensor) -> Tensor:
     """int32 words (R, W) → their little-endian bytes (R, 4W), contiguous."""
     words = words.contiguous()
@@ -245,7 +220,7 @@ def bitstream(words: Tensor, bits: int, count: int) -> Tensor:
     pad = -raw.shape[-1] % unit
     if pad:
         raw = torch.nn.functional.pad(raw, (0, pad))
-    values = unpack_rows(raw, bits)
+    values = unpack(raw, bits)
     if values.shape[-1] < count:
         raise ValueError(f"{values.shape[-1]} packed values, {count} wanted")
     return values[..., :count]

@@ -28,6 +28,12 @@ def pack(q: Tensor, bits: int) -> Tensor:
         raise ValueError(f"{k} values do not fill whole {values}-value packs of {bits} bits")
     if bits == 8:
         return q.to(torch.uint8).contiguous()
+    if 8 % bits == 0:   # 4 and 2 bits: whole values in each byte, in uint8 arithmetic
+        v = q.to(torch.uint8).reshape(*lead, k // values, values)
+        out = v[..., 0].clone()
+        for i in range(1, values):
+            out |= v[..., i] << (i * bits)
+        return out
     units = q.reshape(*lead, k // values, values).to(torch.int64)
     shifts = torch.arange(values, dtype=torch.int64, device=q.device) * bits
     word = (units << shifts).sum(-1)                                             # (..., units)
@@ -42,6 +48,9 @@ def unpack(packed: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return packed
     *lead, width = packed.shape
+    if 8 % bits == 0:   # 4 and 2 bits: each byte's values by shifts and a mask, in uint8 (no int64 words)
+        mask = (1 << bits) - 1
+        return torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1).reshape(*lead, -1)
     units = packed.reshape(*lead, width // nbytes, nbytes).to(torch.int64)
     byte_shifts = torch.arange(nbytes, dtype=torch.int64, device=packed.device) * 8
     word = (units << byte_shifts).sum(-1)
