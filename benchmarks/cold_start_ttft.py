@@ -119,7 +119,6 @@ def main() -> int:
         log(f"{r['name']:>10}: first token {r['median_wall_s']:.2f} s from a fresh process (first run "
             f"{r['first_wall_s']:.2f} s; load {r['median_load_s']:.2f} s, prompt of {r['prompt_tokens']} tokens "
             f"{1000 * r['median_ttft_s']:.0f} ms), {r['wall_vs_first']:.2f}x the first's")
-    args.out.mkdir(parents=True, exist_ok=True)
     write_result(args.out, "cold_start_ttft", result)
     return 0
 

@@ -121,6 +121,7 @@ def write_result(out: Path, name: str, result: dict) -> None:
     result["machine"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     result["date"] = time.strftime("%Y-%m-%d")
     result["torch"] = torch.__version__
+    out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / f"{name}.json", result, indent=2)   # a script killed mid-write leaves the last whole file
 
 

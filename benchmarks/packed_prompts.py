@@ -89,7 +89,6 @@ def main() -> int:
             f"{r['gb_copied']:.3f} GB of experts copied, {r['forwards']:g} forwards")
     log(f"{result['streams']} prompts of {result['prompt_tokens']} tokens, routing {result['routing']}: "
         f"packed {result['speedup']:.2f}x one forward each, {result['fill_speedup']:.2f}x packed steps of whole prompts")
-    args.out.mkdir(parents=True, exist_ok=True)
     write_result(args.out, "packed_prompts", result)
     return 0
 

@@ -80,7 +80,6 @@ def main() -> int:
             f"{r['gb_copied']:.2f} GB copied")
     log(f"capacity {result['capacity']}, {result['miss_policy']} policy, routing {result['routing']}, "
         f"chunk {result['prefill_chunk']}, {result['device']}; {result['costs']}")
-    args.out.mkdir(parents=True, exist_ok=True)
     write_result(args.out, "prompt_cpu_share", result)
     return 0
 

@@ -180,7 +180,6 @@ def main() -> int:
                 f"for it; CPU share of the batch's misses {r['batch_cpu_share']:.2f}")
     log(f"{result['streams']} streams of {result['prompt_tokens']} prompt tokens, routing {result['routing']}, "
         f"capacity {result['capacity']}, {result['device']}")
-    args.out.mkdir(parents=True, exist_ok=True)
     write_result(args.out, "served_steps", result)
     return 0
 

@@ -301,6 +301,9 @@ class QuantizedFormat(ExpertFormat):
         if self.uses_kernels(device, shape):   # the kernels read the slot map themselves (one token)
             return functools.partial(kernels.fused_moe_quant, spec=spec, layer_experts=layer_experts)
         cpu_kernel = device.type == "cpu" and self._cpu_kernel_reads()
+        if cpu_kernel:
+            from moestream.kernels import cpu_moe
+            from moestream.kernels.moe_reference import sum_pairs_reference
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
                      reduce: bool = True, slot_map: Tensor | None = None, host=None) -> Tensor:
@@ -310,9 +313,6 @@ class QuantizedFormat(ExpertFormat):
                 # the C kernel reads the packed slots in place, where the reference dequantizes every
                 # routed slot in every call; its pair rows, summed as the reference sums them, give
                 # one call's bits however many calls computed them (a bounded bank equals residency)
-                from moestream.kernels import cpu_moe
-                from moestream.kernels.moe_reference import sum_pairs_reference
-
                 pairs = cpu_moe.cpu_moe_quant_pairs(hidden, slots, slot_ids, weights, spec)
                 return sum_pairs_reference(pairs, hidden.dtype) if reduce else pairs
             return kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec, reduce=reduce, host=host)

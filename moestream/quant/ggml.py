@@ -139,11 +139,8 @@ def to_codes(blocks: Tensor, type_name: str) -> tuple[Tensor, Tensor, Tensor]:
         codes = b[..., 2:] ^ 0x80                                  # int8 q + 128 as unsigned
         return codes.reshape(n, -1), d.reshape(n, -1), (-128.0 * d).reshape(n, -1)
     if type_name in ("Q4_0", "Q4_1"):
-        d = _f16(b[..., 0:2].reshape(n, -1, 1, 2))
-        start = 2 if type_name == "Q4_0" else 4
-        codes = _nibbles32(b[..., start:start + 16])
-        bias = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4].reshape(n, -1, 1, 2))
-        return codes.reshape(n, -1), d.reshape(n, -1), bias.reshape(n, -1)
+        qs, d, bias = _q4_blocks(blocks, type_name)
+        return _nibbles32(qs).reshape(n, -1), d, bias
     if type_name in ("Q5_0", "Q5_1"):
         d = _f16(b[..., 0:2].reshape(n, -1, 1, 2))
         start = 2 if type_name == "Q5_0" else 4
@@ -173,13 +170,19 @@ def to_affine(blocks: Tensor, type_name: str, spec: QuantSpec | None = None) -> 
     have their nibbles moved byte to byte (`_q4_bytes`), not unpacked and packed again."""
     spec = spec or spec_of(type_name)
     if type_name in ("Q4_0", "Q4_1") and spec.bits == 4:
-        n, size = blocks.shape[0], EXACT[type_name][1]
-        b = blocks.reshape(n, -1, size)
-        start = 2 if type_name == "Q4_0" else 4
-        d = _f16(b[..., 0:2].reshape(n, -1, 1, 2)).reshape(n, -1)
-        bias = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4].reshape(n, -1, 1, 2)).reshape(n, -1)
-        return in_spec(_q4_bytes(b[..., start:start + 16]).reshape(n, -1), d, bias, spec, type_name, packed=True)
+        qs, d, bias = _q4_blocks(blocks, type_name)
+        return in_spec(_q4_bytes(qs).reshape(blocks.shape[0], -1), d, bias, spec, type_name, packed=True)
     return in_spec(*to_codes(blocks, type_name), spec, type_name)
+
+
+def _q4_blocks(blocks: Tensor, type_name: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_0 / Q4_1 rows → their nibble bytes (N, blocks, 16), scales d and offsets (−8·d, or m) (N, blocks) fp32."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, EXACT[type_name][1])
+    d = _f16(b[..., 0:2].reshape(n, -1, 1, 2)).reshape(n, -1)
+    if type_name == "Q4_0":
+        return b[..., 2:18], d, -8.0 * d
+    return b[..., 4:20], d, _f16(b[..., 2:4].reshape(n, -1, 1, 2)).reshape(n, -1)
 
 
 def _q4_bytes(qs: Tensor) -> Tensor:
