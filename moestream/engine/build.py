@@ -343,6 +343,7 @@ def _build(cfg: EngineConfig, rank: int, world: int, group, gather=None):
         runner.after_replay = experts.collectives.graph_replayed
         runner.before_decode = share_tokens   # every decode step's tokens come from rank 0 on the device
         runner.bank_ids = experts.bank_ids    # a bounded bank's segments make this rank's share resident
+        runner.prompt_graphs = False          # prompt chunks stay eager on every rank, in step with rank 0's
     prefix_bytes = cfg.runtime.prefix_cache_bytes
     blocks = None
     if paged is not None:   # the blocks hold the prefix cache too

@@ -20,7 +20,8 @@ class ForwardContext:
     sin: torch.Tensor
     mask: torch.Tensor | None               # (B, 1, L, S) bool, True = attend
     cache: ModelCache | None = None
-    cache_rows: slice | None = None         # rows of the cache this batch uses
+    cache_rows: slice | torch.Tensor | None = None   # rows of the cache this batch uses (a slice, or a device
+                                                     # index: a captured prompt chunk's row is read on the device)
     write_rows: torch.Tensor | None = None  # (B, L) cache row of every token
     kv_len: int = 0                         # cache positions attended to (host-known)
     valid: torch.Tensor | None = None       # (B, L) bool, False at padding: no-cache batches only, so that
@@ -66,6 +67,23 @@ def prefill_context(table, cache: ModelCache, row: int, start: int, length: int,
     cos, sin = _rotary(table, positions, dtype)
     rows = torch.full_like(positions, row)
     return ForwardContext(positions, cos, sin, mask[None, None], cache, slice(row, row + 1), rows, kv_len)
+
+
+def graph_prefill_context(table, cache: ModelCache, meta: torch.Tensor, length: int, kv_len: int,
+                          dtype: torch.dtype) -> ForwardContext:
+    """One sequence's prompt chunk padded to `length` tokens and addressed on the device, so a CUDA graph
+    replays it for any row and start: `meta` = (row, start, n) long. Tokens n.. are padding past the
+    chunk's end: no real query attends to them (each attends to positions up to its own), and their keys
+    and values land past the sequence's length in its own row (a paged row's own blocks, or the null
+    block past them), where the next write of those positions replaces them before anything reads them.
+    `kv_len` >= start + n positions are read; the caller keeps start + length within the cache."""
+    device = cache.device
+    row = meta[0:1]
+    positions = (meta[1] + torch.arange(length, device=device))[None]
+    mask = torch.arange(kv_len, device=device)[None, :] <= positions[0][:, None]
+    cos, sin = _rotary(table, positions, dtype)
+    rows = row.view(1, 1).expand(1, length).contiguous()
+    return ForwardContext(positions, cos, sin, mask[None, None], cache, row, rows, kv_len)
 
 
 def decode_context(table, cache: ModelCache, positions: torch.Tensor, kv_len: int, dtype: torch.dtype,

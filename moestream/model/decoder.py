@@ -140,12 +140,17 @@ class MoECausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, last_only: bool = False,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, L, V); with `last_only` the last position's (B, 1, V); with `last` (a device index
+        (1,)) that position's: a padded prompt chunk's last real token, chosen without the host."""
         x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, delta = layer(x, ctx, delta)
         if last_only:
             x, delta = x[:, -1:], (delta[:, -1:] if delta is not None else None)
+        elif last is not None:
+            x, delta = x.index_select(1, last), (delta.index_select(1, last) if delta is not None else None)
         return self.head(x, delta)
 
     @property

@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graph replays: a few launches per step instead of ~50 per layer.
+"""Decode steps and resident prompt chunks as CUDA graph replays: a few launches instead of ~50 a layer.
 
 A batch-B decode step has static shapes except the attended cache length, so one graph is
 captured per length bucket (powers of two from 256): attention then reads at most twice the
@@ -6,7 +6,8 @@ live context. Static input buffers take each step's tokens and positions; the gr
 them on the device (in an expert-parallel group a follower's tokens arrive from rank 0 inside the
 graph: `before_step`). Only banks that read nothing back during a step can be captured whole
 (ExpertBank.graph_safe: fully resident, or the skip policy); a fetch-policy bank decodes as graph
-segments split at each router (`SegmentedDecode`).
+segments split at each router (`SegmentedDecode`). A fully resident bank's prompt chunks of up to
+512 tokens replay as graphs too (`PromptGraphs`): their row, start and length are read on the device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from moestream.experts.bank import ExpertBank
 from moestream.model.cache import ModelCache
-from moestream.model.context import decode_context
+from moestream.model.context import decode_context, graph_prefill_context
 from moestream.model.decoder import MoECausalLM
 from moestream.model.moe import MoEBlock
 
@@ -104,6 +105,80 @@ class DecodeGraphs:
             entry = self.graphs[bucket] = self._capture(bucket)
         entry[0].replay()
         return entry[1][:B]
+
+
+# Prompt chunk lengths captured as graphs: a chunk runs padded to the next one; a longer one runs eagerly,
+# where the device's work (~30 µs a token a layer on the 30B shape) dwarfs the host's launches anyway.
+PROMPT_GRAPH_LENGTHS = (16, 32, 64, 128, 256, 512)
+
+
+class PromptGraphs:
+    """One sequence's prompt chunks of up to 512 tokens as graph replays, where the bank is fully resident.
+
+    Eagerly, a resident prompt chunk waits for the host: ~20 launches a layer from Python (a 512-token
+    prompt of the 24-layer 30B shape kept the device busy 15 of its 32 ms). A chunk runs padded to the next
+    of PROMPT_GRAPH_LENGTHS and reads a power-of-two bucket of positions (as decode does); its row, start
+    and length live in a device buffer (`graph_prefill_context`), so one capture serves every row and start
+    of its (length, bucket). Only caches whose positions past a sequence's length are free to write take
+    the padding: full keys and values, in rows or blocks (`takes`); not rings or recurrent states.
+    `use_graphs=False` runs the same padded forward eagerly (the CPU, tests)."""
+
+    def __init__(self, model: MoECausalLM, rotary, cache: ModelCache, dtype: torch.dtype, pool=None,
+                 use_graphs: bool = True):
+        self.model, self.rotary, self.cache, self.dtype = model, rotary, cache, dtype
+        self.use_graphs = use_graphs
+        # (row, start, n) then the chunk's ids: filled by one copy a chunk.
+        self.inputs = torch.zeros(3 + PROMPT_GRAPH_LENGTHS[-1], dtype=torch.long, device=cache.device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool if pool is not None or not use_graphs else torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def takes(cache: ModelCache) -> bool:
+        """Whether every layer's cache lets padding write past a sequence's length (full keys and values)."""
+        return all(layer.kind in ("kv", "paged") for layer in cache.layers)
+
+    def padded_length(self, start: int, n: int) -> int | None:
+        """The captured length a chunk of n tokens at `start` runs at, or None (too long, or its padding
+        would run past the cache's last position)."""
+        length = next((size for size in PROMPT_GRAPH_LENGTHS if n <= size), None)
+        return length if length is not None and start + length <= self.cache.max_len else None
+
+    def _forward(self, length: int, kv_len: int) -> torch.Tensor:
+        ctx = graph_prefill_context(self.rotary, self.cache, self.inputs[:3], length, kv_len, self.dtype)
+        last = (self.inputs[2] - 1).view(1)
+        return self.model(self.inputs[3:3 + length][None], ctx, last=last)[:, -1]
+
+    def _capture(self, length: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (kernels compile; the warm-ups write the chunk's keys and values as the
+        replay will), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(length, kv_len)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(length, kv_len)
+        return graph, out
+
+    def __call__(self, row: int, ids: list[int], start: int) -> torch.Tensor:
+        """Logits (1, V) of the chunk's last position, after its positions start.. went into `row`; a
+        copy, so no later replay of a graph sharing the pool can overwrite them."""
+        n = len(ids)
+        length = self.padded_length(start, n)
+        if length is None:
+            raise ValueError(f"a chunk of {n} tokens at {start} is not one a prompt graph runs")
+        host = torch.tensor([row, start, n, *ids], dtype=torch.long)
+        self.inputs[:3 + n].copy_(host, non_blocking=True)
+        kv_len = length_bucket(start + n, self.cache.max_len)
+        if not self.use_graphs:
+            return self._forward(length, kv_len)
+        entry = self.graphs.get((length, kv_len))
+        if entry is None:
+            entry = self.graphs[length, kv_len] = self._capture(length, kv_len)
+        entry[0].replay()
+        return entry[1].clone()
 
 
 @dataclass

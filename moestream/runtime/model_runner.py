@@ -2,7 +2,7 @@
 
 It owns the rotary table, the cache (rows = running sequences) and the CUDA graphs, one set per
 decode batch size, kept while the batch changes size and recaptured only when the cache itself
-is reallocated (a larger batch than ever before). Every model call goes through `forward`, which
+is reallocated (a larger batch than ever before), and a fully resident bank's prompt chunk graphs. Every model call goes through `forward`, which
 tells the bank what kind of step it is and how many tokens went through.
 """
 
@@ -24,7 +24,7 @@ from moestream.model.context import decode_context, no_cache_context, prefill_co
 from moestream.model.decoder import MoECausalLM
 from moestream.model.rotary import rotary_table
 from moestream.model.routers import ChosenRouter
-from moestream.runtime.cuda_graphs import DecodeGraphs, SegmentedDecode
+from moestream.runtime.cuda_graphs import DecodeGraphs, PromptGraphs, SegmentedDecode
 
 
 # Batch sizes whole-step decode graphs are captured for; a batch runs padded to the next one.
@@ -72,6 +72,10 @@ class ModelRunner:
         self._rotary = None
         self.routing = None   # a benchmark's routing swapped in (use_routing), else the model's own
         self._graphs: dict[int, DecodeGraphs | SegmentedDecode] = {}
+        # A fully resident bank's prompt chunks as graphs (one object, every captured length and bucket);
+        # an expert-parallel group turns them off: its ranks run each prompt chunk eagerly, in step.
+        self.prompt_graphs = True
+        self._prompt_graphs: PromptGraphs | None = None
         # One memory pool for every batch size's whole-step graphs: only one replays at a time, and
         # each step's logits are consumed before the next replay.
         self._graph_pool = None
@@ -139,6 +143,7 @@ class ModelRunner:
         router, or switching the fused ops, both of which a graph would otherwise keep). Their memory
         pool goes with them: a pool whose graphs are all gone cannot take new captures."""
         self._graphs.clear()
+        self._prompt_graphs = None
         self._graph_pool = None
 
     def use_routing(self, routing) -> None:
@@ -195,13 +200,37 @@ class ModelRunner:
         chunk (the row already holds the positions before `start`); the last position's logits (1, V).
         Only the new ids travel: a long context's earlier ones are never rebuilt on the host."""
         table = self.rotary_table()
-        tensor = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        logits = None
+        tensor = None
         for offset in range(0, len(ids), self.prefill_chunk):
-            chunk = tensor[offset:offset + self.prefill_chunk][None]
-            ctx = prefill_context(table, self.cache, row, start + offset, chunk.shape[1], self.dtype)
-            logits = self.forward(chunk, ctx, last_only=True)
-        return logits[:, -1]
+            n = min(self.prefill_chunk, len(ids) - offset)
+            graphs = self._prompt_runner(start + offset, n)
+            if graphs is not None:
+                self.bank.begin_step(False)
+                logits = graphs(row, ids[offset:offset + n], start + offset)
+                self.bank.after_step(n)
+                continue
+            if tensor is None:
+                tensor = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            chunk = tensor[offset:offset + n][None]
+            ctx = prefill_context(table, self.cache, row, start + offset, n, self.dtype)
+            logits = self.forward(chunk, ctx, last_only=True)[:, -1]
+        return logits
+
+    def _prompt_runner(self, start: int, n: int) -> PromptGraphs | None:
+        """The prompt graphs that run a chunk of n tokens at `start`, where they apply: graphs on, the
+        bank fully resident (a chunk then reads nothing back), every cache layer full keys and values,
+        and the chunk no longer than the longest captured length."""
+        if not (self.cuda_graphs and self.prompt_graphs and self.bank.fully_resident and self.bank.graph_safe):
+            return None
+        graphs = self._prompt_graphs
+        if graphs is None or graphs.cache is not self.cache:
+            if not PromptGraphs.takes(self.cache):
+                return None
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graphs = self._prompt_graphs = PromptGraphs(self.model, self.rotary_table(), self.cache, self.dtype,
+                                                        pool=self._graph_pool)
+        return graphs if graphs.padded_length(start, n) is not None else None
 
     @property
     def packs_prompts(self) -> bool:

@@ -596,7 +596,7 @@ def test_token_ids_are_the_prompt_of_a_gguf_without_a_tokenizer(hf_models, tmp_p
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K", "MXFP4"])
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_0", "Q4_K", "MXFP4"])
 def test_gguf_on_the_gpu_agrees_with_the_cpu_and_a_bounded_bank_with_the_resident_one(hf_models, tmp_path, experts):
     path = tmp_path / "gpu.gguf"
     make_gguf(hf_models["qwen3_moe"], path, experts=experts, dense=experts)

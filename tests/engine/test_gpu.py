@@ -132,3 +132,31 @@ def test_padded_decode_graphs_keep_each_sequence_its_own_tokens(arch, tiny_check
     alone = [engine.generate(p, max_tokens=12, ignore_eos=True) for p in prompts]
     assert engine.generate(prompts, max_tokens=12, ignore_eos=True) == alone
     assert engine.generate(prompts[:3], max_tokens=12, ignore_eos=True) == alone[:3]   # 3 pads to 4
+
+
+@pytest.mark.parametrize("layout", ["rows", "paged"])
+@pytest.mark.parametrize("experts", [None, "int4"])
+def test_resident_prompt_chunks_replay_as_graphs_with_the_eager_tokens(tiny_quant, layout, experts):
+    """A fully resident model's prompt chunks replay as CUDA graphs, padded (72 tokens run as 128, 7 and 2
+    as 16), at any row and start (a second turn prefills after its cached prefix), through the grouped
+    MoE kernels (128 tokens) and the decode ones (16): the greedy tokens equal the eager forward's and a
+    chunk's logits are close to them (fp32), bf16 experts and int4 alike."""
+    kw = dict(device="cuda", dtype="float32", max_context=256, prefill_chunk=128, kv_layout=layout, max_batch=2,
+              prefix_cache_memory="64MiB", experts=experts)
+    eager = moestream.load(tiny_quant, cuda_graphs=False, **kw)
+    graphed = moestream.load(tiny_quant, **kw)
+    prompts = [torch.randint(2, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (200, 7, 130)]
+    for prompt in prompts:
+        want = eager.generate(prompt, max_tokens=8, ignore_eos=True)
+        assert graphed.generate(prompt, max_tokens=8, ignore_eos=True) == want
+        turn = prompt + want + [5, 6, 7]
+        assert graphed.generate(turn, max_tokens=8, ignore_eos=True) == eager.generate(turn, max_tokens=8,
+                                                                                       ignore_eos=True)
+    graphs = graphed.runner._prompt_graphs
+    assert graphs is not None and {length for length, _ in graphs.graphs} >= {128, 16}
+    for engine in (eager, graphed):
+        engine.runner.ensure_rows(2)
+        if layout == "paged":   # row 1's blocks, for the runner's prefill straight into it
+            engine.runner.cache.tables.assign(1, list(range(1, 1 + 256 // engine.runner.paged.block_size)))
+    want = eager.runner.prefill(1, prompts[0])
+    torch.testing.assert_close(graphed.runner.prefill(1, prompts[0]), want, rtol=1e-3, atol=1e-3)
