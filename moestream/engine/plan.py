@@ -179,7 +179,10 @@ def staging_slots_for(capacity: int, num_experts: int, top_k: int) -> int:
 
 def paged_gather_bytes(config: ModelConfig, dtype: torch.dtype, max_context: int) -> int:
     """A paged cache's prefill chunk gathers its row's keys and values into one tensor per layer
-    (up to the whole context) before attending: that transient copy."""
+    (up to the whole context) before attending: that transient copy. A rows cache of full keys and
+    values does the same when a resident model's prompt chunk replays as a graph (its row read by a
+    device index: `runtime/cuda_graphs.py: PromptGraphs`); a plan counts it for every rows cache of full
+    keys and values, on any device and bank, so that a plan is the same wherever it runs."""
     return 2 * max_context * config.num_kv_heads * config.head_dim * dtype_size(dtype)
 
 
@@ -216,14 +219,16 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 max_context: int = 4096, batch: int = 1, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 expert_formats: dict[int, ExpertFormat] | None = None, spec: ArchSpec | None = None,
                 precision: Precision | None = None, prefix_cache_bytes: int = 0, kv_blocks: int = 0,
-                kv_block_size: int = 16, min_capacity: int = 0, slack_bytes: int = SLACK_BYTES) -> MemoryPlan:
+                kv_block_size: int = 16, min_capacity: int = 0, slack_bytes: int = SLACK_BYTES,
+                gathers_rows: bool = False) -> MemoryPlan:
     """Capacity from the budget (or the budget a given capacity needs); refuse below the minimum.
     `min_capacity`: the fewest slots per layer (0: top_k, which a fetching bank needs at once).
 
     `expert_formats` (per MoE layer; default: the compute dtype's dense format) size the slots,
     `precision` the always-resident tensors. `kv_blocks` > 0: the cache is paged, that many blocks
     of `kv_block_size` positions (`paged_blocks`), and holds the prefix cache too. `slack_bytes`: what
-    CUDA takes beyond the tensors (SLACK_BYTES; 0 for a plan of CPU memory)."""
+    CUDA takes beyond the tensors (SLACK_BYTES; 0 for a plan of CPU memory). `gathers_rows`: a rows
+    cache whose prompt chunks may gather their row as a paged one does (`paged_gather_bytes`)."""
     E, k = config.num_experts, config.top_k
     spec = spec or ARCHS[config.arch]
     if kv_blocks:
@@ -248,7 +253,7 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, budget: int | str | Non
                 kv_bytes=kv_bytes, prefix_cache_bytes=prefix_cache_bytes, kv_rows=batch, kv_blocks=kv_blocks,
                 kv_block_size=kv_block_size if kv_blocks else 0,
                 workspace_bytes=workspace_bytes(config, dtype, batch, prefill_chunk, max_context, spec) + long_prompt
-                + (paged_gather_bytes(config, dtype, max_context) if kv_blocks else 0),
+                + (paged_gather_bytes(config, dtype, max_context) if kv_blocks or gathers_rows else 0),
                 layer_slot_bytes=tuple(formats[layer].nbytes(shape) for layer in sorted(formats)),
                 staging_formats=len({fmt.name for fmt in formats.values()}), num_experts=E, top_k=k,
                 min_capacity=min_capacity, slack_bytes=slack_bytes, prefill_chunk=prefill_chunk)
@@ -475,7 +480,8 @@ def plan_load(cfg: EngineConfig, experts_here: int | None = None) -> LoadPlan:
                            expert_formats=formats, spec=spec, precision=precision,
                            prefix_cache_bytes=runtime.prefix_cache_bytes, batch=runtime.kv_rows, kv_blocks=kv_blocks,
                            kv_block_size=runtime.kv_block_size, min_capacity=1 if bank.miss_policy == "hybrid" else 0,
-                           slack_bytes=SLACK_BYTES if device.type == "cuda" else 0)
+                           slack_bytes=SLACK_BYTES if device.type == "cuda" else 0,
+                           gathers_rows=not kv_blocks and pageable(config, spec))
     if runtime.prefill_chunk != "auto":
         memory = plan_at(runtime.prefill_chunk)
     elif experts_here is not None:   # every rank splits a prompt as rank 0 does: one chunk length for all

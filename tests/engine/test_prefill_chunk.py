@@ -142,3 +142,23 @@ def test_warm_up_prompts_hold_a_step_in_the_fewest_prompts_of_one_context_each()
     for n in range(1, 200):
         lengths = prompt_lengths(n, 39)
         assert sum(lengths) == n and max(lengths) <= 39 and len(lengths) == -(-n // 39)
+
+
+def test_a_plan_counts_the_row_a_prompt_chunk_gathers(long_qwen3, tiny_checkpoints):
+    """A paged chunk gathers its row's keys and values before attending, and so does a resident model's
+    prompt chunk replayed as a graph in a rows cache (its row read by a device index): both layouts count
+    one such copy of the whole context; a model whose layers cannot page (no prompt graphs) counts none."""
+    from moestream.engine.plan import paged_gather_bytes
+
+    def plan(folder, layout: str):
+        return plan_load(EngineConfig.from_kwargs(folder, device="cpu", dtype="bfloat16", max_context=4096,
+                                                  kv_layout=layout).validate())
+
+    rows, paged = plan(long_qwen3, "rows"), plan(long_qwen3, "paged")
+    gather = paged_gather_bytes(rows.config, torch.bfloat16, 4096)
+    assert rows.memory.workspace_bytes == paged.memory.workspace_bytes
+    nothing_gathered = dict(kv_blocks=0, max_context=4096, spec=rows.spec, gathers_rows=False)
+    assert rows.memory.workspace_bytes - plan_memory(rows.config, torch.bfloat16, **nothing_gathered).workspace_bytes == gather
+    ring = plan(tiny_checkpoints["gpt_oss"][0], "rows")   # sliding-window layers: rows only
+    assert ring.memory.workspace_bytes == plan_memory(ring.config, torch.bfloat16, kv_blocks=0, max_context=ring.context,
+                                                      spec=ring.spec).workspace_bytes
