@@ -2,7 +2,7 @@
 reference), or copied over PCIe into a device slot.
 
     python benchmarks/cpu_experts.py --out $OUT [--hidden 2048 --intermediate 768] [--threads 1 4 8 15 16]
-        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 nf4 fp8-b128x128 mxfp4]
+        [--experts-per-call 1 3 6] [--tokens 1 4 16] [--formats bf16 int4-g64 int8-g64 int4-g32:fp16 nf4 fp8-b128x128 mxfp4]
         [--int4-path fp32]
         [--prefetch 0 512 2048 --rounds 5]
 
@@ -83,9 +83,16 @@ def main() -> None:
     (args.out / "cpu_experts.json").write_text(json.dumps(result, indent=2))
 
 
+SCALE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 def _spec(fmt: str):
-    """A format name's stored spec: FP8, MXFP4 or group quantization."""
-    return MXFP4 if fmt == "mxfp4" else parse_fp8(fmt) or parse_quant(fmt)
+    """A format name's stored spec: FP8, MXFP4 or group quantization, the last with its scales' dtype
+    after a colon (`int4-g32:fp16`: GGUF's Q4_0 as it is held; default bf16)."""
+    if fmt == "mxfp4":
+        return MXFP4
+    base, _, scales = fmt.partition(":")
+    return parse_fp8(base) or parse_quant(base, SCALE_DTYPES[scales or "bf16"])
 
 
 def _quantized(source: dict, spec, cuda: bool) -> dict:

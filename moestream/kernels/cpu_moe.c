@@ -25,7 +25,7 @@
 #include <sys/prctl.h>
 #include <time.h>
 #include <omp.h>
-#if defined(__AVX512F__) || defined(__F16C__)   /* AVX-512 without AVX512-BF16 (Skylake-X to Ice Lake) takes the vector paths too */
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)   /* AVX-512 without AVX512-BF16 (Skylake-X to Ice Lake) takes the vector paths too */
 #include <immintrin.h>
 #endif
 
@@ -219,6 +219,7 @@ typedef struct {
     int fp8;                      /* codes are FP8 e4m3 bits */
     int qgroup[2], rows[2], sdiv[2], split[2], srows[2];   /* QuantLayout's, per projection */
     float table[16];              /* quantized, 4 and 2 bits: the value of each code (affine: the code) */
+    int affine;                   /* the table is the codes themselves (`affine_codes`) */
     /* Affine 4-bit rows meeting bf16-valued inputs (`fast`): each projection's inputs also as bf16
      * (phase-ordered rows of K) with their per-group sums (rows of K / group), so a row is
      * s * (codes . x) + b * sum(x) per group, the codes . x in bf16 dot products (exact products,
@@ -227,6 +228,13 @@ typedef struct {
     uint16_t *in_bf16[2];
     float *in_sum[2];
 } Weights;
+
+/* Whether the codes' values are the codes themselves (affine formats; not NF4's codebook). */
+static int affine_codes(const float *table) {
+    for (int i = 0; i < 16; i++)
+        if (table[i] != (float)i) return 0;
+    return 1;
+}
 
 static void quant_weights(Weights *W, const QuantLayout *q) {
     W->quantized = 1;
@@ -242,6 +250,7 @@ static void quant_weights(Weights *W, const QuantLayout *q) {
         W->srows[i] = q->srows[i];
     }
     for (int i = 0; i < 16; i++) W->table[i] = q->table[i];
+    W->affine = affine_codes(W->table);
 }
 
 /* Inputs of one projection for T tokens: the hidden rows (phase 1) or the pairs' activations (phase
@@ -299,6 +308,28 @@ static inline size_t scale_row(const Weights *W, int which, size_t row) {
     return e * (size_t)W->srows[which] + sr;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The values of the p-th codes of 8 bytes (as 8 int32 lanes) on AVX2: FP8 e4m3 bits (times 2^120 unless
+ * `fold` put that in the scale; NaN codes NaN), 8-bit codes, or `bits`-bit codes through the code table
+ * (`tlo`, `thi`: two 8-entry lookups where it is not the codes themselves, `affine`). */
+static inline __attribute__((always_inline)) __m256 avx2_values(__m256i by, int p, int fp8, int fold, int bits,
+                                                                int affine, __m256 tlo, __m256 thi) {
+    if (fp8) {
+        const __m256i low7 = _mm256_set1_epi32(0x7f), mag = _mm256_and_si256(by, low7);
+        __m256 w = _mm256_castsi256_ps(_mm256_or_si256(
+            _mm256_slli_epi32(mag, 20), _mm256_slli_epi32(_mm256_and_si256(by, _mm256_set1_epi32(0x80)), 24)));
+        if (!fold) w = _mm256_mul_ps(w, _mm256_set1_ps(0x1p120f));
+        return _mm256_blendv_ps(w, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, low7)));
+    }
+    if (bits == 8) return _mm256_cvtepi32_ps(by);
+    const __m256i code = _mm256_and_si256(_mm256_srl_epi32(by, _mm_cvtsi32_si128(p * bits)),
+                                          _mm256_set1_epi32((1 << bits) - 1));
+    if (affine) return _mm256_cvtepi32_ps(code);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(tlo, code), _mm256_permutevar8x32_ps(thi, code),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, _mm256_set1_epi32(7))));
+}
+#endif
+
 /* One quantized row times one phase-ordered input. */
 static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
     const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v, group = W->qgroup[which];
@@ -344,6 +375,43 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
             }
         }
         acc = _mm512_reduce_add_ps(vacc);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* The same on AVX2 (desktop CPUs without AVX-512), 8 values a vector, whole groups 8 bytes at a time
+     * (16 where the group allows, into two sums: an FMA's latency, not its rate, bounds one sum) */
+    const int gbytes = group * bits / 8;
+    if (gbytes % 8 == 0) {
+        __m256 vacc0 = _mm256_setzero_ps(), vacc1 = _mm256_setzero_ps();
+        const __m256 tlo = _mm256_loadu_ps(W->table), thi = _mm256_loadu_ps(W->table + 8);
+        const int fp8 = W->fp8, affine = W->affine;
+        for (; g < K / group; g++) {
+            const float s1 = scale_at(sc, W->sdtype, s_at + g);
+            const int fold = W->fp8 && isfinite(s1 * 0x1p120f);
+            const __m256 s = _mm256_set1_ps(fold ? s1 * 0x1p120f : s1);
+            const __m256 b = _mm256_set1_ps(bi ? scale_at(bi, W->sdtype, s_at + g) : 0.f);
+            int j = g * gbytes;
+            const int end = (g + 1) * gbytes;
+            for (; j + 16 <= end; j += 16) {
+                if (prefetch_bytes && (j & 63) == 0) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
+                const __m256i by0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+                const __m256i by1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j + 8)));
+                for (int p = 0; p < v; p++) {
+                    const float *xp = x + (size_t)p * per + j;
+                    vacc0 = _mm256_fmadd_ps(_mm256_fmadd_ps(avx2_values(by0, p, fp8, fold, bits, affine, tlo, thi), s, b), _mm256_loadu_ps(xp), vacc0);
+                    vacc1 = _mm256_fmadd_ps(_mm256_fmadd_ps(avx2_values(by1, p, fp8, fold, bits, affine, tlo, thi), s, b), _mm256_loadu_ps(xp + 8), vacc1);
+                }
+            }
+            if (j < end) {
+                const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
+                for (int p = 0; p < v; p++)
+                    vacc0 = _mm256_fmadd_ps(_mm256_fmadd_ps(avx2_values(by, p, fp8, fold, bits, affine, tlo, thi), s, b),
+                                            _mm256_loadu_ps(x + (size_t)p * per + j), vacc0);
+            }
+        }
+        const __m256 vacc = _mm256_add_ps(vacc0, vacc1);
+        __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(vacc), _mm256_extractf128_ps(vacc, 1));
+        sum4 = _mm_hadd_ps(sum4, sum4);
+        acc = _mm_cvtss_f32(_mm_hadd_ps(sum4, sum4));
     }
 #endif
     for (; g < G; g++) {   /* portable form, and a ragged last group */
@@ -421,13 +489,6 @@ static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, con
 }
 #define HAVE_Q4_BF16 1
 #endif
-
-/* Whether the codes' values are the codes themselves (affine formats; not NF4's codebook). */
-static int affine_codes(const float *table) {
-    for (int i = 0; i < 16; i++)
-        if (table[i] != (float)i) return 0;
-    return 1;
-}
 
 /* Whether a projection of K inputs takes `q4_row_dot_bf16`. */
 static inline int q4_fast(const Weights *W, int K) {
