@@ -125,10 +125,26 @@ def fused_moe_quant_available() -> bool:
 
 
 def quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases, spec, bias=None) -> Tensor:
-    """x @ dequantize(weight)ᵀ (+ bias): the Triton kernel on CUDA when it exists, else the reference."""
+    """x @ dequantize(weight)ᵀ (+ bias): the Triton kernel on CUDA when it exists; on the CPU, a decode
+    step's few tokens through the C kernel's row dot products (the weight is never dequantized into
+    memory: a vocabulary's LM head would be a GB a token), where it builds; else the reference."""
     if x.is_cuda and fused_moe_quant_available():
         return _triton_module("quant_linear").quant_linear(x, qweight, scales, biases, spec, bias)
+    if not x.is_cuda and x.shape[0] <= _cpu_moe().QLINEAR_MAX_TOKENS and _cpu_qlinear_reads(spec):
+        out = _cpu_moe().cpu_quant_linear(x, qweight, scales, biases, spec)
+        return (out if bias is None else out + bias.float()).to(x.dtype)
     return quant_linear_reference(x, qweight, scales, biases, spec, bias)
+
+
+def _cpu_moe():
+    from . import cpu_moe   # imported at first use: it builds its C kernel then
+    return cpu_moe
+
+
+@functools.cache
+def _cpu_qlinear_reads(spec) -> bool:
+    """Whether the CPU's quantized linear takes the C kernel for `spec` (it builds here and reads the format)."""
+    return _cpu_moe().load() is not None and _cpu_moe().supports_quant(spec)
 
 
 # ---- fused small ops of a decoder layer (norms, q/k norm + rotary, the router's choice) ---------

@@ -127,6 +127,8 @@ def load() -> ctypes.CDLL | None:
         lib.moe_cpu_experts_quant.argtypes = [p, p, p, p, p, p, p, p, p, i32, i32, f32, f32, i32, i32, i32, i32,
                                               p, p, p, p, p, p, p, p, i32, p, p, p, p]
         lib.moe_cpu_experts_quant.restype = None
+        lib.moe_cpu_qlinear.argtypes = [p, p, p, p, i32, i32, i32, p, p]
+        lib.moe_cpu_qlinear.restype = None
         lib.moe_stream_start.argtypes = [p, p, i32, i32, i32, i32, i32, i32, i32, i32, f32, f32, i32, p, i32]
         lib.moe_stream_start.restype = p
         lib.moe_stream_stop.argtypes = [p, ctypes.c_double]
@@ -339,6 +341,39 @@ def quant_layout(spec: StoredSpec, hidden: int, intermediate: int) -> QuantLayou
         return QuantLayout(4, 0, 2, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
     sdtype = SCALE_DTYPES[spec.scale_dtype]
     return QuantLayout(spec.bits, 0, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
+
+
+def linear_layout(spec: QuantSpec | Fp8Spec, rows: int, cols: int) -> QuantLayout:
+    """The kernel's view of one (rows, cols) quantized weight (a linear layer's), as its first projection."""
+    if isinstance(spec, Fp8Spec):
+        bn, bk = spec.block(rows, cols)
+        return QuantLayout(8, 1, SCALE_DTYPES[spec.scale_dtype], (bk, bk), (rows, rows), (bn, bn), (0, 0),
+                           (spec.scale_shape(rows, cols)[0],) * 2, (ctypes.c_float * 16)())
+    table = (ctypes.c_float * 16)(*code_table(spec).tolist())
+    return QuantLayout(spec.bits, 0, SCALE_DTYPES[spec.scale_dtype], (spec.group, spec.group), (rows, rows), (1, 1),
+                       (0, 0), (rows, rows), table)
+
+
+# Inputs up to which a CPU quantized linear reads its rows in place (one pass over the weight, every
+# input meeting each row): a decode step's few tokens. Longer inputs dequantize the weight once for
+# one GEMM, which beats a pass of row dot products per token there.
+QLINEAR_MAX_TOKENS = 8
+
+
+def cpu_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, biases: Tensor | None,
+                     spec: QuantSpec | Fp8Spec) -> Tensor:
+    """x (T, K) times the quantized weight's rows ((N, K) as stored), fp32 (T, N), through the C kernel:
+    `quant_linear_reference`'s product without dequantizing the weight into memory (each value decoded
+    in registers and multiplied in fp32, the weight not rounded to x's dtype first). For the specs
+    `supports_quant` names and contiguous tensors."""
+    lib = _ready()
+    N, K, T = qweight.shape[0], x.shape[1], x.shape[0]
+    layout = linear_layout(spec, N, K)
+    xs = _phase_ordered(x, layout.bits)
+    out = torch.empty(T, N, dtype=torch.float32)
+    lib.moe_cpu_qlinear(_ptr(qweight), _ptr(scales), _ptr(biases), ctypes.byref(layout), N, K, T, xs.data_ptr(),
+                        out.data_ptr())
+    return out
 
 
 def _quant_stack(stack: Mapping[str, Tensor], spec: StoredSpec) -> dict[str, Tensor | None]:

@@ -498,3 +498,44 @@ def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt, dtype):
             assert (rows - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * ref.abs().max()
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("name", ["int4-g32:fp16", "int8-g32:fp16", "int4-g128", "nf4-g64", "int2-g32:fp32",
+                                  "int4-g64:fp32", "fp8-b16x16", "fp8-b12x12", "fp8-channel"])
+@pytest.mark.parametrize("K", [128, 96])   # whole groups, and a ragged last group (or block)
+def test_a_quantized_linear_reads_its_rows_in_place_for_a_decode_steps_tokens(name, K, monkeypatch):
+    """`kernels.quant_linear` on the CPU: up to QLINEAR_MAX_TOKENS inputs go through the C kernel's row dot
+    products (the weight never dequantized into memory), with the reference's product in fp32 and its bias
+    added; more inputs take the reference's dequantize-then-GEMM."""
+    from moestream import kernels
+    from moestream.kernels.quant_linear_reference import quant_linear_reference
+    from moestream.quant import quantize
+    from moestream.quant.fp8 import parse_fp8, quantize_fp8
+
+    g = torch.Generator().manual_seed(K)
+    w, bias = torch.randn(72, K, generator=g), torch.randn(72, generator=g)
+    fp8 = parse_fp8(name)
+    if fp8 is not None and K % 16 and fp8.block_k == 16:
+        pytest.skip("fp8-b16x16 needs whole blocks")
+    spec = fp8 or _spec(name)
+    assert cpu_moe.supports_quant(spec)
+    if fp8 is not None:
+        values, scales = quantize_fp8(w, spec)
+        qweight, biases = values.view(torch.uint8), None   # the e4m3 bits, as `QuantLinear` holds them
+    else:
+        parts = quantize(w, spec).parts()
+        qweight, scales, biases = parts["qweight"], parts["scales"], parts.get("biases")
+    calls = []
+    real = cpu_moe.cpu_quant_linear
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(cpu_moe, "cpu_quant_linear", counted)
+    for T in (1, 5, cpu_moe.QLINEAR_MAX_TOKENS, cpu_moe.QLINEAR_MAX_TOKENS + 1):
+        x = torch.randn(T, K, generator=g)
+        got = kernels.quant_linear(x, qweight, scales, biases, spec, bias)
+        want = quant_linear_reference(x, qweight, scales, biases, spec, bias)   # sums of ~K terms of ~1: the
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)           # summation order moves ~1e-5
+    assert calls == [1, 5, cpu_moe.QLINEAR_MAX_TOKENS]
