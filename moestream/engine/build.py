@@ -143,6 +143,8 @@ def build_bank(plan: LoadPlan, cfg: EngineConfig, store: ExpertStore, pinned: di
     tier = None if memory.fully_resident else make_host_tier(cfg.bank.host_tier, store, formats,
                                                              plan.device, plan.host_memory)
     cpu_moe.use_share(*cfg.runtime.host_share)   # an expert-parallel rank's team: cores of its own on its host
+    if plan.device.type == "cpu":   # no thread drives a GPU here: the kernel's team takes every core torch uses
+        cpu_moe.want_threads(torch.get_num_threads())
     cpu_work = cfg.bank.cpu_misses or cfg.bank.prompt_cpu_misses
     if cpu_work and not memory.fully_resident:   # before the miss costs are measured on them
         if cfg.bank.cpu_threads is not None:

@@ -203,6 +203,16 @@ def default_threads(cpus: int) -> int:
     return min(all_but_one(cpus), MAX_DEFAULT_THREADS)
 
 
+_wanted: int | None = None   # the team a first use takes (`want_threads`; None: `default_threads`)
+
+
+def want_threads(threads: int | None) -> None:
+    """The team size the kernel takes at its first use, unless `set_threads` decides first: an engine on
+    the CPU device wants every core torch computes on (no thread of its drives a GPU)."""
+    global _wanted
+    _wanted = threads
+
+
 def set_threads(threads: int | None = None) -> int:
     """Size the kernel's thread team and pin its workers, one per core, away from the first core of
     this process's CPU set, where the calling (Python) thread runs as the team's thread 0. Returns
@@ -220,7 +230,7 @@ def pin_team() -> None:
     thread that starts parallel work, so another thread that calls the kernel (the one computing a
     prompt's CPU share) would otherwise run an unpinned team of its own."""
     if _threads is None:
-        set_threads()
+        set_threads(_wanted)
     else:
         _pin(_threads, usable_cpus())
 
@@ -243,7 +253,7 @@ def _ready() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the CPU expert kernel is unavailable: {_reason}")
     if _threads is None:
-        set_threads()
+        set_threads(_wanted)
     return lib
 
 

@@ -1,4 +1,5 @@
-"""A CPU rank of an expert-parallel group on a host with other ranks runs torch on its share of the cores."""
+"""A CPU rank of an expert-parallel group on a host with other ranks runs torch on its share of the cores;
+an engine on the CPU device runs the C kernel on every core torch computes on."""
 
 from __future__ import annotations
 
@@ -36,3 +37,24 @@ def test_a_lone_rank_a_gpu_rank_and_given_thread_counts_are_left_alone(eight_cor
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert share_host_threads(config((0, 2)), torch.device("cpu")) is None
     assert eight_cores == []
+
+
+@pytest.mark.skipif(cpu_moe.load() is None, reason=f"no C compiler here: {cpu_moe.unavailable_reason()}")
+def test_a_cpu_engines_kernel_team_takes_every_core_torch_computes_on(tiny_quant, monkeypatch):
+    """Its quantized experts and linears run on the C kernel, and no thread of a CPU engine drives a GPU, so
+    the team is torch's thread count, not the hybrid policy's every core but one."""
+    import moestream
+
+    team = cpu_moe._threads
+    monkeypatch.setattr(cpu_moe, "_threads", None)
+    monkeypatch.setattr(cpu_moe, "_wanted", None)
+    monkeypatch.setattr(cpu_moe, "process_cpus", lambda: list(range(6)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)   # a 6-core machine, whatever this one is
+    try:
+        engine = moestream.load(tiny_quant, device="cpu", dtype="float32", experts="int4", attention="int8")
+        engine.generate([3, 4, 5], max_tokens=2, ignore_eos=True)
+        assert cpu_moe._threads == 6 != cpu_moe.default_threads(6)
+    finally:   # this machine's team again, as the tests before left it
+        monkeypatch.undo()
+        if team is not None:
+            cpu_moe.set_threads(team)
