@@ -113,6 +113,59 @@ static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+#endif
+
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+/* 8 bf16 values widened to fp32 (a bf16 is an fp32's top half: a shift, exact). */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* bf16 · bf16 on AVX2 (desktop CPUs, and AVX-512 ones without BF16): 8 products a vector, exact in fp32,
+ * summed in fp32 for NT inputs at once, each keeping two chains (the even and the odd 8 values of every
+ * 16) to hide the FMA's latency; the stream asks `prefetch_bytes` ahead as the AVX512-BF16 form does. */
+static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *r, int K, const uint16_t *const *xs,
+                                                            const int NT, float *y, int ldy) {
+    __m256 even[TT], odd[TT];
+    for (int j = 0; j < NT; j++) even[j] = odd[j] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (prefetch_bytes && (k & 31) == 0) _mm_prefetch((const char *)(r + k) + prefetch_bytes, _MM_HINT_T0);
+        const __m256 w0 = bf16x8(r + k), w1 = bf16x8(r + k + 8);
+        for (int j = 0; j < NT; j++) {
+            even[j] = _mm256_fmadd_ps(w0, bf16x8(xs[j] + k), even[j]);
+            odd[j] = _mm256_fmadd_ps(w1, bf16x8(xs[j] + k + 8), odd[j]);
+        }
+    }
+    if (k < K) {
+        const __m256 w0 = bf16x8(r + k);
+        for (int j = 0; j < NT; j++) even[j] = _mm256_fmadd_ps(w0, bf16x8(xs[j] + k), even[j]);
+    }
+    for (int j = 0; j < NT; j++) y[(size_t)j * ldy] = hsum256(_mm256_add_ps(even[j], odd[j]));
+}
+
+static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
+    if (K % 8) return 0;
+    switch (nt) {
+    case 1: bf16_rows(r, K, xs, 1, y, ldy); break;
+    case 2: bf16_rows(r, K, xs, 2, y, ldy); break;
+    case 3: bf16_rows(r, K, xs, 3, y, ldy); break;
+    default: bf16_rows(r, K, xs, TT, y, ldy); break;
+    }
+    return 1;
+}
+#define HAVE_BF16_TILE 1
+#endif
+#if defined(__AVX512BF16__)
+#define HAVE_BF16_TILE 1
+#endif
+
 /* Portable form: each 16-wide piece of the row widened once, multiplied into TT accumulators. */
 static void any_tile(const void *w, int dtype, size_t r, int K, const void *const *xs, int nt, float *y, int ldy) {
     enum { VW = 16 };
@@ -148,7 +201,7 @@ static void row_dots(const void *w, int dtype, size_t row, int K, const void *x,
             int t = t0 + (j < nt ? j : nt - 1);
             xs[j] = (const char *)x + (size_t)(tok ? tok[t] : t) * ldx * esize;
         }
-#if defined(__AVX512BF16__)
+#if defined(HAVE_BF16_TILE)
         if (dtype == W_BF16 &&
             bf16_tile((const uint16_t *)w + row * (size_t)K, K, (const uint16_t *const *)xs, nt, y + (size_t)t0 * ldy, ldy))
             continue;
@@ -408,10 +461,7 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
                                             _mm256_loadu_ps(x + (size_t)p * per + j), vacc0);
             }
         }
-        const __m256 vacc = _mm256_add_ps(vacc0, vacc1);
-        __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(vacc), _mm256_extractf128_ps(vacc, 1));
-        sum4 = _mm_hadd_ps(sum4, sum4);
-        acc = _mm_cvtss_f32(_mm_hadd_ps(sum4, sum4));
+        acc = hsum256(_mm256_add_ps(vacc0, vacc1));
     }
 #endif
     for (; g < G; g++) {   /* portable form, and a ragged last group */
