@@ -101,16 +101,7 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *r, i
     for (int j = 0; j < NT; j++) y[(size_t)j * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(even[j], odd[j]));
 }
 
-static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
-    if (K % 32) return 0;
-    switch (nt) {
-    case 1: bf16_rows(r, K, xs, 1, y, ldy); break;
-    case 2: bf16_rows(r, K, xs, 2, y, ldy); break;
-    case 3: bf16_rows(r, K, xs, 3, y, ldy); break;
-    default: bf16_rows(r, K, xs, TT, y, ldy); break;
-    }
-    return 1;
-}
+#define BF16_TILE_K 32   /* whole 32-value loads */
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -150,8 +141,13 @@ static inline __attribute__((always_inline)) void bf16_rows(const uint16_t *r, i
     for (int j = 0; j < NT; j++) y[(size_t)j * ldy] = hsum256(_mm256_add_ps(even[j], odd[j]));
 }
 
+#define BF16_TILE_K 8   /* whole 8-value loads */
+#endif
+
+#if defined(BF16_TILE_K)
+/* A tile of nt inputs through `bf16_rows` (NT a constant in each copy); 0 where K has a partial load. */
 static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt, float *y, int ldy) {
-    if (K % 8) return 0;
+    if (K % BF16_TILE_K) return 0;
     switch (nt) {
     case 1: bf16_rows(r, K, xs, 1, y, ldy); break;
     case 2: bf16_rows(r, K, xs, 2, y, ldy); break;
@@ -160,10 +156,6 @@ static int bf16_tile(const uint16_t *r, int K, const uint16_t *const *xs, int nt
     }
     return 1;
 }
-#define HAVE_BF16_TILE 1
-#endif
-#if defined(__AVX512BF16__)
-#define HAVE_BF16_TILE 1
 #endif
 
 /* Portable form: each 16-wide piece of the row widened once, multiplied into TT accumulators. */
@@ -201,7 +193,7 @@ static void row_dots(const void *w, int dtype, size_t row, int K, const void *x,
             int t = t0 + (j < nt ? j : nt - 1);
             xs[j] = (const char *)x + (size_t)(tok ? tok[t] : t) * ldx * esize;
         }
-#if defined(HAVE_BF16_TILE)
+#if defined(BF16_TILE_K)
         if (dtype == W_BF16 &&
             bf16_tile((const uint16_t *)w + row * (size_t)K, K, (const uint16_t *const *)xs, nt, y + (size_t)t0 * ldy, ldy))
             continue;
