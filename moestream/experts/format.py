@@ -300,9 +300,10 @@ class QuantizedFormat(ExpertFormat):
         spec = self.spec
         if self.uses_kernels(device, shape):   # the kernels read the slot map themselves (one token)
             return functools.partial(kernels.fused_moe_quant, spec=spec, layer_experts=layer_experts)
-        cpu_kernel = device.type == "cpu" and self._cpu_kernel_reads()
+        from moestream.kernels import cpu_moe
+
+        cpu_kernel = device.type == "cpu" and cpu_moe.reads(spec)
         if cpu_kernel:
-            from moestream.kernels import cpu_moe
             from moestream.kernels.moe_reference import sum_pairs_reference
 
         def dispatch(hidden: Tensor, slots: Mapping[str, Tensor], slot_ids: Tensor, weights: Tensor,
@@ -317,11 +318,6 @@ class QuantizedFormat(ExpertFormat):
                 return sum_pairs_reference(pairs, hidden.dtype) if reduce else pairs
             return kernels.quant_moe_reference(hidden, slots, slot_ids, weights, spec, reduce=reduce, host=host)
         return dispatch
-
-    def _cpu_kernel_reads(self) -> bool:
-        from moestream.kernels import cpu_moe
-
-        return cpu_moe.supports_quant(self.spec) and cpu_moe.load() is not None
 
     def uses_kernels(self, device: torch.device, shape: ExpertShape | None = None) -> bool:
         from moestream import kernels

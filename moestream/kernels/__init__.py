@@ -143,8 +143,8 @@ def _cpu_moe():
 
 @functools.cache
 def _cpu_qlinear_reads(spec) -> bool:
-    """Whether the CPU's quantized linear takes the C kernel for `spec` (it builds here and reads the format)."""
-    return _cpu_moe().load() is not None and _cpu_moe().supports_quant(spec)
+    """`cpu_moe.reads(spec)`, once per spec: asked by every quantized linear of every decode step."""
+    return _cpu_moe().reads(spec)
 
 
 # ---- fused small ops of a decoder layer (norms, q/k norm + rotary, the router's choice) ---------

@@ -431,7 +431,7 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
         const int fp8 = W->fp8, affine = W->affine;
         for (; g < K / group; g++) {
             const float s1 = scale_at(sc, W->sdtype, s_at + g);
-            const int fold = W->fp8 && isfinite(s1 * 0x1p120f);
+            const int fold = fp8 && isfinite(s1 * 0x1p120f);
             const __m256 s = _mm256_set1_ps(fold ? s1 * 0x1p120f : s1);
             const __m256 b = _mm256_set1_ps(bi ? scale_at(bi, W->sdtype, s_at + g) : 0.f);
             int j = g * gbytes;
@@ -724,7 +724,7 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
     Weights W = {0};
     quant_weights(&W, q);
     W.dtype = dtype;
-    W.fast = fast && round_act && !W.fp8 && affine_codes(W.table);   /* bf16-valued inputs only: exact in bf16 */
+    W.fast = fast && round_act && !W.fp8 && W.affine;   /* bf16-valued inputs only: exact in bf16 */
     W.in_bf16[0] = x_bf16;
     W.in_sum[0] = x_sum;
     W.in_bf16[1] = act_bf16;
@@ -1018,7 +1018,7 @@ static void *stream_main(void *arg) {
                     W.scales[1] = L->down_scales;
                     W.qbias[0] = L->gate_up_qbias;
                     W.qbias[1] = L->down_qbias;
-                    W.fast = w->dtype == W_BF16 && !W.fp8 && affine_codes(W.table);   /* rows the 4-bit path takes: q4_fast */
+                    W.fast = w->dtype == W_BF16 && !W.fp8 && W.affine;   /* rows the 4-bit path takes: q4_fast */
                     W.in_bf16[0] = w->xb;
                     W.in_sum[0] = w->xsum;
                     W.in_bf16[1] = w->actb;

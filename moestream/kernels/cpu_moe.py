@@ -326,6 +326,11 @@ def supports_quant(spec: StoredSpec) -> bool:
     return spec.bits in (8, 4, 2) and (spec.kind == "int" or spec.bits == 4) and spec.scale_dtype in SCALE_DTYPES
 
 
+def reads(spec: StoredSpec) -> bool:
+    """Whether the kernel builds on this machine and reads `spec` as stored (`supports_quant`)."""
+    return supports_quant(spec) and load() is not None
+
+
 class QuantLayout(ctypes.Structure):
     """How a layer's quantized experts are laid out, as the kernel reads them (`QuantLayout` in
     cpu_moe.c): code width and meaning, scale dtype, and per projection (gate_up, down) the columns a

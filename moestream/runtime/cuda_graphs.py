@@ -25,6 +25,21 @@ from moestream.model.decoder import MoECausalLM
 from moestream.model.moe import MoEBlock
 
 
+def capture(forward: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` as a graph in `pool`, and its output: two runs on a side stream first (kernels compile and
+    the allocator settles outside the capture; they do the step's work as the replay will)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 def length_bucket(kv_len: int, max_len: int, smallest: int = 256) -> int:
     bucket = smallest
     while bucket < kv_len:
@@ -71,16 +86,7 @@ class DecodeGraphs:
         self._padded_to = live
 
     def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):   # compile kernels and settle the allocator outside the capture
-                self._step(kv_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(kv_len)
-        return graph, out
+        return capture(lambda: self._step(kv_len), self.pool)
 
     def capture_upto(self, kv_len: int, from_len: int = 1) -> None:
         """Capture every bucket from from_len's up to kv_len's (benchmarks keep capture out of timings)."""
@@ -130,7 +136,9 @@ class PromptGraphs:
         # (row, start, n) then the chunk's ids: filled by one copy a chunk.
         self.inputs = torch.zeros(3 + PROMPT_GRAPH_LENGTHS[-1], dtype=torch.long, device=cache.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = pool if pool is not None or not use_graphs else torch.cuda.graph_pool_handle()
+        if pool is None and use_graphs:
+            pool = torch.cuda.graph_pool_handle()
+        self.pool = pool
 
     @staticmethod
     def takes(cache: ModelCache) -> bool:
@@ -148,20 +156,6 @@ class PromptGraphs:
         last = (self.inputs[2] - 1).view(1)
         return self.model(self.inputs[3:3 + length][None], ctx, last=last)[:, -1]
 
-    def _capture(self, length: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (kernels compile; the warm-ups write the chunk's keys and values as the
-        replay will), then capture."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(length, kv_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(length, kv_len)
-        return graph, out
-
     def __call__(self, row: int, ids: list[int], start: int) -> torch.Tensor:
         """Logits (1, V) of the chunk's last position, after its positions start.. went into `row`; a
         copy, so no later replay of a graph sharing the pool can overwrite them."""
@@ -176,7 +170,7 @@ class PromptGraphs:
             return self._forward(length, kv_len)
         entry = self.graphs.get((length, kv_len))
         if entry is None:
-            entry = self.graphs[length, kv_len] = self._capture(length, kv_len)
+            entry = self.graphs[length, kv_len] = capture(lambda: self._forward(length, kv_len), self.pool)
         entry[0].replay()
         return entry[1].clone()
 
