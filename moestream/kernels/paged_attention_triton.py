@@ -7,7 +7,9 @@ softmax for all the query heads of its kv head at once (GQA: the group's queries
 so each key and value is read once per kv head, not once per query head). It reads only the row's
 own length (`seq_lens`), never a padded bucket, and needs no mask. A second launch merges the
 splits by their log-sum-exp. The number of splits is chosen from a host-known bound on the length,
-so a CUDA graph captured for a length bucket replays with any shorter rows.
+so a CUDA graph captured for a length bucket replays with any shorter rows. The split buffers' width
+depends on the batch and the kv heads alone, never on that bound, and the merge walks the splits in
+tiles of a runtime count: decode at a new length bucket compiles nothing.
 
 The spec is `paged_attention_reference.py`.
 """
@@ -22,6 +24,7 @@ from .pdl import pdl_args, release_consumer, wait_for_producer
 
 _PROGRAMS = 264          # ~2 per SM of an H100: enough splits to fill the GPU at batch 1
 _TILE = 64               # positions per tile
+_MERGE_TILE = 16         # splits the merge reads at a time
 
 
 @triton.jit
@@ -101,29 +104,47 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, lse_p
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                         stride_outb, stride_outh, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                         stride_outb, stride_outh, D: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr,
                          USE_PDL: tl.constexpr):
+    """out[b, h] = the splits' outputs weighted by exp(lse - max lse), S_TILE splits at a time (the split
+    count is a runtime value: one variant serves every length)."""
     wait_for_producer(USE_PDL)
     release_consumer(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
-    s_ok, d_ok = s < splits, d < D
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + s, mask=s_ok, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    d_ok = d < D
+    lse_row = lse_ptr + b * stride_lb + h * stride_lh
+    o_row = o_ptr + b * stride_ob + h * stride_oh
+    top = tl.full([], float("-inf"), tl.float32)
+    for first in range(0, splits, S_TILE):
+        s = first + tl.arange(0, S_TILE)
+        top = tl.maximum(top, tl.max(tl.load(lse_row + s, mask=s < splits, other=float("-inf")), axis=0))
+    acc = tl.zeros([D_PAD], dtype=tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    for first in range(0, splits, S_TILE):
+        s = first + tl.arange(0, S_TILE)
+        s_ok = s < splits
+        w = tl.exp(tl.load(lse_row + s, mask=s_ok, other=float("-inf")) - top)
+        o = tl.load(o_row + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+        total += tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def most_splits(batch: int, kv_heads: int) -> int:
+    """The most splits a launch of `batch` rows takes at any length: the split buffers' width, so their
+    strides and the merge's padded width stay the same from one length bucket to the next (a served
+    decode that reached a longer context compiled a merge variant per bucket, a stall mid-stream)."""
+    return max(1, -(-_PROGRAMS // (batch * kv_heads)))
 
 
 def split_length(batch: int, kv_heads: int, max_len: int) -> int:
     """Positions per split: enough splits to give the GPU ~_PROGRAMS programs, whole tiles each."""
     tiles = -(-max_len // _TILE)
-    splits = max(1, min(tiles, -(-_PROGRAMS // (batch * kv_heads))))
+    splits = min(tiles, most_splits(batch, kv_heads))
     return -(-tiles // splits) * _TILE
 
 
@@ -139,9 +160,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if k_pool.stride(-1) != 1 or k_pool.stride(-2) != D or v_pool.stride() != k_pool.stride():
         raise ValueError("the KV pools must be (blocks, block_size, kv_heads, head_dim), packed alike")
     split_len = split_length(B, kv_heads, max_len)
-    splits = -(-max_len // split_len)
-    o = torch.empty((B, heads, splits, D), dtype=torch.float32, device=q.device)
-    lse = torch.empty((B, heads, splits), dtype=torch.float32, device=q.device)
+    splits, width = -(-max_len // split_len), most_splits(B, kv_heads)
+    o = torch.empty((B, heads, width, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, heads, width), dtype=torch.float32, device=q.device)
     out = torch.empty((B, heads, D), dtype=q.dtype, device=q.device)
     scale = D ** -0.5 if scale is None else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -154,5 +175,5 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         DOT_PRECISION=precision, num_warps=4, **pdl_args(q))
     _decode_merge_kernel[(B, heads)](o, lse, out, splits, o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
                                      lse.stride(1), out.stride(0), out.stride(1), D=D, D_PAD=D_PAD,
-                                     S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4, **pdl_args(q))
+                                     S_TILE=_MERGE_TILE, num_warps=4, **pdl_args(q))
     return out

@@ -37,7 +37,8 @@ def check_write(device: str, dtype: torch.dtype) -> None:
 
 
 def check_decode(device: str, dtype: torch.dtype, sizes=((3, 8, 2, 64, 16, 150), (2, 4, 4, 32, 8, 70),
-                                                          (1, 16, 2, 128, 16, 600))) -> None:
+                                                          (1, 16, 2, 128, 16, 600), (1, 4, 2, 32, 16, 1300))) -> None:
+    """The last size splits its 1,300 positions 21 ways: the merge reads them in two tiles, one partial."""
     g = torch.Generator().manual_seed(1)
     for B, heads, kv_heads, D, block_size, max_len in sizes:
         max_blocks = -(-max_len // block_size)

@@ -261,7 +261,7 @@ def test_paged_attention_kernels_compile_with_programmatic_launch():
                 "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh"], ["scale"], consts)
     triton.compile(ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=consts), target=H100,
                    options={"num_warps": 4})
-    consts = {"D": 128, "D_PAD": 128, "S_PAD": 8, "USE_PDL": True}
+    consts = {"D": 128, "D_PAD": 128, "S_TILE": 16, "USE_PDL": True}
     sig = _sig({"o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16"},
                ["splits", "stride_ob", "stride_oh", "stride_os", "stride_lb", "stride_lh", "stride_outb",
                 "stride_outh"], [], consts)

@@ -36,6 +36,24 @@ def test_the_reference_equals_attention_over_contiguous_keys():
         assert torch.allclose(got[b], torch.einsum("hn,nhd->hd", weights, v), atol=1e-6)
 
 
+def test_a_launch_never_takes_more_splits_than_its_batch_width_at_any_length():
+    """The split buffers are `most_splits(batch, kv heads)` wide whatever the length bound, so decode at a
+    longer length bucket meets the same strides and merge kernel (no compile mid-stream): every bound's
+    split count fits that width, and a long bound fills more than half of it."""
+    from moestream.kernels.paged_attention_triton import _PROGRAMS, _TILE, most_splits, split_length
+
+    for batch in (1, 2, 3, 4, 8, 16, 64):
+        for kv_heads in (1, 2, 4, 8):
+            width = most_splits(batch, kv_heads)
+            assert width * batch * kv_heads >= _PROGRAMS or width == 1
+            for max_len in [1, 63, 64, 65, 256, 1000, 4096, 4224, 20000, 32768, 131072, 262144]:
+                split_len = split_length(batch, kv_heads, max_len)
+                splits = -(-max_len // split_len)
+                assert split_len % _TILE == 0 and splits <= width, (batch, kv_heads, max_len, splits, width)
+                assert splits * split_len >= max_len
+            assert -(-262144 // split_length(batch, kv_heads, 262144)) > width // 2   # long rows fill the width
+
+
 @pytest.mark.skipif(**INTERPRETER_SKIP)
 def test_paged_attention_under_interpreter():
     check_all_under_interpreter(Path(__file__).parent / "paged_attention_checks.py", timeout=600)
