@@ -243,7 +243,9 @@ class Engine:
         """A prompt of each grouped-path tile row a step can take (up to `prefill_chunk` tokens; past one
         context, several prompts packed into one step, as a server's step packs its rows'), so the
         kernels of every step size are compiled before the first request (rules of the hot path, 9): on
-        an empty Triton cache a served step that first met a tile row stalled for seconds. A bank
+        an empty Triton cache a served step that first met a tile row stalled for seconds. Then one step
+        of the longest chunk: a 16,384-token first turn with int4 experts at a bank compiled the
+        dequantized long path's kernels in its first chunk (~5 s of a 6 s first token). A bank
         restored from a snapshot skips it (the prompts would stream experts through the warm bank)."""
         if self.device.type != "cuda" or not kernels.fused_moe_available():
             return
@@ -251,7 +253,10 @@ class Engine:
         per_prompt = self.max_context - 1   # a prompt leaves room for its token
         rows = self.plan.memory.kv_rows if self.pack_prompts else 1   # a step packs up to this many prompts
         longest = min(self.runner.prefill_chunk, rows * per_prompt)
-        for n in kernels.prompt_tile_rows(self.config.top_k, self.config.num_experts, longest):
+        counts = kernels.prompt_tile_rows(self.config.top_k, self.config.num_experts, longest)
+        if longest not in counts:   # the longest step too: quantized experts' long calls take the dequantized
+            counts.append(longest)  # path (long_prompts.py), its kernels unmet by the tile rows' shorter steps
+        for n in counts:
             # n tokens in one forward: one prompt, or (past one context) several packed into one step
             prompts = [[(start + i) % (vocab - 1) + 1 for i in range(length)]
                        for start, length in zip(range(0, n, per_prompt), prompt_lengths(n, per_prompt))]

@@ -115,3 +115,46 @@ def test_a_server_whose_step_packs_past_one_context_warms_those_tile_rows_too(ti
     assert engine.counters.prefill_forwards == 1   # 61 tokens past one context of 40, in one step
     assert compiled_variants() == before
 
+
+
+def test_decode_attention_at_longer_length_buckets_compiles_nothing():
+    """A served decode whose context grows meets a new length bucket every doubling: the paged decode's split
+    buffers and merge depend on the batch alone, so no bucket compiles a variant of its own (a 16,384-token
+    agent turn compiled one merge variant per new bucket, mid-stream)."""
+    from moestream.kernels.paged_attention_triton import paged_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, D, block_size = 32, 4, 128, 16
+    for B in (1, 4):
+        lengths = (256, 1024, 4096, 20000, 65536)
+        max_blocks = -(-lengths[-1] // block_size)
+        k_pool = torch.randn(max_blocks + 1, block_size, kv_heads, D, generator=g, device="cuda").to(torch.bfloat16)
+        v_pool = torch.randn_like(k_pool)
+        tables = torch.arange(1, max_blocks + 1, device="cuda", dtype=torch.int32).repeat(B, 1)
+        q = torch.randn(B, heads, D, generator=g, device="cuda").to(torch.bfloat16)
+        paged_decode_attention(q, k_pool, v_pool, tables, torch.full((B,), lengths[0], device="cuda"), lengths[0])
+        torch.cuda.synchronize()
+        before = compiled_variants()
+        for max_len in lengths[1:]:
+            paged_decode_attention(q, k_pool, v_pool, tables, torch.full((B,), max_len - 3, device="cuda"), max_len)
+        torch.cuda.synchronize()
+        assert compiled_variants() == before, B
+
+
+def test_a_warmed_up_server_with_int4_experts_compiles_nothing_for_a_long_first_prompt(tiny_quant):
+    """`warm_up` runs a step of the longest chunk too: a first prompt of 3,500 tokens in chunks of 2,048 and
+    1,452 takes the int4 experts' dequantized long path (long_prompts.py) at a bounded bank, then decodes
+    at a length bucket past the warm-up's, and compiles nothing (it compiled that path's kernels, ~5 s of a
+    6 s first turn on the 30B shape)."""
+    import moestream
+
+    engine = moestream.load(tiny_quant, device="cuda", dtype="bfloat16", experts="int4", capacity=3,
+                            prefill_chunk=2048, max_context=4200, max_batch=2, kv_rows=2)
+    engine.warm_up(4)
+    vocab = engine.config.vocab_size
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    engine.generate([(13 * i + 5) % (vocab - 2) + 2 for i in range(3500)], max_tokens=4, ignore_eos=True)
+    torch.cuda.synchronize()
+    assert engine.counters.prefill_tokens >= 3500
+    assert compiled_variants() == before
