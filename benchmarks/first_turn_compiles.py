@@ -12,7 +12,8 @@ one after the other, each to `--gen-tokens` tokens:
 4. that turn cached, plus `--new-tokens` again.
 
 Per turn: the wall time (device synchronized) and the Triton kernels whose variants grew, by name. A
-warm-up that covers a turn's kernels shows 0 on every row, and turn 1 about as fast as turn 2.
+warm-up that covers a turn's kernels shows 0 on every row, and turn 1 about as fast as turn 2. The
+turns decode greedily unless `--temperature` (with `--top-k`, `--top-p`) asks for a client's sampling.
 
     python benchmarks/first_turn_compiles.py --ckpt /tmp/q4.gguf --out /tmp/ftc --capacity 32 --routing model \\
         [--streams 4] [--prompt-tokens 16384]
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=300, help="new tokens of each later turn")
     ap.add_argument("--gen-tokens", type=int, default=24, help="tokens generated per turn")
     ap.add_argument("--prefix-cache-memory", default="8GiB")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the turns' sampling (0: greedy, as the warm-up)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     if min(args.prompt_tokens, args.gen_tokens, args.streams) < 1 or args.new_tokens < 0:
         ap.error("--prompt-tokens, --gen-tokens and --streams must be at least 1, --new-tokens at least 0")
@@ -81,7 +85,8 @@ def main() -> None:
         before = kernels.compiled_variants()
         sync()
         t0 = time.perf_counter()
-        reply = engine.generate(prompt, max_tokens=args.gen_tokens, ignore_eos=True)
+        reply = engine.generate(prompt, max_tokens=args.gen_tokens, ignore_eos=True, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=0)
         sync()
         seconds = time.perf_counter() - t0
         new = grown(before, kernels.compiled_variants())
@@ -100,7 +105,8 @@ def main() -> None:
     turn("the turn after", second + reply + ids(args.new_tokens))
     write_result(args.out, "first_turn_compiles", {
         "checkpoint": str(args.ckpt), "device": str(engine.device), "capacity": args.capacity,
-        "routing": args.routing, "streams": args.streams, "context": context, "load_s": load_s, "warm_up_s": warm_s,
+        "routing": args.routing, "streams": args.streams,
+        "sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}, "context": context, "load_s": load_s, "warm_up_s": warm_s,
         "warm_up_variants": warm_variants, "turns": rows, "command": " ".join([sys.executable, *sys.argv])})
 
 

@@ -15,13 +15,15 @@ def test_the_first_turns_after_a_warm_up_are_timed_and_extend_one_conversation(t
     the third the first prompt, its reply and 6 new tokens, the fourth that again; each timed with a count."""
     run = run_script(ROOT / "benchmarks" / "first_turn_compiles.py", "--ckpt", str(ROOT / "moestream" / "demo_model"),
                      "--out", str(tmp_path), "--device", "cpu", "--prompt-tokens", "40", "--new-tokens", "6",
-                     "--gen-tokens", "2", "--prefix-cache-memory", "64MiB", timeout=300)
+                     "--gen-tokens", "2", "--prefix-cache-memory", "64MiB", "--temperature", "0.7", "--top-k", "20",
+                     timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads((tmp_path / "first_turn_compiles.json").read_text())
     turns = result["turns"]
     assert [t["prompt_tokens"] for t in turns] == [40, 40, 48, 56]
     assert all(t["seconds"] > 0 and t["variants_compiled"] == 0 and t["kernels"] == {} for t in turns)
     assert result["warm_up_s"] > 0 and result["device"] == "cpu" and result["routing"] == "model"
+    assert result["sampling"] == {"temperature": 0.7, "top_k": 20, "top_p": 1.0}
     assert "first prompt: 40 tokens" in run.stdout and "the turn after: 56 tokens" in run.stdout
 
 
