@@ -136,8 +136,8 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, 
 
 def most_splits(batch: int, kv_heads: int) -> int:
     """The most splits a launch of `batch` rows takes at any length: the split buffers' width, so their
-    strides and the merge's padded width stay the same from one length bucket to the next (a served
-    decode that reached a longer context compiled a merge variant per bucket, a stall mid-stream)."""
+    strides stay the same from one length bucket to the next (a served decode that reached a longer
+    context compiled a merge variant per bucket, a stall mid-stream)."""
     return max(1, -(-_PROGRAMS // (batch * kv_heads)))
 
 
