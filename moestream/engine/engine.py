@@ -232,12 +232,22 @@ class Engine:
         if bank_is_warm:
             prompt = prompt[:4]
         self.generate(prompt, max_tokens=tokens, ignore_eos=True)
+        self._compile_sampler(prompt[:4])
         rows = self.plan.memory.kv_rows
         if rows > 1:   # a server: every padded batch size's decode graphs, for the first context lengths
             self.runner.capture_batches(rows, WARM_CONTEXT)
         if not bank_is_warm:
             self._compile_prompt_tiles()
         self.reset_stats()
+
+    def _compile_sampler(self, prompt: list[int]) -> None:
+        """A sampled token at one top-k of each variant of the two-launch top-k draw: a client's first
+        request with top-k (Qwen's recommended 20, a UI's 40 or 50) would otherwise compile its variant
+        while the client waits (the warm-up decodes greedily)."""
+        if self.device.type != "cuda" or not kernels.fused_moe_available():
+            return
+        for k in kernels.sampling_top_k_variants(self.config.vocab_size):
+            self.generate(prompt, max_tokens=1, temperature=1.0, top_k=k, seed=0, ignore_eos=True)
 
     def _compile_prompt_tiles(self) -> None:
         """A prompt of each grouped-path tile row a step can take (up to `prefill_chunk` tokens; past one

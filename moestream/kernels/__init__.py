@@ -218,6 +218,12 @@ def sampling_kernel_takes(logits: Tensor, k: int) -> bool:
     return logits.is_cuda and fused_moe_available() and _triton_module("sampling").takes_kernel(logits.shape[-1], k)
 
 
+def sampling_top_k_variants(vocab: int) -> list[int]:
+    """The least top-k of each variant `sample_top_k` compiles for rows of `vocab` logits (Triton): a draw at
+    each compiles them all."""
+    return _triton_module("sampling").top_k_variants(vocab)
+
+
 def sample_top_k(logits: Tensor, k: int, temperature: float, top_p: float, min_p: float, uniform: Tensor) -> Tensor:
     """A token per row among its k best logits after temperature, min-p and top-p, at the row's
     uniform number (Triton, two launches); `runtime.sampling.draw_top_k_reference` is the spec."""

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .pdl import pdl_args, release_consumer, wait_for_producer
 
-__all__ = ["CHUNK", "MAX_CANDIDATES", "sample_top_k", "takes_kernel"]
+__all__ = ["CHUNK", "MAX_CANDIDATES", "sample_top_k", "takes_kernel", "top_k_variants"]
 
 CHUNK = 2048              # logits per candidates program
 MAX_CANDIDATES = 8192     # chunks × k the draw program holds in registers
@@ -53,7 +53,10 @@ def _unkey(key):
     return bits.to(tl.float32, bitcast=True), 4294967295 - (key & 4294967295)
 
 
-@triton.jit
+# k and the sizes that follow it are not specialized (divisible by 16 or not): a variant per pattern of them
+# would compile in a client's first request with a new top-k. The padded widths still follow k: warm-up
+# compiles one draw of each (`top_k_variants`).
+@triton.jit(do_not_specialize=["k", "stride_k"])
 def _candidates_kernel(logits_ptr, keys_ptr, V, k, stride_l, stride_k, CHUNK_: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -69,7 +72,7 @@ def _candidates_kernel(logits_ptr, keys_ptr, V, k, stride_l, stride_k, CHUNK_: t
         keys = tl.where(keys == best, none, keys)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "k", "stride_k"])
 def _draw_kernel(keys_ptr, uniform_ptr, out_ptr, n, k, stride_k, temperature, top_p, min_p,
                  N_PAD: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
@@ -100,6 +103,22 @@ def _draw_kernel(keys_ptr, uniform_ptr, out_ptr, n, k, stride_k, temperature, to
     tl.store(out_ptr + row, tl.sum(tl.where(j == pick, ids, 0), axis=0))
 
 
+def _padded(vocab: int, k: int) -> tuple[int, int]:
+    """The draw's padded widths (N_PAD, K_PAD) at top-k k: its compiled variant."""
+    return max(16, triton.next_power_of_2(triton.cdiv(vocab, CHUNK) * k)), max(16, triton.next_power_of_2(k))
+
+
+def top_k_variants(vocab: int) -> list[int]:
+    """The least top-k of each variant the two launches compile for rows of `vocab` logits: one draw of each
+    compiles every top-k a request can ask of them (`Engine.warm_up`)."""
+    least: dict[tuple[int, int], int] = {}
+    k = 1
+    while takes_kernel(vocab, k):
+        least.setdefault(_padded(vocab, k), k)
+        k += 1
+    return sorted(least.values())
+
+
 def sample_top_k(logits: Tensor, k: int, temperature: float, top_p: float, min_p: float, uniform: Tensor) -> Tensor:
     """logits (rows, V), one uniform number in [0, 1) per row (fp32, on the device) → token ids
     (rows,) int64. The caller checks `takes_kernel`."""
@@ -112,8 +131,8 @@ def sample_top_k(logits: Tensor, k: int, temperature: float, top_p: float, min_p
     _candidates_kernel[(rows, chunks)](logits, keys, V, k, logits.stride(0), keys.stride(0), CHUNK_=CHUNK,
                                        num_warps=4, **pdl_args(logits))
     out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
-    n_pad = max(16, triton.next_power_of_2(n))
+    n_pad, k_pad = _padded(V, k)
     _draw_kernel[(rows,)](keys, uniform, out, n, k, keys.stride(0), temperature, top_p if top_p < 1 else 2.0, min_p,
-                          N_PAD=n_pad, K_PAD=max(16, triton.next_power_of_2(k)),
+                          N_PAD=n_pad, K_PAD=k_pad,
                           num_warps=8 if n_pad >= 4096 else 4, **pdl_args(logits))
     return out

@@ -158,3 +158,20 @@ def test_a_warmed_up_server_with_int4_experts_compiles_nothing_for_a_long_first_
     torch.cuda.synchronize()
     assert engine.counters.prefill_tokens >= 3500
     assert compiled_variants() == before
+
+
+def test_a_warmed_up_engine_compiles_nothing_for_a_clients_sampled_requests(tiny_qwen3):
+    """`warm_up` draws one sampled token at each top-k variant of the two-launch draw: requests at the top-k
+    clients send (Qwen's 20, 40, 50, 64, with top-p and min-p) then compile nothing while they wait."""
+    import moestream
+
+    engine = moestream.load(tiny_qwen3, device="cuda", dtype="bfloat16", max_batch=2, kv_rows=2)
+    engine.warm_up(4)
+    vocab = engine.config.vocab_size
+    torch.cuda.synchronize()
+    before = compiled_variants()
+    for k in (20, 40, 50, 64):
+        engine.generate([(3 * i + k) % (vocab - 2) + 2 for i in range(9)], max_tokens=3, temperature=0.7, top_k=k,
+                        top_p=0.9, min_p=0.05, seed=k, ignore_eos=True)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before

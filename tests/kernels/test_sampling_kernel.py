@@ -53,3 +53,20 @@ def test_sampled_decode_draws_through_the_kernel_as_the_reference_does():
     with draw_kernel(False):
         want = sample(logits, params, make_generator(params, logits.device))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("vocab", [8192, 32000, 129280, 151936, 201088])
+def test_one_draw_at_each_listed_top_k_meets_every_variant_a_top_k_can_take(vocab):
+    """`top_k_variants` (what `Engine.warm_up` samples at): the least k of each padded width pair the draw is
+    compiled for, so every k the two launches take shares its variant with a listed one."""
+    from moestream.kernels.sampling_triton import _padded, takes_kernel, top_k_variants
+
+    listed = top_k_variants(vocab)
+    assert listed == sorted(set(listed)) and listed[0] == 1
+    widths = {_padded(vocab, k): k for k in listed}
+    assert len(widths) == len(listed)   # one k per variant
+    k = 1
+    while takes_kernel(vocab, k):
+        assert _padded(vocab, k) in widths and widths[_padded(vocab, k)] <= k
+        k += 1
+    assert k > listed[-1] and not takes_kernel(vocab, k)
