@@ -15,6 +15,7 @@ compiler works, `load()` says why and callers keep the plain-torch reference.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -342,31 +343,38 @@ class QuantLayout(ctypes.Structure):
                 ("table", ctypes.c_float * 16)]
 
 
+def _codes(spec: StoredSpec) -> tuple[int, int, int, ctypes.Array]:
+    """A spec's code width, code meaning (0: the table, 1: FP8 e4m3 bytes), scale dtype and code table."""
+    if isinstance(spec, Fp8Spec):
+        return 8, 1, SCALE_DTYPES[spec.scale_dtype], (ctypes.c_float * 16)()
+    table = (ctypes.c_float * 16)(*code_table(spec).tolist())
+    if isinstance(spec, Mxfp4Spec):   # e2m1 codes (the table), one e8m0 scale per 32 values
+        return 4, 0, 2, table
+    return spec.bits, 0, SCALE_DTYPES[spec.scale_dtype], table
+
+
 def quant_layout(spec: StoredSpec, hidden: int, intermediate: int) -> QuantLayout:
     """The kernel's view of experts of `spec` with these widths (the specs `supports_quant` names)."""
     H, I = hidden, intermediate
     rows = (2 * I, H)
+    bits, codes, sdtype, table = _codes(spec)
     if isinstance(spec, Fp8Spec):   # e4m3 bytes, float block grids; gate_up: the gate's grid, then the up's
         (gn, gk), (dn, dk) = spec.block(I, H), spec.block(H, I)
-        sdtype = SCALE_DTYPES[spec.scale_dtype]
-        return QuantLayout(8, 1, sdtype, (gk, dk), rows, (gn, dn), (I, 0),
-                           (2 * spec.scale_shape(I, H)[0], spec.scale_shape(H, I)[0]), (ctypes.c_float * 16)())
-    table = (ctypes.c_float * 16)(*code_table(spec).tolist())
-    if isinstance(spec, Mxfp4Spec):   # e2m1 codes (the table), one e8m0 scale per 32 values
-        return QuantLayout(4, 0, 2, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
-    sdtype = SCALE_DTYPES[spec.scale_dtype]
-    return QuantLayout(spec.bits, 0, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
+        return QuantLayout(bits, codes, sdtype, (gk, dk), rows, (gn, dn), (I, 0),
+                           (2 * spec.scale_shape(I, H)[0], spec.scale_shape(H, I)[0]), table)
+    return QuantLayout(bits, codes, sdtype, (spec.group, spec.group), rows, (1, 1), (0, 0), rows, table)
 
 
-def linear_layout(spec: QuantSpec | Fp8Spec, rows: int, cols: int) -> QuantLayout:
-    """The kernel's view of one (rows, cols) quantized weight (a linear layer's), as its first projection."""
+@functools.cache
+def linear_layout(spec: StoredSpec, rows: int, cols: int) -> QuantLayout:
+    """The kernel's view of one (rows, cols) quantized weight (a linear layer's), as its first projection;
+    built once per weight shape (a decode step asks it for every quantized linear), read-only after."""
+    bits, codes, sdtype, table = _codes(spec)
     if isinstance(spec, Fp8Spec):
         bn, bk = spec.block(rows, cols)
-        return QuantLayout(8, 1, SCALE_DTYPES[spec.scale_dtype], (bk, bk), (rows, rows), (bn, bn), (0, 0),
-                           (spec.scale_shape(rows, cols)[0],) * 2, (ctypes.c_float * 16)())
-    table = (ctypes.c_float * 16)(*code_table(spec).tolist())
-    return QuantLayout(spec.bits, 0, SCALE_DTYPES[spec.scale_dtype], (spec.group, spec.group), (rows, rows), (1, 1),
-                       (0, 0), (rows, rows), table)
+        return QuantLayout(bits, codes, sdtype, (bk, bk), (rows, rows), (bn, bn), (0, 0),
+                           (spec.scale_shape(rows, cols)[0],) * 2, table)
+    return QuantLayout(bits, codes, sdtype, (spec.group, spec.group), (rows, rows), (1, 1), (0, 0), (rows, rows), table)
 
 
 # Inputs up to which a CPU quantized linear reads its rows in place (one pass over the weight, every
