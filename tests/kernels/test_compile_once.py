@@ -141,14 +141,27 @@ def test_decode_attention_at_longer_length_buckets_compiles_nothing():
         assert compiled_variants() == before, B
 
 
-def test_a_warmed_up_server_with_int4_experts_compiles_nothing_for_a_long_first_prompt(tiny_quant):
+def with_longer_context(checkpoint, out, positions: int):
+    """A copy of a tiny checkpoint whose config holds `positions` (the tiny configs hold 256)."""
+    import json
+    import shutil
+
+    shutil.copytree(checkpoint, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_warmed_up_server_with_int4_experts_compiles_nothing_for_a_long_first_prompt(tiny_quant, tmp_path):
     """`warm_up` runs a step of the longest chunk too: a first prompt of 3,500 tokens in chunks of 2,048 and
     1,452 takes the int4 experts' dequantized long path (long_prompts.py) at a bounded bank, then decodes
     at a length bucket past the warm-up's, and compiles nothing (it compiled that path's kernels, ~5 s of a
     6 s first turn on the 30B shape)."""
     import moestream
 
-    engine = moestream.load(tiny_quant, device="cuda", dtype="bfloat16", experts="int4", capacity=3,
+    checkpoint = with_longer_context(tiny_quant, tmp_path / "long", 8192)
+    engine = moestream.load(checkpoint, device="cuda", dtype="bfloat16", experts="int4", capacity=3,
                             prefill_chunk=2048, max_context=4200, max_batch=2, kv_rows=2)
     engine.warm_up(4)
     vocab = engine.config.vocab_size
