@@ -108,8 +108,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, lse_p
 def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          stride_outb, stride_outh, D: tl.constexpr, D_PAD: tl.constexpr, S_TILE: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    """out[b, h] = the splits' outputs weighted by exp(lse - max lse), S_TILE splits at a time (the split
-    count is a runtime value: one variant serves every length)."""
+    """out[b, h] = the splits' outputs weighted by exp(lse - max lse), S_TILE splits at a time in one pass
+    (a running maximum rescales what is summed so far), so one variant serves every split count and the
+    splits are read once."""
     wait_for_producer(USE_PDL)
     release_consumer(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -119,18 +120,19 @@ def _decode_merge_kernel(o_ptr, lse_ptr, out_ptr, splits, stride_ob, stride_oh, 
     lse_row = lse_ptr + b * stride_lb + h * stride_lh
     o_row = o_ptr + b * stride_ob + h * stride_oh
     top = tl.full([], float("-inf"), tl.float32)
-    for first in range(0, splits, S_TILE):
-        s = first + tl.arange(0, S_TILE)
-        top = tl.maximum(top, tl.max(tl.load(lse_row + s, mask=s < splits, other=float("-inf")), axis=0))
     acc = tl.zeros([D_PAD], dtype=tl.float32)
     total = tl.full([], 0.0, tl.float32)
-    for first in range(0, splits, S_TILE):
+    for first in range(0, splits, S_TILE):   # split 0 always holds position 0: `top` is finite after it
         s = first + tl.arange(0, S_TILE)
         s_ok = s < splits
-        w = tl.exp(tl.load(lse_row + s, mask=s_ok, other=float("-inf")) - top)
+        lse = tl.load(lse_row + s, mask=s_ok, other=float("-inf"))
         o = tl.load(o_row + s[:, None] * stride_os + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-        total += tl.sum(w, axis=0)
+        new_top = tl.maximum(top, tl.max(lse, axis=0))
+        rescale = tl.exp(top - new_top)
+        w = tl.exp(lse - new_top)
+        acc = acc * rescale + tl.sum(w[:, None] * o, axis=0)
+        total = total * rescale + tl.sum(w, axis=0)
+        top = new_top
     tl.store(out_ptr + b * stride_outb + h * stride_outh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
