@@ -375,8 +375,150 @@ static inline __attribute__((always_inline)) __m256 avx2_values(__m256i by, int 
 }
 #endif
 
+/* Byte-coded rows in whole groups of a multiple of 32 values: 8-bit affine codes (int8 groups; GGUF
+ * Q8_0, Q5_0/1, Q5_K repacked; GPTQ 8-bit) and FP8 e4m3 (block, channel or tensor scales). A group is
+ * s * (values . x) + b * sum(x), its products in two chains and its scale and bias applied once; the
+ * general loop below served these with the other formats' branches and conversions inside (~5x slower a
+ * value on AVX2). The sums are ordered differently from w = value * s + b then w * x: the same within
+ * fp32 rounding, as the 4-bit bf16 path. FP8 codes read as value * 2^-120 (`fp8_e4m3`); 2^120 joins
+ * the group's scale where that stays finite, else the group's sum (both exact powers of two). */
+static inline int q8_fits(const Weights *W, int group, int K) {
+    return W->bits == 8 && group % 32 == 0 && K % group == 0;
+}
+
+/* A group's scale and its sum of products, FP8's 2^120 put where it is exact. */
+static inline float q8_scale(const void *sc, int sdtype, size_t i, const int fp8, float *sum_scale) {
+    const float s = scale_at(sc, sdtype, i);
+    *sum_scale = 1.f;
+    if (!fp8) return s;
+    if (isfinite(s * 0x1p120f)) return s * 0x1p120f;
+    *sum_scale = 0x1p120f;
+    return s;
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 q8_values(__m128i bytes, const int fp8) {
+    const __m512i by = _mm512_cvtepu8_epi32(bytes);
+    if (!fp8) return _mm512_cvtepi32_ps(by);
+    const __m512i low7 = _mm512_set1_epi32(0x7f), mag = _mm512_and_si512(by, low7);
+    const __m512 w = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_slli_epi32(mag, 20), _mm512_and_si512(_mm512_slli_epi32(by, 24), _mm512_set1_epi32((int)0x80000000u))));
+    return _mm512_mask_mov_ps(w, _mm512_cmpeq_epi32_mask(mag, low7), _mm512_set1_ps(NAN));
+}
+
+static inline __attribute__((always_inline)) float q8_groups(const uint8_t *q, const void *sc, const void *bi,
+                                                             const int sdtype, const int fp8, size_t s_at, int G,
+                                                             int group, const float *x) {
+    __m512 acc = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *qg = q + (size_t)g * group;
+        const float *xg = x + (size_t)g * group;
+        __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+        for (int j = 0; j < group; j += 32) {
+            if (prefetch_bytes && ((g * group + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
+            const __m512 xa = _mm512_loadu_ps(xg + j), xb = _mm512_loadu_ps(xg + j + 16);
+            d0 = _mm512_fmadd_ps(q8_values(_mm_loadu_si128((const __m128i *)(qg + j)), fp8), xa, d0);
+            d1 = _mm512_fmadd_ps(q8_values(_mm_loadu_si128((const __m128i *)(qg + j + 16)), fp8), xb, d1);
+            if (bi) {
+                x0 = _mm512_add_ps(x0, xa);
+                x1 = _mm512_add_ps(x1, xb);
+            }
+        }
+        float sum_scale;
+        const float s = q8_scale(sc, sdtype, s_at + g, fp8, &sum_scale);
+        __m512 d = _mm512_add_ps(d0, d1);
+        if (fp8 && sum_scale != 1.f) d = _mm512_mul_ps(d, _mm512_set1_ps(sum_scale));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(s), d, acc);
+        if (bi) accb = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm512_add_ps(x0, x1), accb);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, accb));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) __m256 q8_values(__m128i bytes, const int fp8) {
+    const __m256i by = _mm256_cvtepu8_epi32(bytes);
+    if (!fp8) return _mm256_cvtepi32_ps(by);
+    const __m256i low7 = _mm256_set1_epi32(0x7f), mag = _mm256_and_si256(by, low7);
+    const __m256 w = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_slli_epi32(mag, 20), _mm256_and_si256(_mm256_slli_epi32(by, 24), _mm256_set1_epi32((int)0x80000000u))));
+    return _mm256_blendv_ps(w, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, low7)));
+}
+
+static inline __attribute__((always_inline)) float q8_groups(const uint8_t *q, const void *sc, const void *bi,
+                                                             const int sdtype, const int fp8, size_t s_at, int G,
+                                                             int group, const float *x) {
+    __m256 acc = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const uint8_t *qg = q + (size_t)g * group;
+        const float *xg = x + (size_t)g * group;
+        __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), x0 = _mm256_setzero_ps(), x1 = _mm256_setzero_ps();
+        for (int j = 0; j < group; j += 16) {
+            if (prefetch_bytes && ((g * group + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
+            const __m256 xa = _mm256_loadu_ps(xg + j), xb = _mm256_loadu_ps(xg + j + 8);
+            d0 = _mm256_fmadd_ps(q8_values(_mm_loadl_epi64((const __m128i *)(qg + j)), fp8), xa, d0);
+            d1 = _mm256_fmadd_ps(q8_values(_mm_loadl_epi64((const __m128i *)(qg + j + 8)), fp8), xb, d1);
+            if (bi) {
+                x0 = _mm256_add_ps(x0, xa);
+                x1 = _mm256_add_ps(x1, xb);
+            }
+        }
+        float sum_scale;
+        const float s = q8_scale(sc, sdtype, s_at + g, fp8, &sum_scale);
+        __m256 d = _mm256_add_ps(d0, d1);
+        if (fp8 && sum_scale != 1.f) d = _mm256_mul_ps(d, _mm256_set1_ps(sum_scale));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), d, acc);
+        if (bi) accb = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm256_add_ps(x0, x1), accb);
+    }
+    return hsum256(_mm256_add_ps(acc, accb));
+}
+#else
+static inline float q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
+                              size_t s_at, int G, int group, const float *x) {
+    float acc = 0.f;
+    for (int g = 0; g < G; g++) {   /* the values themselves (FP8: fp8_e4m3's), times the scale as stored */
+        const uint8_t *qg = q + (size_t)g * group;
+        const float *xg = x + (size_t)g * group;
+        float dot = 0.f, sum = 0.f;
+        if (fp8) {
+#pragma omp simd reduction(+ : dot)
+            for (int j = 0; j < group; j++) dot += fp8_e4m3(qg[j]) * xg[j];
+        } else {
+#pragma omp simd reduction(+ : dot, sum)
+            for (int j = 0; j < group; j++) {
+                dot += (float)qg[j] * xg[j];
+                sum += xg[j];
+            }
+        }
+        acc += scale_at(sc, sdtype, s_at + g) * dot + (bi ? scale_at(bi, sdtype, s_at + g) * sum : 0.f);
+    }
+    return acc;
+}
+#endif
+
+/* `q8_groups` with the codes' kind and the scales' dtype constants in each copy (a scale's read per
+ * group is then a load and, for fp16, one conversion). */
+static float q8_row_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+    const int group = W->qgroup[which], G = K / group;
+    const size_t s_at = scale_row(W, which, row) * G;
+    const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)K;
+    const void *sc = W->scales[which], *bi = W->qbias[which];
+    if (W->fp8) {
+        switch (W->sdtype) {
+        case S_BF16: return q8_groups(q, sc, bi, S_BF16, 1, s_at, G, group, x);
+        case S_FP32: return q8_groups(q, sc, bi, S_FP32, 1, s_at, G, group, x);
+        default: return q8_groups(q, sc, bi, W->sdtype, 1, s_at, G, group, x);
+        }
+    }
+    switch (W->sdtype) {
+    case S_FP16: return q8_groups(q, sc, bi, S_FP16, 0, s_at, G, group, x);
+    case S_BF16: return q8_groups(q, sc, bi, S_BF16, 0, s_at, G, group, x);
+    case S_FP32: return q8_groups(q, sc, bi, S_FP32, 0, s_at, G, group, x);
+    default: return q8_groups(q, sc, bi, W->sdtype, 0, s_at, G, group, x);
+    }
+}
+
 /* One quantized row times one phase-ordered input. */
 static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+    if (q8_fits(W, W->qgroup[which], K)) return q8_row_dot(W, which, row, K, x);
     const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v, group = W->qgroup[which];
     const int G = (K + group - 1) / group;
     const size_t row_bytes = (size_t)K * bits / 8, s_at = scale_row(W, which, row) * G;

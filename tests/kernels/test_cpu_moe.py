@@ -397,17 +397,20 @@ def test_fp8_experts_equal_the_reference(case):
     assert (out - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
-def test_fp8_subnormal_and_nan_codes_read_as_e4m3_defines_them():
+@pytest.mark.parametrize("block,scale", [(16, 64.0), (32, 64.0), (32, 1024.0)])
+def test_fp8_subnormal_and_nan_codes_read_as_e4m3_defines_them(block, scale):
     """Subnormal codes (exponent bits 0) keep their value (denormals are not flushed), and the NaN
-    codes make the rows they reach NaN, as the reference's float8_e4m3fn conversion does."""
+    codes make the rows they reach NaN, as the reference's float8_e4m3fn conversion does. Blocks of 32
+    take the byte-coded rows' own loop; a scale of 2^10 cannot hold the codes' 2^120 (it would overflow),
+    so their sums take it."""
     from moestream.kernels.quant_moe_reference import quant_moe_reference
     from moestream.quant.fp8 import Fp8Spec
 
-    spec, H, I = Fp8Spec(16, 16), 64, 32
+    spec, H, I = Fp8Spec(block, block), 64, 32
     subnormal = torch.tensor([*range(0x01, 0x08), *range(0x81, 0x88)])
     slots = _fp8_experts(3, H, I, spec, seed=4, codes=subnormal)
     for name in ("gate_up.scales", "down.scales"):
-        slots[name] = torch.full_like(slots[name], 64.0)   # subnormal values are at most 2^-6 · 7/8
+        slots[name] = torch.full_like(slots[name], scale)   # subnormal values are at most 2^-6 · 7/8
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(5))
     ids = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     w = torch.rand(2, 2, generator=torch.Generator().manual_seed(6))
