@@ -516,9 +516,104 @@ static float q8_row_dot(const Weights *W, int which, size_t row, int K, const fl
     }
 }
 
+/* Affine 4-bit rows in groups of a multiple of 32 values, fp32 inputs (CPUs without AVX512-BF16, and
+ * inputs that are not bf16 values): as `q8_groups`, a byte's low nibble meeting the row's first phase
+ * of inputs and its high nibble the second (phase order: value 2j + p at p * K/2 + j). */
+static inline int q4_affine_fits(const Weights *W, int group, int K) {
+    return W->bits == 4 && W->affine && !W->fp8 && group % 32 == 0 && K % group == 0;
+}
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) float q4_groups(const uint8_t *q, const void *sc, const void *bi,
+                                                             const int sdtype, size_t s_at, int G, int group,
+                                                             const float *x, int per) {
+    __m512 acc = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0xf);
+    const int gbytes = group / 2;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *qg = q + (size_t)g * gbytes;
+        const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
+        __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int j = 0; j < gbytes; j += 16) {
+            if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
+            const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
+            const __m512 xa = _mm512_loadu_ps(x0 + j), xb = _mm512_loadu_ps(x1 + j);
+            d0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(by, low)), xa, d0);
+            d1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(by, 4)), xb, d1);
+            if (bi) {
+                s0 = _mm512_add_ps(s0, xa);
+                s1 = _mm512_add_ps(s1, xb);
+            }
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(sc, sdtype, s_at + g)), _mm512_add_ps(d0, d1), acc);
+        if (bi) accb = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm512_add_ps(s0, s1), accb);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc, accb));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) float q4_groups(const uint8_t *q, const void *sc, const void *bi,
+                                                             const int sdtype, size_t s_at, int G, int group,
+                                                             const float *x, int per) {
+    __m256 acc = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(0xf);
+    const int gbytes = group / 2;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *qg = q + (size_t)g * gbytes;
+        const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
+        __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int j = 0; j < gbytes; j += 8) {
+            if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
+            const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j)));
+            const __m256 xa = _mm256_loadu_ps(x0 + j), xb = _mm256_loadu_ps(x1 + j);
+            d0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(by, low)), xa, d0);
+            d1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(by, 4)), xb, d1);
+            if (bi) {
+                s0 = _mm256_add_ps(s0, xa);
+                s1 = _mm256_add_ps(s1, xb);
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(sc, sdtype, s_at + g)), _mm256_add_ps(d0, d1), acc);
+        if (bi) accb = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm256_add_ps(s0, s1), accb);
+    }
+    return hsum256(_mm256_add_ps(acc, accb));
+}
+#else
+static inline float q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
+                              int group, const float *x, int per) {
+    float acc = 0.f;
+    const int gbytes = group / 2;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *qg = q + (size_t)g * gbytes;
+        const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
+        float dot = 0.f, sum = 0.f;
+#pragma omp simd reduction(+ : dot, sum)
+        for (int j = 0; j < gbytes; j++) {
+            dot += (float)(qg[j] & 0xf) * x0[j] + (float)(qg[j] >> 4) * x1[j];
+            sum += x0[j] + x1[j];
+        }
+        acc += scale_at(sc, sdtype, s_at + g) * dot + (bi ? scale_at(bi, sdtype, s_at + g) * sum : 0.f);
+    }
+    return acc;
+}
+#endif
+
+static float q4_row_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+    const int group = W->qgroup[which], G = K / group;
+    const size_t s_at = scale_row(W, which, row) * G;
+    const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)(K / 2);
+    const void *sc = W->scales[which], *bi = W->qbias[which];
+    switch (W->sdtype) {
+    case S_FP16: return q4_groups(q, sc, bi, S_FP16, s_at, G, group, x, K / 2);
+    case S_BF16: return q4_groups(q, sc, bi, S_BF16, s_at, G, group, x, K / 2);
+    case S_FP32: return q4_groups(q, sc, bi, S_FP32, s_at, G, group, x, K / 2);
+    default: return q4_groups(q, sc, bi, W->sdtype, s_at, G, group, x, K / 2);
+    }
+}
+
 /* One quantized row times one phase-ordered input. */
 static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
     if (q8_fits(W, W->qgroup[which], K)) return q8_row_dot(W, which, row, K, x);
+    if (q4_affine_fits(W, W->qgroup[which], K)) return q4_row_dot(W, which, row, K, x);
     const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v, group = W->qgroup[which];
     const int G = (K + group - 1) / group;
     const size_t row_bytes = (size_t)K * bits / 8, s_at = scale_row(W, which, row) * G;
