@@ -396,79 +396,83 @@ static inline float q8_scale(const void *sc, int sdtype, size_t i, const int fp8
     return s;
 }
 
+/* The vector words of the loops below, one set per instruction set: VQ_W fp32 lanes a vector, and
+ * `vq_bytes(p)`: VQ_W bytes from p widened to int32 lanes. */
+#define VQ_INLINE static inline __attribute__((always_inline))
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) __m512 q8_values(__m128i bytes, const int fp8) {
-    const __m512i by = _mm512_cvtepu8_epi32(bytes);
-    if (!fp8) return _mm512_cvtepi32_ps(by);
-    const __m512i low7 = _mm512_set1_epi32(0x7f), mag = _mm512_and_si512(by, low7);
-    const __m512 w = _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_slli_epi32(mag, 20), _mm512_and_si512(_mm512_slli_epi32(by, 24), _mm512_set1_epi32((int)0x80000000u))));
-    return _mm512_mask_mov_ps(w, _mm512_cmpeq_epi32_mask(mag, low7), _mm512_set1_ps(NAN));
-}
-
-static inline __attribute__((always_inline)) float q8_groups(const uint8_t *q, const void *sc, const void *bi,
-                                                             const int sdtype, const int fp8, size_t s_at, int G,
-                                                             int group, const float *x) {
-    __m512 acc = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t *qg = q + (size_t)g * group;
-        const float *xg = x + (size_t)g * group;
-        __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
-        for (int j = 0; j < group; j += 32) {
-            if (prefetch_bytes && ((g * group + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
-            const __m512 xa = _mm512_loadu_ps(xg + j), xb = _mm512_loadu_ps(xg + j + 16);
-            d0 = _mm512_fmadd_ps(q8_values(_mm_loadu_si128((const __m128i *)(qg + j)), fp8), xa, d0);
-            d1 = _mm512_fmadd_ps(q8_values(_mm_loadu_si128((const __m128i *)(qg + j + 16)), fp8), xb, d1);
-            if (bi) {
-                x0 = _mm512_add_ps(x0, xa);
-                x1 = _mm512_add_ps(x1, xb);
-            }
-        }
-        float sum_scale;
-        const float s = q8_scale(sc, sdtype, s_at + g, fp8, &sum_scale);
-        __m512 d = _mm512_add_ps(d0, d1);
-        if (fp8 && sum_scale != 1.f) d = _mm512_mul_ps(d, _mm512_set1_ps(sum_scale));
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(s), d, acc);
-        if (bi) accb = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm512_add_ps(x0, x1), accb);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, accb));
-}
+#define VQ_W 16
+typedef __m512 vqf;
+typedef __m512i vqi;
+VQ_INLINE vqf vq_zero(void) { return _mm512_setzero_ps(); }
+VQ_INLINE vqf vq_load(const float *p) { return _mm512_loadu_ps(p); }
+VQ_INLINE vqf vq_set1(float v) { return _mm512_set1_ps(v); }
+VQ_INLINE vqf vq_add(vqf a, vqf b) { return _mm512_add_ps(a, b); }
+VQ_INLINE vqf vq_mul(vqf a, vqf b) { return _mm512_mul_ps(a, b); }
+VQ_INLINE vqf vq_fma(vqf a, vqf b, vqf c) { return _mm512_fmadd_ps(a, b, c); }
+VQ_INLINE float vq_sum(vqf a) { return _mm512_reduce_add_ps(a); }
+VQ_INLINE vqi vq_bytes(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+VQ_INLINE vqf vq_float(vqi a) { return _mm512_cvtepi32_ps(a); }
+VQ_INLINE vqf vq_bits(vqi a) { return _mm512_castsi512_ps(a); }
+VQ_INLINE vqi vq_and(vqi a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+VQ_INLINE vqi vq_or(vqi a, vqi b) { return _mm512_or_si512(a, b); }
+VQ_INLINE vqi vq_shl(vqi a, int n) { return _mm512_slli_epi32(a, n); }
+VQ_INLINE vqi vq_shr(vqi a, int n) { return _mm512_srli_epi32(a, n); }
+VQ_INLINE vqf vq_nan_where(vqf w, vqi a, int v) { return _mm512_mask_mov_ps(w, _mm512_cmpeq_epi32_mask(a, _mm512_set1_epi32(v)), _mm512_set1_ps(NAN)); }
 #elif defined(__AVX2__) && defined(__FMA__)
-static inline __attribute__((always_inline)) __m256 q8_values(__m128i bytes, const int fp8) {
-    const __m256i by = _mm256_cvtepu8_epi32(bytes);
-    if (!fp8) return _mm256_cvtepi32_ps(by);
-    const __m256i low7 = _mm256_set1_epi32(0x7f), mag = _mm256_and_si256(by, low7);
-    const __m256 w = _mm256_castsi256_ps(_mm256_or_si256(
-        _mm256_slli_epi32(mag, 20), _mm256_and_si256(_mm256_slli_epi32(by, 24), _mm256_set1_epi32((int)0x80000000u))));
-    return _mm256_blendv_ps(w, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, low7)));
+#define VQ_W 8
+typedef __m256 vqf;
+typedef __m256i vqi;
+VQ_INLINE vqf vq_zero(void) { return _mm256_setzero_ps(); }
+VQ_INLINE vqf vq_load(const float *p) { return _mm256_loadu_ps(p); }
+VQ_INLINE vqf vq_set1(float v) { return _mm256_set1_ps(v); }
+VQ_INLINE vqf vq_add(vqf a, vqf b) { return _mm256_add_ps(a, b); }
+VQ_INLINE vqf vq_mul(vqf a, vqf b) { return _mm256_mul_ps(a, b); }
+VQ_INLINE vqf vq_fma(vqf a, vqf b, vqf c) { return _mm256_fmadd_ps(a, b, c); }
+VQ_INLINE float vq_sum(vqf a) { return hsum256(a); }
+VQ_INLINE vqi vq_bytes(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+VQ_INLINE vqf vq_float(vqi a) { return _mm256_cvtepi32_ps(a); }
+VQ_INLINE vqf vq_bits(vqi a) { return _mm256_castsi256_ps(a); }
+VQ_INLINE vqi vq_and(vqi a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+VQ_INLINE vqi vq_or(vqi a, vqi b) { return _mm256_or_si256(a, b); }
+VQ_INLINE vqi vq_shl(vqi a, int n) { return _mm256_slli_epi32(a, n); }
+VQ_INLINE vqi vq_shr(vqi a, int n) { return _mm256_srli_epi32(a, n); }
+VQ_INLINE vqf vq_nan_where(vqf w, vqi a, int v) { return _mm256_blendv_ps(w, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, _mm256_set1_epi32(v)))); }
+#endif
+
+#if defined(VQ_W)
+/* VQ_W codes' values: 8-bit affine codes, or FP8 e4m3 bits as value * 2^-120 (NaN codes NaN). */
+VQ_INLINE vqf q8_values(const uint8_t *p, const int fp8) {
+    const vqi by = vq_bytes(p);
+    if (!fp8) return vq_float(by);
+    const vqi mag = vq_and(by, 0x7f);
+    return vq_nan_where(vq_bits(vq_or(vq_shl(mag, 20), vq_and(vq_shl(by, 24), (int)0x80000000u))), mag, 0x7f);
 }
 
-static inline __attribute__((always_inline)) float q8_groups(const uint8_t *q, const void *sc, const void *bi,
-                                                             const int sdtype, const int fp8, size_t s_at, int G,
-                                                             int group, const float *x) {
-    __m256 acc = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
+VQ_INLINE float q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
+                          size_t s_at, int G, int group, const float *x) {
+    vqf acc = vq_zero(), accb = vq_zero();
     for (int g = 0; g < G; g++) {
         const uint8_t *qg = q + (size_t)g * group;
         const float *xg = x + (size_t)g * group;
-        __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), x0 = _mm256_setzero_ps(), x1 = _mm256_setzero_ps();
-        for (int j = 0; j < group; j += 16) {
+        vqf d0 = vq_zero(), d1 = vq_zero(), x0 = vq_zero(), x1 = vq_zero();
+        for (int j = 0; j < group; j += 2 * VQ_W) {
             if (prefetch_bytes && ((g * group + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
-            const __m256 xa = _mm256_loadu_ps(xg + j), xb = _mm256_loadu_ps(xg + j + 8);
-            d0 = _mm256_fmadd_ps(q8_values(_mm_loadl_epi64((const __m128i *)(qg + j)), fp8), xa, d0);
-            d1 = _mm256_fmadd_ps(q8_values(_mm_loadl_epi64((const __m128i *)(qg + j + 8)), fp8), xb, d1);
+            const vqf xa = vq_load(xg + j), xb = vq_load(xg + j + VQ_W);
+            d0 = vq_fma(q8_values(qg + j, fp8), xa, d0);
+            d1 = vq_fma(q8_values(qg + j + VQ_W, fp8), xb, d1);
             if (bi) {
-                x0 = _mm256_add_ps(x0, xa);
-                x1 = _mm256_add_ps(x1, xb);
+                x0 = vq_add(x0, xa);
+                x1 = vq_add(x1, xb);
             }
         }
         float sum_scale;
         const float s = q8_scale(sc, sdtype, s_at + g, fp8, &sum_scale);
-        __m256 d = _mm256_add_ps(d0, d1);
-        if (fp8 && sum_scale != 1.f) d = _mm256_mul_ps(d, _mm256_set1_ps(sum_scale));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s), d, acc);
-        if (bi) accb = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm256_add_ps(x0, x1), accb);
+        vqf dot = vq_add(d0, d1);
+        if (fp8 && sum_scale != 1.f) dot = vq_mul(dot, vq_set1(sum_scale));
+        acc = vq_fma(vq_set1(s), dot, acc);
+        if (bi) accb = vq_fma(vq_set1(scale_at(bi, sdtype, s_at + g)), vq_add(x0, x1), accb);
     }
-    return hsum256(_mm256_add_ps(acc, accb));
+    return vq_sum(vq_add(acc, accb));
 }
 #else
 static inline float q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
@@ -523,59 +527,30 @@ static inline int q4_affine_fits(const Weights *W, int group, int K) {
     return W->bits == 4 && W->affine && !W->fp8 && group % 32 == 0 && K % group == 0;
 }
 
-#if defined(__AVX512F__)
-static inline __attribute__((always_inline)) float q4_groups(const uint8_t *q, const void *sc, const void *bi,
-                                                             const int sdtype, size_t s_at, int G, int group,
-                                                             const float *x, int per) {
-    __m512 acc = _mm512_setzero_ps(), accb = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(0xf);
+#if defined(VQ_W)
+VQ_INLINE float q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
+                          int group, const float *x, int per) {
+    vqf acc = vq_zero(), accb = vq_zero();
     const int gbytes = group / 2;
     for (int g = 0; g < G; g++) {
         const uint8_t *qg = q + (size_t)g * gbytes;
         const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
-        __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        for (int j = 0; j < gbytes; j += 16) {
+        vqf d0 = vq_zero(), d1 = vq_zero(), s0 = vq_zero(), s1 = vq_zero();
+        for (int j = 0; j < gbytes; j += VQ_W) {
             if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
-            const __m512i by = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + j)));
-            const __m512 xa = _mm512_loadu_ps(x0 + j), xb = _mm512_loadu_ps(x1 + j);
-            d0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(by, low)), xa, d0);
-            d1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(by, 4)), xb, d1);
+            const vqi by = vq_bytes(qg + j);
+            const vqf xa = vq_load(x0 + j), xb = vq_load(x1 + j);
+            d0 = vq_fma(vq_float(vq_and(by, 0xf)), xa, d0);
+            d1 = vq_fma(vq_float(vq_shr(by, 4)), xb, d1);
             if (bi) {
-                s0 = _mm512_add_ps(s0, xa);
-                s1 = _mm512_add_ps(s1, xb);
+                s0 = vq_add(s0, xa);
+                s1 = vq_add(s1, xb);
             }
         }
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(sc, sdtype, s_at + g)), _mm512_add_ps(d0, d1), acc);
-        if (bi) accb = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm512_add_ps(s0, s1), accb);
+        acc = vq_fma(vq_set1(scale_at(sc, sdtype, s_at + g)), vq_add(d0, d1), acc);
+        if (bi) accb = vq_fma(vq_set1(scale_at(bi, sdtype, s_at + g)), vq_add(s0, s1), accb);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, accb));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-static inline __attribute__((always_inline)) float q4_groups(const uint8_t *q, const void *sc, const void *bi,
-                                                             const int sdtype, size_t s_at, int G, int group,
-                                                             const float *x, int per) {
-    __m256 acc = _mm256_setzero_ps(), accb = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi32(0xf);
-    const int gbytes = group / 2;
-    for (int g = 0; g < G; g++) {
-        const uint8_t *qg = q + (size_t)g * gbytes;
-        const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
-        __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps(), s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        for (int j = 0; j < gbytes; j += 8) {
-            if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
-            const __m256i by = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qg + j)));
-            const __m256 xa = _mm256_loadu_ps(x0 + j), xb = _mm256_loadu_ps(x1 + j);
-            d0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(by, low)), xa, d0);
-            d1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(by, 4)), xb, d1);
-            if (bi) {
-                s0 = _mm256_add_ps(s0, xa);
-                s1 = _mm256_add_ps(s1, xb);
-            }
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(sc, sdtype, s_at + g)), _mm256_add_ps(d0, d1), acc);
-        if (bi) accb = _mm256_fmadd_ps(_mm256_set1_ps(scale_at(bi, sdtype, s_at + g)), _mm256_add_ps(s0, s1), accb);
-    }
-    return hsum256(_mm256_add_ps(acc, accb));
+    return vq_sum(vq_add(acc, accb));
 }
 #else
 static inline float q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
