@@ -448,35 +448,51 @@ VQ_INLINE vqf q8_values(const uint8_t *p, const int fp8) {
     return vq_nan_where(vq_bits(vq_or(vq_shl(mag, 20), vq_and(vq_shl(by, 24), (int)0x80000000u))), mag, 0x7f);
 }
 
-VQ_INLINE float q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
-                          size_t s_at, int G, int group, const float *x) {
-    vqf acc = vq_zero(), accb = vq_zero();
+/* Tokens a row meets at once: each token's sums are its own, in the order one token's are (the same
+ * bits whatever the tokens beside it), the row's codes unpacked once for all of them. */
+#if VQ_W == 16
+#define VQ_TOKENS 4
+#else
+#define VQ_TOKENS 2   /* AVX2's 16 registers hold two tokens' six sums */
+#endif
+
+VQ_INLINE void q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
+                         size_t s_at, int G, int group, const float *const *xs, const int nt, float *out) {
+    vqf acc[VQ_TOKENS], accb[VQ_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = accb[t] = vq_zero();
     for (int g = 0; g < G; g++) {
         const uint8_t *qg = q + (size_t)g * group;
-        const float *xg = x + (size_t)g * group;
-        vqf d0 = vq_zero(), d1 = vq_zero(), x0 = vq_zero(), x1 = vq_zero();
+        vqf d0[VQ_TOKENS], d1[VQ_TOKENS], x0[VQ_TOKENS], x1[VQ_TOKENS];
+        for (int t = 0; t < nt; t++) d0[t] = d1[t] = x0[t] = x1[t] = vq_zero();
         for (int j = 0; j < group; j += 2 * VQ_W) {
             if (prefetch_bytes && ((g * group + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
-            const vqf xa = vq_load(xg + j), xb = vq_load(xg + j + VQ_W);
-            d0 = vq_fma(q8_values(qg + j, fp8), xa, d0);
-            d1 = vq_fma(q8_values(qg + j + VQ_W, fp8), xb, d1);
-            if (bi) {
-                x0 = vq_add(x0, xa);
-                x1 = vq_add(x1, xb);
+            const vqf wa = q8_values(qg + j, fp8), wb = q8_values(qg + j + VQ_W, fp8);
+            for (int t = 0; t < nt; t++) {
+                const float *xg = xs[t] + (size_t)g * group + j;
+                const vqf xa = vq_load(xg), xb = vq_load(xg + VQ_W);
+                d0[t] = vq_fma(wa, xa, d0[t]);
+                d1[t] = vq_fma(wb, xb, d1[t]);
+                if (bi) {
+                    x0[t] = vq_add(x0[t], xa);
+                    x1[t] = vq_add(x1[t], xb);
+                }
             }
         }
         float sum_scale;
         const float s = q8_scale(sc, sdtype, s_at + g, fp8, &sum_scale);
-        vqf dot = vq_add(d0, d1);
-        if (fp8 && sum_scale != 1.f) dot = vq_mul(dot, vq_set1(sum_scale));
-        acc = vq_fma(vq_set1(s), dot, acc);
-        if (bi) accb = vq_fma(vq_set1(scale_at(bi, sdtype, s_at + g)), vq_add(x0, x1), accb);
+        const float b = bi ? scale_at(bi, sdtype, s_at + g) : 0.f;
+        for (int t = 0; t < nt; t++) {
+            vqf dot = vq_add(d0[t], d1[t]);
+            if (fp8 && sum_scale != 1.f) dot = vq_mul(dot, vq_set1(sum_scale));
+            acc[t] = vq_fma(vq_set1(s), dot, acc[t]);
+            if (bi) accb[t] = vq_fma(vq_set1(b), vq_add(x0[t], x1[t]), accb[t]);
+        }
     }
-    return vq_sum(vq_add(acc, accb));
+    for (int t = 0; t < nt; t++) out[t] = vq_sum(vq_add(acc[t], accb[t]));
 }
 #else
-static inline float q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
-                              size_t s_at, int G, int group, const float *x) {
+static inline float q8_group_sums(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
+                                  size_t s_at, int G, int group, const float *x) {
     float acc = 0.f;
     for (int g = 0; g < G; g++) {   /* the values themselves (FP8: fp8_e4m3's), times the scale as stored */
         const uint8_t *qg = q + (size_t)g * group;
@@ -496,27 +512,40 @@ static inline float q8_groups(const uint8_t *q, const void *sc, const void *bi, 
     }
     return acc;
 }
+
+#define VQ_TOKENS 1
+static inline void q8_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int fp8,
+                             size_t s_at, int G, int group, const float *const *xs, const int nt, float *out) {
+    for (int t = 0; t < nt; t++) out[t] = q8_group_sums(q, sc, bi, sdtype, fp8, s_at, G, group, xs[t]);
+}
 #endif
 
-/* `q8_groups` with the codes' kind and the scales' dtype constants in each copy (a scale's read per
- * group is then a load and, for fp16, one conversion). */
-static float q8_row_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+/* `q8_groups` for nt (1 or VQ_TOKENS) tokens, with the codes' kind, the scales' dtype and nt constants
+ * in each copy (a scale's read per group is then a load and, for fp16, one conversion). */
+#define Q8_CALL(SD, F)                                                                        \
+    do {                                                                                    \
+        if (nt == VQ_TOKENS) q8_groups(q, sc, bi, SD, F, s_at, G, group, xs, VQ_TOKENS, out); \
+        else q8_groups(q, sc, bi, SD, F, s_at, G, group, xs, 1, out);                       \
+        return;                                                                             \
+    } while (0)
+
+static void q8_row_dot(const Weights *W, int which, size_t row, int K, const float *const *xs, int nt, float *out) {
     const int group = W->qgroup[which], G = K / group;
     const size_t s_at = scale_row(W, which, row) * G;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)K;
     const void *sc = W->scales[which], *bi = W->qbias[which];
     if (W->fp8) {
         switch (W->sdtype) {
-        case S_BF16: return q8_groups(q, sc, bi, S_BF16, 1, s_at, G, group, x);
-        case S_FP32: return q8_groups(q, sc, bi, S_FP32, 1, s_at, G, group, x);
-        default: return q8_groups(q, sc, bi, W->sdtype, 1, s_at, G, group, x);
+        case S_BF16: Q8_CALL(S_BF16, 1);
+        case S_FP32: Q8_CALL(S_FP32, 1);
+        default: Q8_CALL(W->sdtype, 1);
         }
     }
     switch (W->sdtype) {
-    case S_FP16: return q8_groups(q, sc, bi, S_FP16, 0, s_at, G, group, x);
-    case S_BF16: return q8_groups(q, sc, bi, S_BF16, 0, s_at, G, group, x);
-    case S_FP32: return q8_groups(q, sc, bi, S_FP32, 0, s_at, G, group, x);
-    default: return q8_groups(q, sc, bi, W->sdtype, 0, s_at, G, group, x);
+    case S_FP16: Q8_CALL(S_FP16, 0);
+    case S_BF16: Q8_CALL(S_BF16, 0);
+    case S_FP32: Q8_CALL(S_FP32, 0);
+    default: Q8_CALL(W->sdtype, 0);
     }
 }
 
@@ -528,33 +557,41 @@ static inline int q4_affine_fits(const Weights *W, int group, int K) {
 }
 
 #if defined(VQ_W)
-VQ_INLINE float q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
-                          int group, const float *x, int per) {
-    vqf acc = vq_zero(), accb = vq_zero();
+VQ_INLINE void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
+                         int group, const float *const *xs, const int nt, int per, float *out) {
+    vqf acc[VQ_TOKENS], accb[VQ_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = accb[t] = vq_zero();
     const int gbytes = group / 2;
     for (int g = 0; g < G; g++) {
         const uint8_t *qg = q + (size_t)g * gbytes;
-        const float *x0 = x + (size_t)g * gbytes, *x1 = x0 + per;
-        vqf d0 = vq_zero(), d1 = vq_zero(), s0 = vq_zero(), s1 = vq_zero();
+        vqf d0[VQ_TOKENS], d1[VQ_TOKENS], s0[VQ_TOKENS], s1[VQ_TOKENS];
+        for (int t = 0; t < nt; t++) d0[t] = d1[t] = s0[t] = s1[t] = vq_zero();
         for (int j = 0; j < gbytes; j += VQ_W) {
             if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
             const vqi by = vq_bytes(qg + j);
-            const vqf xa = vq_load(x0 + j), xb = vq_load(x1 + j);
-            d0 = vq_fma(vq_float(vq_and(by, 0xf)), xa, d0);
-            d1 = vq_fma(vq_float(vq_shr(by, 4)), xb, d1);
-            if (bi) {
-                s0 = vq_add(s0, xa);
-                s1 = vq_add(s1, xb);
+            const vqf lo = vq_float(vq_and(by, 0xf)), hi = vq_float(vq_shr(by, 4));
+            for (int t = 0; t < nt; t++) {
+                const float *x0 = xs[t] + (size_t)g * gbytes + j;
+                const vqf xa = vq_load(x0), xb = vq_load(x0 + per);
+                d0[t] = vq_fma(lo, xa, d0[t]);
+                d1[t] = vq_fma(hi, xb, d1[t]);
+                if (bi) {
+                    s0[t] = vq_add(s0[t], xa);
+                    s1[t] = vq_add(s1[t], xb);
+                }
             }
         }
-        acc = vq_fma(vq_set1(scale_at(sc, sdtype, s_at + g)), vq_add(d0, d1), acc);
-        if (bi) accb = vq_fma(vq_set1(scale_at(bi, sdtype, s_at + g)), vq_add(s0, s1), accb);
+        const float s = scale_at(sc, sdtype, s_at + g), b = bi ? scale_at(bi, sdtype, s_at + g) : 0.f;
+        for (int t = 0; t < nt; t++) {
+            acc[t] = vq_fma(vq_set1(s), vq_add(d0[t], d1[t]), acc[t]);
+            if (bi) accb[t] = vq_fma(vq_set1(b), vq_add(s0[t], s1[t]), accb[t]);
+        }
     }
-    return vq_sum(vq_add(acc, accb));
+    for (int t = 0; t < nt; t++) out[t] = vq_sum(vq_add(acc[t], accb[t]));
 }
 #else
-static inline float q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
-                              int group, const float *x, int per) {
+static inline float q4_group_sums(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
+                                  int group, const float *x, int per) {
     float acc = 0.f;
     const int gbytes = group / 2;
     for (int g = 0; g < G; g++) {
@@ -570,25 +607,44 @@ static inline float q4_groups(const uint8_t *q, const void *sc, const void *bi, 
     }
     return acc;
 }
+
+static inline void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
+                             int group, const float *const *xs, const int nt, int per, float *out) {
+    for (int t = 0; t < nt; t++) out[t] = q4_group_sums(q, sc, bi, sdtype, s_at, G, group, xs[t], per);
+}
 #endif
 
-static float q4_row_dot(const Weights *W, int which, size_t row, int K, const float *x) {
+#define Q4_CALL(SD)                                                                           \
+    do {                                                                                      \
+        if (nt == VQ_TOKENS) q4_groups(q, sc, bi, SD, s_at, G, group, xs, VQ_TOKENS, K / 2, out); \
+        else q4_groups(q, sc, bi, SD, s_at, G, group, xs, 1, K / 2, out);                     \
+        return;                                                                               \
+    } while (0)
+
+static void q4_row_dot(const Weights *W, int which, size_t row, int K, const float *const *xs, int nt, float *out) {
     const int group = W->qgroup[which], G = K / group;
     const size_t s_at = scale_row(W, which, row) * G;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)(K / 2);
     const void *sc = W->scales[which], *bi = W->qbias[which];
     switch (W->sdtype) {
-    case S_FP16: return q4_groups(q, sc, bi, S_FP16, s_at, G, group, x, K / 2);
-    case S_BF16: return q4_groups(q, sc, bi, S_BF16, s_at, G, group, x, K / 2);
-    case S_FP32: return q4_groups(q, sc, bi, S_FP32, s_at, G, group, x, K / 2);
-    default: return q4_groups(q, sc, bi, W->sdtype, s_at, G, group, x, K / 2);
+    case S_FP16: Q4_CALL(S_FP16);
+    case S_BF16: Q4_CALL(S_BF16);
+    case S_FP32: Q4_CALL(S_FP32);
+    default: Q4_CALL(W->sdtype);
     }
 }
 
 /* One quantized row times one phase-ordered input. */
 static float qrow_dot(const Weights *W, int which, size_t row, int K, const float *x) {
-    if (q8_fits(W, W->qgroup[which], K)) return q8_row_dot(W, which, row, K, x);
-    if (q4_affine_fits(W, W->qgroup[which], K)) return q4_row_dot(W, which, row, K, x);
+    float y;
+    if (q8_fits(W, W->qgroup[which], K)) {
+        q8_row_dot(W, which, row, K, &x, 1, &y);
+        return y;
+    }
+    if (q4_affine_fits(W, W->qgroup[which], K)) {
+        q4_row_dot(W, which, row, K, &x, 1, &y);
+        return y;
+    }
     const int bits = W->bits, v = 8 / bits, mask = (1 << bits) - 1, per = K / v, group = W->qgroup[which];
     const int G = (K + group - 1) / group;
     const size_t row_bytes = (size_t)K * bits / 8, s_at = scale_row(W, which, row) * G;
@@ -773,7 +829,19 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
         return;
     }
 #endif
-    for (int t = 0; t < T; t++)
+    const int q8 = q8_fits(W, W->qgroup[which], K), q4 = q4_affine_fits(W, W->qgroup[which], K);
+    int t = 0;
+    if (q8 || q4) {   /* VQ_TOKENS tokens at a time, the row's codes unpacked once for them */
+        for (; t + VQ_TOKENS <= T; t += VQ_TOKENS) {
+            const float *xs[VQ_TOKENS];
+            float out[VQ_TOKENS];
+            for (int u = 0; u < VQ_TOKENS; u++) xs[u] = (const float *)x + (size_t)(tok ? tok[t + u] : t + u) * ldx;
+            if (q8) q8_row_dot(W, which, row, K, xs, VQ_TOKENS, out);
+            else q4_row_dot(W, which, row, K, xs, VQ_TOKENS, out);
+            for (int u = 0; u < VQ_TOKENS; u++) y[(size_t)(t + u) * ldy] = out[u];
+        }
+    }
+    for (; t < T; t++)
         y[(size_t)t * ldy] = qrow_dot(W, which, row, K, (const float *)x + (size_t)(tok ? tok[t] : t) * ldx);
 }
 
