@@ -745,7 +745,7 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
     return acc;
 }
 
-/* Whether affine 4-bit rows of K values in groups of `group` take `q4_row_dot_bf16`: whole groups of a
+/* Whether affine 4-bit rows of K values in groups of `group` take `q4_rows_bf16`: whole groups of a
  * multiple of 64 values (a 32-byte load within one group), or groups of 32 read two at a time (Q4_0's
  * and GPTQ's g32; K a multiple of 64). */
 static inline int q4_groups_fit(int group, int K) {
@@ -753,9 +753,11 @@ static inline int q4_groups_fit(int group, int K) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* One affine 4-bit row (`q4_groups_fit`) times bf16 inputs `xb` (phase-ordered: the low nibbles'
- * values first, then the high nibbles') with group sums `xs`. */
-static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, const uint16_t *xb, const float *xs) {
+/* One affine 4-bit row (`q4_groups_fit`) times nt tokens' bf16 inputs `xbs[t]` (phase-ordered: the low
+ * nibbles' values first, then the high nibbles') with group sums `xss[t]`: the row's codes looked up
+ * once for all nt (up to VQ_TOKENS), each token's sums its own, in one token's order. */
+VQ_INLINE void q4_rows_bf16(const Weights *W, int which, size_t row, int K, const uint16_t *const *xbs,
+                            const float *const *xss, const int nt, float *out) {
     const int per = K / 2, G = K / W->group, gbytes = W->group / 2;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)per;
     const void *sc = W->scales[which], *bi = W->qbias[which];
@@ -764,8 +766,12 @@ static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, con
                                          0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
     const __m512i table = _mm512_loadu_si512(codes16);
     const __m512i low = _mm512_set1_epi16(0x0f);
-    __m512 tot = _mm512_setzero_ps();
-    float bias = 0.f;
+    __m512 tot[VQ_TOKENS];
+    float bias[VQ_TOKENS];
+    for (int t = 0; t < nt; t++) {
+        tot[t] = _mm512_setzero_ps();
+        bias[t] = 0.f;
+    }
     if (W->group == 32) {   /* two groups a 32-byte load: a dot product's lanes 0-7 sum the first's bytes, 8-15 the second's */
         for (int g = 0; g < G; g += 2) {
             const int j = g * gbytes;
@@ -773,34 +779,43 @@ static float q4_row_dot_bf16(const Weights *W, int which, size_t row, int K, con
             const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
             const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
             const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-            __m512 gacc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xb + j));
-            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xb + per + j));
             const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g)),
                                                   _mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g + 1)));
-            tot = _mm512_fmadd_ps(s, gacc, tot);
-            if (bi) bias += scale_at(bi, W->sdtype, row * G + g) * xs[g] + scale_at(bi, W->sdtype, row * G + g + 1) * xs[g + 1];
+            const float b0 = bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f, b1 = bi ? scale_at(bi, W->sdtype, row * G + g + 1) : 0.f;
+            for (int t = 0; t < nt; t++) {
+                __m512 gacc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xbs[t] + j));
+                gacc = _mm512_dpbf16_ps(gacc, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xbs[t] + per + j));
+                tot[t] = _mm512_fmadd_ps(s, gacc, tot[t]);
+                if (bi) bias[t] += b0 * xss[t][g] + b1 * xss[t][g + 1];
+            }
         }
-        return _mm512_reduce_add_ps(tot) + bias;
-    }
-    for (int g = 0; g < G; g++) {
-        __m512 gacc = _mm512_setzero_ps();
-        for (int j = g * gbytes; j < (g + 1) * gbytes; j += 32) {
-            if (prefetch_bytes) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
-            const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
-            const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
-            const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xb + j));
-            gacc = _mm512_dpbf16_ps(gacc, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xb + per + j));
+    } else {
+        for (int g = 0; g < G; g++) {
+            __m512 gacc[VQ_TOKENS];
+            for (int t = 0; t < nt; t++) gacc[t] = _mm512_setzero_ps();
+            for (int j = g * gbytes; j < (g + 1) * gbytes; j += 32) {
+                if (prefetch_bytes) _mm_prefetch((const char *)(q + j) + prefetch_bytes, _MM_HINT_T0);
+                const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + j)));
+                const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(words, low), table);
+                const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+                for (int t = 0; t < nt; t++) {
+                    gacc[t] = _mm512_dpbf16_ps(gacc[t], (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xbs[t] + j));
+                    gacc[t] = _mm512_dpbf16_ps(gacc[t], (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xbs[t] + per + j));
+                }
+            }
+            const float s = scale_at(sc, W->sdtype, row * G + g), b = bi ? scale_at(bi, W->sdtype, row * G + g) : 0.f;
+            for (int t = 0; t < nt; t++) {
+                tot[t] = _mm512_fmadd_ps(_mm512_set1_ps(s), gacc[t], tot[t]);
+                if (bi) bias[t] += b * xss[t][g];
+            }
         }
-        tot = _mm512_fmadd_ps(_mm512_set1_ps(scale_at(sc, W->sdtype, row * G + g)), gacc, tot);
-        if (bi) bias += scale_at(bi, W->sdtype, row * G + g) * xs[g];
     }
-    return _mm512_reduce_add_ps(tot) + bias;
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(tot[t]) + bias[t];
 }
 #define HAVE_Q4_BF16 1
 #endif
 
-/* Whether a projection of K inputs takes `q4_row_dot_bf16`. */
+/* Whether a projection of K inputs takes `q4_rows_bf16`. */
 static inline int q4_fast(const Weights *W, int K) {
 #if defined(HAVE_Q4_BF16)
     return W->fast && W->bits == 4 && q4_groups_fit(W->group, K);
@@ -820,11 +835,22 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
         return;
     }
 #if defined(HAVE_Q4_BF16)
-    if (q4_fast(W, K)) {
+    if (q4_fast(W, K)) {   /* VQ_TOKENS tokens at a time, then one at a time */
         const int G = K / W->group;
-        for (int t = 0; t < T; t++) {
-            const size_t i = (size_t)(first + (tok ? tok[t] : t));
-            y[(size_t)t * ldy] = q4_row_dot_bf16(W, which, row, K, W->in_bf16[which] + i * K, W->in_sum[which] + i * G);
+        for (int t = 0; t < T;) {
+            const int nt = T - t >= VQ_TOKENS ? VQ_TOKENS : 1;
+            const uint16_t *xbs[VQ_TOKENS];
+            const float *xss[VQ_TOKENS];
+            float out[VQ_TOKENS];
+            for (int u = 0; u < nt; u++) {
+                const size_t i = (size_t)(first + (tok ? tok[t + u] : t + u));
+                xbs[u] = W->in_bf16[which] + i * K;
+                xss[u] = W->in_sum[which] + i * G;
+            }
+            if (nt == VQ_TOKENS) q4_rows_bf16(W, which, row, K, xbs, xss, VQ_TOKENS, out);
+            else q4_rows_bf16(W, which, row, K, xbs, xss, 1, out);
+            for (int u = 0; u < nt; u++) y[(size_t)(t + u) * ldy] = out[u];
+            t += nt;
         }
         return;
     }

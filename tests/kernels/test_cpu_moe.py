@@ -172,11 +172,13 @@ def test_quantized_fp32_equals_the_reference(name, H, I):
     _assert_fp32_equals_the_reference(_quantized_experts(5, H, I, spec), spec, H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["int8-g32:fp16", "int4-g32:fp16", "int4-g64", "fp8-b128x128", "nf4-g64"])
-def test_a_tokens_quantized_result_is_the_same_alone_and_beside_others(name):
+def test_a_tokens_quantized_result_is_the_same_alone_and_beside_others(name, dtype):
     """A row meets several tokens at once (its codes unpacked once for all of them): each token's sums
     stay its own, in one token's order, so its output has the same bits in a call of 1 token or 7
-    (every token routed to the same experts: rows of 1, 2, 4 tokens and the remainders)."""
+    (every token routed to the same experts: rows of 1, 2, 4 tokens and the remainders). bf16 inputs
+    take the 4-bit rows' bf16 dot products where the CPU has them."""
     from moestream.quant.fp8 import parse_fp8
 
     fp8 = parse_fp8(name)
@@ -184,7 +186,7 @@ def test_a_tokens_quantized_result_is_the_same_alone_and_beside_others(name):
     H, I = 256, 128
     slots = _fp8_experts(4, H, I, spec, seed=2) if fp8 else _quantized_experts(4, H, I, spec)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(7, H, generator=g)
+    x = torch.randn(7, H, generator=g).to(dtype)
     ids = torch.tensor([[0, 2]] * 7, dtype=torch.int32)
     w = torch.rand(7, 2, generator=g)
     together = cpu_moe.cpu_moe_quant(x, slots, ids, w, spec, out_dtype=torch.float32)
