@@ -418,6 +418,9 @@ VQ_INLINE vqi vq_or(vqi a, vqi b) { return _mm512_or_si512(a, b); }
 VQ_INLINE vqi vq_shl(vqi a, int n) { return _mm512_slli_epi32(a, n); }
 VQ_INLINE vqi vq_shr(vqi a, int n) { return _mm512_srli_epi32(a, n); }
 VQ_INLINE vqf vq_nan_where(vqf w, vqi a, int v) { return _mm512_mask_mov_ps(w, _mm512_cmpeq_epi32_mask(a, _mm512_set1_epi32(v)), _mm512_set1_ps(NAN)); }
+typedef struct { __m512 all; } vq_table;   /* 16 code values */
+VQ_INLINE vq_table vq_table_load(const float *t) { vq_table v = {_mm512_loadu_ps(t)}; return v; }
+VQ_INLINE vqf vq_lookup(vqi code, vq_table t) { return _mm512_permutexvar_ps(code, t.all); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VQ_W 8
 typedef __m256 vqf;
@@ -437,6 +440,12 @@ VQ_INLINE vqi vq_or(vqi a, vqi b) { return _mm256_or_si256(a, b); }
 VQ_INLINE vqi vq_shl(vqi a, int n) { return _mm256_slli_epi32(a, n); }
 VQ_INLINE vqi vq_shr(vqi a, int n) { return _mm256_srli_epi32(a, n); }
 VQ_INLINE vqf vq_nan_where(vqf w, vqi a, int v) { return _mm256_blendv_ps(w, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, _mm256_set1_epi32(v)))); }
+typedef struct { __m256 lo, hi; } vq_table;   /* 16 code values, 8 a register */
+VQ_INLINE vq_table vq_table_load(const float *t) { vq_table v = {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; return v; }
+VQ_INLINE vqf vq_lookup(vqi code, vq_table t) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, code), _mm256_permutevar8x32_ps(t.hi, code),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(code, _mm256_set1_epi32(7))));
+}
 #endif
 
 #if defined(VQ_W)
@@ -549,16 +558,19 @@ static void q8_row_dot(const Weights *W, int which, size_t row, int K, const flo
     }
 }
 
-/* Affine 4-bit rows in groups of a multiple of 32 values, fp32 inputs (CPUs without AVX512-BF16, and
- * inputs that are not bf16 values): as `q8_groups`, a byte's low nibble meeting the row's first phase
- * of inputs and its high nibble the second (phase order: value 2j + p at p * K/2 + j). */
-static inline int q4_affine_fits(const Weights *W, int group, int K) {
-    return W->bits == 4 && W->affine && !W->fp8 && group % 32 == 0 && K % group == 0;
+/* 4-bit rows in groups of a multiple of 32 values with fp32 inputs (CPUs without AVX512-BF16, and inputs
+ * that are not bf16 values): affine codes, or codes through the table (NF4's codebook, MXFP4's e2m1 values
+ * with e8m0 scales); as `q8_groups`, a byte's low nibble meeting the row's first phase of inputs and its
+ * high nibble the second (phase order: value 2j + p at p * K/2 + j). */
+static inline int q4_fits(const Weights *W, int group, int K) {
+    return W->bits == 4 && !W->fp8 && group % 32 == 0 && K % group == 0;
 }
 
 #if defined(VQ_W)
-VQ_INLINE void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
-                         int group, const float *const *xs, const int nt, int per, float *out) {
+VQ_INLINE void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int affine,
+                         const float *table, size_t s_at, int G, int group, const float *const *xs, const int nt,
+                         int per, float *out) {
+    const vq_table codes = vq_table_load(table);
     vqf acc[VQ_TOKENS], accb[VQ_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = accb[t] = vq_zero();
     const int gbytes = group / 2;
@@ -569,7 +581,8 @@ VQ_INLINE void q4_groups(const uint8_t *q, const void *sc, const void *bi, const
         for (int j = 0; j < gbytes; j += VQ_W) {
             if (prefetch_bytes && ((g * gbytes + j) & 63) == 0) _mm_prefetch((const char *)(qg + j) + prefetch_bytes, _MM_HINT_T0);
             const vqi by = vq_bytes(qg + j);
-            const vqf lo = vq_float(vq_and(by, 0xf)), hi = vq_float(vq_shr(by, 4));
+            const vqi clo = vq_and(by, 0xf), chi = vq_shr(by, 4);
+            const vqf lo = affine ? vq_float(clo) : vq_lookup(clo, codes), hi = affine ? vq_float(chi) : vq_lookup(chi, codes);
             for (int t = 0; t < nt; t++) {
                 const float *x0 = xs[t] + (size_t)g * gbytes + j;
                 const vqf xa = vq_load(x0), xb = vq_load(x0 + per);
@@ -590,8 +603,8 @@ VQ_INLINE void q4_groups(const uint8_t *q, const void *sc, const void *bi, const
     for (int t = 0; t < nt; t++) out[t] = vq_sum(vq_add(acc[t], accb[t]));
 }
 #else
-static inline float q4_group_sums(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
-                                  int group, const float *x, int per) {
+static inline float q4_group_sums(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int affine,
+                                  const float *table, size_t s_at, int G, int group, const float *x, int per) {
     float acc = 0.f;
     const int gbytes = group / 2;
     for (int g = 0; g < G; g++) {
@@ -600,7 +613,8 @@ static inline float q4_group_sums(const uint8_t *q, const void *sc, const void *
         float dot = 0.f, sum = 0.f;
 #pragma omp simd reduction(+ : dot, sum)
         for (int j = 0; j < gbytes; j++) {
-            dot += (float)(qg[j] & 0xf) * x0[j] + (float)(qg[j] >> 4) * x1[j];
+            const float lo = affine ? (float)(qg[j] & 0xf) : table[qg[j] & 0xf], hi = affine ? (float)(qg[j] >> 4) : table[qg[j] >> 4];
+            dot += lo * x0[j] + hi * x1[j];
             sum += x0[j] + x1[j];
         }
         acc += scale_at(sc, sdtype, s_at + g) * dot + (bi ? scale_at(bi, sdtype, s_at + g) * sum : 0.f);
@@ -608,17 +622,18 @@ static inline float q4_group_sums(const uint8_t *q, const void *sc, const void *
     return acc;
 }
 
-static inline void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, size_t s_at, int G,
-                             int group, const float *const *xs, const int nt, int per, float *out) {
-    for (int t = 0; t < nt; t++) out[t] = q4_group_sums(q, sc, bi, sdtype, s_at, G, group, xs[t], per);
+static inline void q4_groups(const uint8_t *q, const void *sc, const void *bi, const int sdtype, const int affine,
+                             const float *table, size_t s_at, int G, int group, const float *const *xs, const int nt,
+                             int per, float *out) {
+    for (int t = 0; t < nt; t++) out[t] = q4_group_sums(q, sc, bi, sdtype, affine, table, s_at, G, group, xs[t], per);
 }
 #endif
 
-#define Q4_CALL(SD)                                                                           \
-    do {                                                                                      \
-        if (nt == VQ_TOKENS) q4_groups(q, sc, bi, SD, s_at, G, group, xs, VQ_TOKENS, K / 2, out); \
-        else q4_groups(q, sc, bi, SD, s_at, G, group, xs, 1, K / 2, out);                     \
-        return;                                                                               \
+#define Q4_CALL(SD, A)                                                                                  \
+    do {                                                                                                \
+        if (nt == VQ_TOKENS) q4_groups(q, sc, bi, SD, A, W->table, s_at, G, group, xs, VQ_TOKENS, K / 2, out); \
+        else q4_groups(q, sc, bi, SD, A, W->table, s_at, G, group, xs, 1, K / 2, out);                 \
+        return;                                                                                         \
     } while (0)
 
 static void q4_row_dot(const Weights *W, int which, size_t row, int K, const float *const *xs, int nt, float *out) {
@@ -626,11 +641,18 @@ static void q4_row_dot(const Weights *W, int which, size_t row, int K, const flo
     const size_t s_at = scale_row(W, which, row) * G;
     const uint8_t *q = (const uint8_t *)W->w[which] + row * (size_t)(K / 2);
     const void *sc = W->scales[which], *bi = W->qbias[which];
+    if (!W->affine) {   /* NF4 (bf16 scales), MXFP4 (e8m0 scales) */
+        switch (W->sdtype) {
+        case S_E8M0: Q4_CALL(S_E8M0, 0);
+        case S_BF16: Q4_CALL(S_BF16, 0);
+        default: Q4_CALL(W->sdtype, 0);
+        }
+    }
     switch (W->sdtype) {
-    case S_FP16: Q4_CALL(S_FP16);
-    case S_BF16: Q4_CALL(S_BF16);
-    case S_FP32: Q4_CALL(S_FP32);
-    default: Q4_CALL(W->sdtype);
+    case S_FP16: Q4_CALL(S_FP16, 1);
+    case S_BF16: Q4_CALL(S_BF16, 1);
+    case S_FP32: Q4_CALL(S_FP32, 1);
+    default: Q4_CALL(W->sdtype, 1);
     }
 }
 
@@ -641,7 +663,7 @@ static float qrow_dot(const Weights *W, int which, size_t row, int K, const floa
         q8_row_dot(W, which, row, K, &x, 1, &y);
         return y;
     }
-    if (q4_affine_fits(W, W->qgroup[which], K)) {
+    if (q4_fits(W, W->qgroup[which], K)) {
         q4_row_dot(W, which, row, K, &x, 1, &y);
         return y;
     }
@@ -855,7 +877,7 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
         return;
     }
 #endif
-    const int q8 = q8_fits(W, W->qgroup[which], K), q4 = q4_affine_fits(W, W->qgroup[which], K);
+    const int q8 = q8_fits(W, W->qgroup[which], K), q4 = q4_fits(W, W->qgroup[which], K);
     int t = 0;
     if (q8 || q4) {   /* VQ_TOKENS tokens at a time, the row's codes unpacked once for them */
         for (; t + VQ_TOKENS <= T; t += VQ_TOKENS) {

@@ -173,7 +173,7 @@ def test_quantized_fp32_equals_the_reference(name, H, I):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["int8-g32:fp16", "int4-g32:fp16", "int4-g64", "fp8-b128x128", "nf4-g64"])
+@pytest.mark.parametrize("name", ["int8-g32:fp16", "int4-g32:fp16", "int4-g64", "fp8-b128x128", "nf4-g64", "mxfp4"])
 def test_a_tokens_quantized_result_is_the_same_alone_and_beside_others(name, dtype):
     """A row meets several tokens at once (its codes unpacked once for all of them): each token's sums
     stay its own, in one token's order, so its output has the same bits in a call of 1 token or 7
@@ -181,10 +181,15 @@ def test_a_tokens_quantized_result_is_the_same_alone_and_beside_others(name, dty
     take the 4-bit rows' bf16 dot products where the CPU has them."""
     from moestream.quant.fp8 import parse_fp8
 
+    from moestream.quant.mxfp4 import MXFP4
+
     fp8 = parse_fp8(name)
-    spec = fp8 or _spec(name)
+    spec = MXFP4 if name == "mxfp4" else fp8 or _spec(name)
     H, I = 256, 128
-    slots = _fp8_experts(4, H, I, spec, seed=2) if fp8 else _quantized_experts(4, H, I, spec)
+    if name == "mxfp4":   # the experts' biases in the hidden rows' dtype
+        slots = {n: t.to(dtype) if t.is_floating_point() else t for n, t in _mxfp4_experts(4, H, I, seed=2).items()}
+    else:
+        slots = _fp8_experts(4, H, I, spec, seed=2) if fp8 else _quantized_experts(4, H, I, spec)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(7, H, generator=g).to(dtype)
     ids = torch.tensor([[0, 2]] * 7, dtype=torch.int32)
