@@ -378,8 +378,8 @@ static inline __attribute__((always_inline)) __m256 avx2_values(__m256i by, int 
 /* Byte-coded rows in whole groups of a multiple of 32 values: 8-bit affine codes (int8 groups; GGUF
  * Q8_0, Q5_0/1, Q5_K repacked; GPTQ 8-bit) and FP8 e4m3 (block, channel or tensor scales). A group is
  * s * (values . x) + b * sum(x), its products in two chains and its scale and bias applied once; the
- * general loop below served these with the other formats' branches and conversions inside (~5x slower a
- * value on AVX2). The sums are ordered differently from w = value * s + b then w * x: the same within
+ * general loop below served these with the other formats' branches and conversions inside (1.7-2.2x the
+ * time on AVX2: BENCHMARKS.md, "Byte-coded rows on the CPU"). The sums are ordered differently from w = value * s + b then w * x: the same within
  * fp32 rounding, as the 4-bit bf16 path. FP8 codes read as value * 2^-120 (`fp8_e4m3`); 2^120 joins
  * the group's scale where that stays finite, else the group's sum (both exact powers of two). */
 static inline int q8_fits(const Weights *W, int group, int K) {
