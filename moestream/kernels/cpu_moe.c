@@ -1068,9 +1068,9 @@ void moe_cpu_experts_quant(const void *gu_q, const void *gu_s, const void *gu_b,
 }
 
 /* A quantized linear layer's rows times T inputs: out (T, N) = x (T, K, phase-ordered fp32) times the N rows
- * of K values that `q`'s first projection lays out (packed values, scales, affine offsets), each row read
- * once for every input, the rows spread over the team: a decode step's GEMV on the CPU, the weights never
- * dequantized into memory. */
+ * of K values that `q`'s first projection lays out (packed values, scales, affine offsets), each row meeting
+ * the inputs as an expert's row does (`rows_dot`: several at once where its format allows), the rows spread
+ * over the team: a decode step's GEMV on the CPU, the weights never dequantized into memory. */
 void moe_cpu_qlinear(const void *qw, const void *scales, const void *qbias, const QuantLayout *q, int N, int K,
                      int T, const float *x, float *out) {
     Weights W = {0};
@@ -1079,9 +1079,7 @@ void moe_cpu_qlinear(const void *qw, const void *scales, const void *qbias, cons
     W.scales[0] = scales;
     W.qbias[0] = qbias;
 #pragma omp parallel for num_threads(team) schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int t = 0; t < T; t++)
-            out[(size_t)t * N + n] = qrow_dot(&W, 0, (size_t)n, K, x + (size_t)t * K);
+    for (int n = 0; n < N; n++) rows_dot(&W, 0, (size_t)n, K, x, K, 0, NULL, T, out + n, N);
 }
 
 /* ---- the stream worker: a thread team that serves the CPU's share of every decode step's misses --

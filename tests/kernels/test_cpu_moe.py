@@ -532,7 +532,7 @@ def test_the_stream_worker_reads_fp8_and_mxfp4_experts(fmt, dtype):
 
 
 @pytest.mark.parametrize("name", ["int4-g32:fp16", "int8-g32:fp16", "int4-g128", "nf4-g64", "int2-g32:fp32",
-                                  "int4-g64:fp32", "fp8-b16x16", "fp8-b12x12", "fp8-channel"])
+                                  "int4-g64:fp32", "fp8-b16x16", "fp8-b12x12", "fp8-channel", "fp8-b128x128"])
 @pytest.mark.parametrize("K", [128, 96])   # whole groups, and a ragged last group (or block)
 def test_a_quantized_linear_reads_its_rows_in_place_for_a_decode_steps_tokens(name, K, monkeypatch):
     """`kernels.quant_linear` on the CPU: up to QLINEAR_MAX_TOKENS inputs go through the C kernel's row dot
@@ -569,4 +569,7 @@ def test_a_quantized_linear_reads_its_rows_in_place_for_a_decode_steps_tokens(na
         got = kernels.quant_linear(x, qweight, scales, biases, spec, bias)
         want = quant_linear_reference(x, qweight, scales, biases, spec, bias)   # sums of ~K terms of ~1: the
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)           # summation order moves ~1e-5
-    assert calls == [1, 5, cpu_moe.QLINEAR_MAX_TOKENS]
+        if T == 5:   # rows meet several inputs at once: each input's result has the bits it has alone
+            assert all(torch.equal(got[t], kernels.quant_linear(x[t:t + 1], qweight, scales, biases, spec, bias)[0])
+                       for t in range(T))
+    assert calls == [1, 5, 1, 1, 1, 1, 1, cpu_moe.QLINEAR_MAX_TOKENS]
