@@ -877,19 +877,21 @@ static void rows_dot(const Weights *W, int which, size_t row, int K, const void 
         return;
     }
 #endif
-    const int q8 = q8_fits(W, W->qgroup[which], K), q4 = q4_fits(W, W->qgroup[which], K);
-    int t = 0;
-    if (q8 || q4) {   /* VQ_TOKENS tokens at a time, the row's codes unpacked once for them */
-        for (; t + VQ_TOKENS <= T; t += VQ_TOKENS) {
+    if (q8_fits(W, W->qgroup[which], K) || q4_fits(W, W->qgroup[which], K)) {   /* as above, fp32 inputs */
+        void (*dot)(const Weights *, int, size_t, int, const float *const *, int, float *) =
+            W->bits == 8 ? q8_row_dot : q4_row_dot;
+        for (int t = 0; t < T;) {
+            const int nt = T - t >= VQ_TOKENS ? VQ_TOKENS : 1;
             const float *xs[VQ_TOKENS];
             float out[VQ_TOKENS];
-            for (int u = 0; u < VQ_TOKENS; u++) xs[u] = (const float *)x + (size_t)(tok ? tok[t + u] : t + u) * ldx;
-            if (q8) q8_row_dot(W, which, row, K, xs, VQ_TOKENS, out);
-            else q4_row_dot(W, which, row, K, xs, VQ_TOKENS, out);
-            for (int u = 0; u < VQ_TOKENS; u++) y[(size_t)(t + u) * ldy] = out[u];
+            for (int u = 0; u < nt; u++) xs[u] = (const float *)x + (size_t)(tok ? tok[t + u] : t + u) * ldx;
+            dot(W, which, row, K, xs, nt, out);
+            for (int u = 0; u < nt; u++) y[(size_t)(t + u) * ldy] = out[u];
+            t += nt;
         }
+        return;
     }
-    for (; t < T; t++)
+    for (int t = 0; t < T; t++)
         y[(size_t)t * ldy] = qrow_dot(W, which, row, K, (const float *)x + (size_t)(tok ? tok[t] : t) * ldx);
 }
 
